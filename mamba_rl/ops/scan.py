@@ -1,0 +1,93 @@
+"""Selective scan (Mamba-1 S6 recurrence) with fused softplus, D skip, SiLU(z) gate and per-row resets.
+
+Follows Gu & Dao 2023 (arXiv:2312.00752), Algorithm 2, as computed by mamba_ssm's
+``selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)``, in channels-last layout.
+For row b, channel d, state index n and step t::
+
+    dt[t]   = softplus(dt_raw[b, t, d] + dt_bias[d])
+    A[d, n] = -exp(A_log[d, n])                      (read fresh from A_log on every call)
+    s[t]    = exp(dt[t] * A[d, n]) * s[t-1] + dt[t] * x[b, t, d] * Bm[b, t, n]
+    y[b,t,d] = (sum_n s[t][n] * Cm[b, t, n] + D[d] * x[b, t, d]) * SiLU(z[b, t, d])
+
+with ``s[-1] = ssm_state[b, d, :]``, and ``s[t-1] = 0`` when ``episode_starts[b, t]`` is True.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._dispatch import cuda_op_available, check_tensor
+
+__all__ = ["selective_scan", "selective_scan_ref"]
+
+
+def _validate(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts):
+    if x.dim() != 3:
+        raise ValueError(f"selective_scan: x must be [B, T, D], got shape {tuple(x.shape)}")
+    Bsz, T, Di = x.shape
+    dev = x.device
+    check_tensor("selective_scan: dt", dt, shape=(Bsz, T, Di), device=dev)
+    check_tensor("selective_scan: A_log", A_log, shape=(Di, None), device=dev)
+    N = A_log.shape[1]
+    check_tensor("selective_scan: Bm", Bm, shape=(Bsz, T, N), device=dev)
+    check_tensor("selective_scan: Cm", Cm, shape=(Bsz, T, N), device=dev)
+    check_tensor("selective_scan: D", D, shape=(Di,), device=dev)
+    check_tensor("selective_scan: z", z, shape=(Bsz, T, Di), device=dev)
+    check_tensor("selective_scan: dt_bias", dt_bias, shape=(Di,), device=dev)
+    if ssm_state is not None:
+        check_tensor("selective_scan: ssm_state", ssm_state, shape=(Bsz, Di, N), device=dev)
+    if episode_starts is not None:
+        check_tensor("selective_scan: episode_starts", episode_starts, shape=(Bsz, T), dtype=torch.bool,
+                     device=dev)
+    return Bsz, T, Di, N
+
+
+def selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, episode_starts=None):
+    """Pure-torch reference: a loop over T of vectorised [B, D, N] updates (differentiable by autograd).
+
+    Args:
+        x: [B, T, D] float, the post-conv activations (u in mamba_ssm).
+        dt: [B, T, D] float, dt_proj output before bias and softplus.
+        A_log: [D, N] float.
+        Bm, Cm: [B, T, N] float, input-dependent B and C.
+        D: [D] float skip weight.
+        z: [B, T, D] float gate input.
+        dt_bias: [D] float (dt_proj.bias).
+        ssm_state: [B, D, N] float or None (zeros).
+        episode_starts: [B, T] bool or None.
+    Returns:
+        (y [B, T, D] in x.dtype, final_state [B, D, N] in float32, or float64 when the inputs are).
+    Raises:
+        ValueError: on a shape, dtype or device mismatch.
+    """
+    Bsz, T, Di, N = _validate(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
+    cdt = torch.promote_types(torch.promote_types(x.dtype, A_log.dtype), torch.float32)
+    xf, zf = x.to(cdt), z.to(cdt)
+    delta = F.softplus(dt.to(cdt) + dt_bias.to(cdt))  # [B, T, D]
+    A = -torch.exp(A_log.to(cdt))  # [D, N]
+    dA = torch.exp(delta.unsqueeze(-1) * A)  # [B, T, D, N]
+    dBx = (delta * xf).unsqueeze(-1) * Bm.to(cdt).unsqueeze(2)  # [B, T, D, N]
+    Cf = Cm.to(cdt)
+    s = x.new_zeros((Bsz, Di, N), dtype=cdt) if ssm_state is None else ssm_state.to(cdt)
+    keep = None if episode_starts is None else (~episode_starts).to(cdt)  # [B, T]
+    ys = []
+    for t in range(T):
+        if keep is not None:
+            s = s * keep[:, t, None, None]
+        s = dA[:, t] * s + dBx[:, t]
+        ys.append(torch.einsum("bdn,bn->bd", s, Cf[:, t]))
+    y = torch.stack(ys, dim=1) if T > 0 else xf.new_zeros(Bsz, 0, Di)
+    y = (y + D.to(cdt) * xf) * F.silu(zf)
+    return y.to(x.dtype), s
+
+
+def selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, episode_starts=None):
+    """Selective scan with resets; the CUDA kernel when available, else :func:`selective_scan_ref`.
+
+    Same arguments and returns as :func:`selective_scan_ref`; differentiable w.r.t. every float input.
+    """
+    if cuda_op_available(x):
+        from . import _cuda_autograd
+        _validate(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
+        return _cuda_autograd.selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
+    return selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)

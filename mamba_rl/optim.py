@@ -1,0 +1,166 @@
+"""Flat-arena AdamW, global-norm clipping and the dynamic loss scaler, all driven from device buffers.
+
+Semantics:
+- AdamW is ``torch.optim.AdamW`` (Loshchilov & Hutter 2019, decoupled weight decay), in its single-tensor
+  order of operations, over one flat float32 arena. Elements ``[0, n_decay)`` are decayed, the rest are the
+  no-decay group (the backbone lays the arena out that way).
+- Clipping is ``torch.nn.utils.clip_grad_norm_``: one global L2 norm over the backbone's gradients plus a
+  caller's squared head-gradient norm (``extra_grad_sq``); coefficient ``min(1, max_norm / (norm + 1e-6))``.
+- The loss scaler is ``torch.amp.GradScaler``: gradients arrive multiplied by ``loss_scale``; a step whose
+  gradients hold an inf/NaN is skipped (weights, moments and step counter unchanged); the scale is halved
+  on such a step and doubled after ``growth_interval`` clean steps (``torch._amp_update_scale_``).
+
+Everything a step reads lives in device tensors (``hyper``, ``scalars``, ``loss_scale``), so a captured
+CUDA graph replays with new learning rates and never needs a host sync. The bias corrections are formed in
+float64 from a float64 step counter, with the exponent clamped at 2**30 so no overflow occurs past 2**31
+steps.
+
+``hyper``   float64 [8] = [lr, beta1, beta2, eps, weight_decay, max_grad_norm (inf: none),
+                          skip_on_overflow (1.0 with the f16 scaler), 0]
+``scalars`` float64 [8] = [step, bias_correction1, bias_correction2, grad_norm, clip_coef, found_inf,
+                          inv_scale, 0]
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "make_hyper", "LossScaler",
+           "STEP", "BC1", "BC2", "GRAD_NORM", "CLIP_COEF", "FOUND_INF", "INV_SCALE", "MAX_STEP_EXPONENT"]
+
+STEP, BC1, BC2, GRAD_NORM, CLIP_COEF, FOUND_INF, INV_SCALE = range(7)
+MAX_STEP_EXPONENT = 2 ** 30
+
+
+def make_hyper(lr, betas, eps, weight_decay, max_grad_norm, skip_on_overflow, device) -> torch.Tensor:
+    """Build the float64 ``hyper`` buffer; raises ValueError on out-of-range values (naming them)."""
+    b1, b2 = betas
+    for name, v, ok, rng in (("lr", lr, lr >= 0, ">= 0"), ("beta1", b1, 0 <= b1 < 1, "[0, 1)"),
+                             ("beta2", b2, 0 <= b2 < 1, "[0, 1)"), ("eps", eps, eps > 0, "> 0"),
+                             ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and ok):
+            raise ValueError(f"AdamW: {name} must be a finite number {rng}, got {v!r}")
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+    mgn = math.inf if max_grad_norm is None else float(max_grad_norm)
+    return torch.tensor([lr, b1, b2, eps, weight_decay, mgn, 1.0 if skip_on_overflow else 0.0, 0.0],
+                        dtype=torch.float64, device=device)
+
+
+def grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars):
+    """Global norm, clip coefficient, overflow flag and the next bias corrections, in place on ``scalars``.
+
+    Args:
+        grad: [P] float32 flat gradient arena (still multiplied by the loss scale).
+        extra_grad_sq: 0-d float tensor (a head's squared grad norm, unscaled) or None.
+        loss_scale: [1] float32.
+        hyper, scalars: float64 [8] buffers (module docstring).
+    """
+    inv_scale = (1.0 / loss_scale.double()).reshape(())
+    g = grad.double() * inv_scale
+    found_inf = ~torch.isfinite(grad).all()
+    sq = g.square().sum()
+    if extra_grad_sq is not None:
+        sq = sq + extra_grad_sq.double().reshape(())
+    norm = sq.sqrt()
+    clip = torch.clamp(hyper[5] / (norm + 1e-6), max=1.0)
+    skip = found_inf & (hyper[6] > 0)
+    step = scalars[STEP] + (~skip).double()
+    t = torch.clamp(step, max=MAX_STEP_EXPONENT)
+    scalars[BC1] = torch.where(skip, scalars[BC1], 1.0 - torch.pow(hyper[1], t))
+    scalars[BC2] = torch.where(skip, scalars[BC2], 1.0 - torch.pow(hyper[2], t))
+    scalars[STEP] = step
+    scalars[GRAD_NORM] = norm
+    scalars[CLIP_COEF] = clip
+    scalars[FOUND_INF] = found_inf.double()
+    scalars[INV_SCALE] = inv_scale
+
+
+def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None):
+    """One AdamW step over flat float32 arenas, reading lr/betas/eps/wd from ``hyper`` and the clip
+    coefficient, inverse loss scale and bias corrections from ``scalars`` (see :func:`grad_stats_ref`).
+
+    Skipped entirely (nothing written) when ``found_inf`` and ``skip_on_overflow`` are both set. Writes the
+    compute copy (``compute[i] = param[i]`` cast) in the same step when given.
+    """
+    skip = (scalars[FOUND_INF] > 0) & (hyper[6] > 0)
+    f32 = torch.float32
+    # Scalars are formed in float64 and rounded once to float32, as torch does with Python floats.
+    decay = (1.0 - hyper[0] * hyper[4]).to(f32)
+    w1, b2, w2, eps = (1.0 - hyper[1]).to(f32), hyper[2].to(f32), (1.0 - hyper[2]).to(f32), hyper[3].to(f32)
+    neg_step_size = (-(hyper[0] / scalars[BC1])).to(f32)
+    bc2_sqrt = torch.sqrt(scalars[BC2]).to(f32)
+    g = (grad * scalars[INV_SCALE].to(f32)) * scalars[CLIP_COEF].to(f32)
+    p = param.clone()
+    p[:n_decay].mul_(decay)
+    m = exp_avg.lerp(g, w1)
+    v = exp_avg_sq * b2 + w2 * g * g
+    denom = v.sqrt() / bc2_sqrt + eps
+    p = p + neg_step_size * m / denom
+    param.copy_(torch.where(skip, param, p))
+    exp_avg.copy_(torch.where(skip, exp_avg, m))
+    exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, v))
+    if compute is not None:
+        compute.copy_(param)
+
+
+def _use_cuda(t: torch.Tensor) -> bool:
+    from .ops._dispatch import cuda_op_available
+    return cuda_op_available(t)
+
+
+def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars):
+    """:func:`grad_stats_ref` semantics; one fused reduction kernel on CUDA."""
+    if _use_cuda(grad):
+        from .ops import optim_cuda
+        return optim_cuda.grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars)
+    return grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars)
+
+
+def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None):
+    """:func:`adamw_step_ref` semantics; one fused kernel on CUDA."""
+    if _use_cuda(param):
+        from .ops import optim_cuda
+        return optim_cuda.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
+    return adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
+
+
+class LossScaler:
+    """Dynamic loss scale with ``torch.amp.GradScaler`` semantics, held in device tensors.
+
+    Args:
+        enabled: False keeps the scale at 1 and never skips (f32 / bf16).
+        init_scale: 2**16; growth_factor 2.0; backoff_factor 0.5; growth_interval 2000 clean steps.
+    """
+
+    def __init__(self, device, enabled: bool, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if growth_interval < 1 or not growth_factor > 1 or not 0 < backoff_factor < 1 or not init_scale > 0:
+            raise ValueError(f"LossScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                             f"growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, "
+                             f"{growth_interval}")
+        self.enabled = enabled
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self.scale = torch.full((1,), init_scale if enabled else 1.0, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+
+    def update(self, found_inf64: torch.Tensor):
+        """Advance the scale from the step's overflow flag (a device scalar); no host sync."""
+        if not self.enabled:
+            return
+        self._found_inf.copy_(found_inf64.reshape(1))
+        torch._amp_update_scale_(self.scale, self.growth_tracker, self._found_inf, self.growth_factor,
+                                 self.backoff_factor, self.growth_interval)
+
+    def state_dict(self) -> dict:
+        return {"enabled": self.enabled, "scale": float(self.scale.item()),
+                "growth_tracker": int(self.growth_tracker.item()), "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, sd: dict):
+        self.scale.fill_(sd["scale"])
+        self.growth_tracker.fill_(sd["growth_tracker"])
+        self.growth_factor, self.backoff_factor = sd["growth_factor"], sd["backoff_factor"]
+        self.growth_interval = sd["growth_interval"]

@@ -1,0 +1,384 @@
+"""MambaTrainer: owns every piece of training state of a :class:`~mamba_rl.MambaBackbone`.
+
+It holds the float32 master arena (the backbone's), the flat gradient arena, AdamW's moments, the
+bf16/f16 compute copy, the dynamic loss scaler, the carried recurrent state, static input buffers and,
+after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``forward`` and of
+``backward_step``, all replayed from these same buffers (ARCHITECTURE.md section 4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backbone import MambaBackbone
+from .ops._dispatch import check_tensor
+from .optim import (BC1, BC2, CLIP_COEF, FOUND_INF, GRAD_NORM, STEP, LossScaler, adamw_step, grad_stats,
+                    make_hyper)
+
+LOSS_SCALE = 7  # scalars[7]: the loss scale after the last step (1 outside f16)
+from .state import RecurrentState
+
+__all__ = ["MambaTrainer", "StepMetrics", "DTYPES"]
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@dataclass
+class StepMetrics:
+    """What one optimizer step reports. Tensor fields are 0-d device tensors: reading them as Python
+    numbers (``float(m.grad_norm)``, :meth:`to_dict`) syncs; holding or logging them as tensors does not.
+
+    Attributes:
+        step: optimizer steps applied so far (float64; skipped f16 overflow steps are not counted).
+        grad_norm: global L2 norm of the unscaled gradients, backbone plus ``extra_grad_sq`` (float64).
+        clip_coef: the clip factor applied, min(1, max_grad_norm / (grad_norm + 1e-6)) (float64); multiply a
+            head's gradients by it to clip head and backbone as one.
+        loss_scale: the loss scale after this step's scaler update (float64; 1 outside f16).
+        overflow_skipped: 1.0 if the f16 step was skipped on an inf/NaN gradient, else 0.0 (float64).
+        graph_replayed: True when the step ran as a CUDA graph replay (a Python bool).
+    """
+
+    step: torch.Tensor
+    grad_norm: torch.Tensor
+    clip_coef: torch.Tensor
+    loss_scale: torch.Tensor
+    overflow_skipped: torch.Tensor
+    graph_replayed: bool
+
+    def to_dict(self) -> dict:
+        """Python numbers (one device sync)."""
+        return {"step": int(self.step.item()), "grad_norm": float(self.grad_norm.item()),
+                "clip_coef": float(self.clip_coef.item()), "loss_scale": float(self.loss_scale.item()),
+                "overflow_skipped": bool(self.overflow_skipped.item()), "graph_replayed": self.graph_replayed}
+
+
+class MambaTrainer:
+    """Fused training step for a Mamba backbone whose loss gradient arrives as ``d_temporal``.
+
+    Args:
+        net: the :class:`MambaBackbone` to train (float32 masters; its arena is updated in place).
+        batch, seq_len: the fixed B and T of every call.
+        dtype: "f32", "bf16" or "f16": the precision of the GEMMs (compute copy of the weights). The scan,
+            the states, the norms, the master weights and the moments stay float32. "f16" turns on the
+            dynamic loss scaler (GradScaler semantics: init 2**16, x2 after ``growth_interval`` clean
+            steps, x0.5 and a skipped step on overflow).
+        lr, betas, eps, weight_decay: AdamW (torch.optim.AdamW semantics).
+        no_decay: "reference" exempts A_log, D, dt_proj.bias and every norm weight from weight decay;
+            None decays everything.
+        max_grad_norm: global-norm clip (clip_grad_norm_ semantics) or None.
+        growth_interval: f16 scaler growth interval (2000).
+
+    Raises:
+        ValueError: on bad arguments, or an input of the wrong shape, dtype or device.
+    """
+
+    def __init__(self, net: MambaBackbone, batch: int, seq_len: int, dtype: str = "f32", lr: float = 3e-4,
+                 betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, no_decay="reference",
+                 max_grad_norm: float | None = None, growth_interval: int = 2000):
+        if not isinstance(net, MambaBackbone):
+            raise ValueError(f"MambaTrainer: net must be a MambaBackbone, got {type(net).__name__}")
+        for name, v in (("batch", batch), ("seq_len", seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MambaTrainer: {name} must be an int >= 1, got {v!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"MambaTrainer: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if no_decay not in ("reference", None):
+            raise ValueError(f"MambaTrainer: no_decay must be 'reference' or None, got {no_decay!r}")
+        if net.arena.dtype != torch.float32:
+            raise ValueError(f"MambaTrainer: the backbone's master weights must be float32, got {net.arena.dtype}")
+        self.net, self.batch, self.seq_len, self.dtype = net, batch, seq_len, dtype
+        self.no_decay = no_decay
+        self.betas, self.eps, self.weight_decay, self.max_grad_norm = tuple(betas), eps, weight_decay, max_grad_norm
+        self.lr = lr
+        dev = net.device
+        self.device = dev
+        net.set_compute_dtype(DTYPES[dtype])
+        net.zero_grad()
+        self.n_decay = net.n_decay if no_decay == "reference" else net.numel_total
+        self.exp_avg = torch.zeros_like(net.arena)
+        self.exp_avg_sq = torch.zeros_like(net.arena)
+        self.hyper = make_hyper(lr, self.betas, eps, weight_decay, max_grad_norm, dtype == "f16", dev)
+        self.scalars = torch.zeros(8, dtype=torch.float64, device=dev)
+        self.scalars[BC1] = 1.0
+        self.scalars[BC2] = 1.0
+        self.scaler = LossScaler(dev, enabled=(dtype == "f16"), growth_interval=growth_interval)
+        self.scalars[LOSS_SCALE] = self.scaler.scale[0]
+        self._zero = torch.zeros((), dtype=torch.float64, device=dev)
+        # Static buffers: every call copies into these, and captured graphs read them.
+        c = net.cfg
+        self.x_buf = torch.zeros(batch, seq_len, net.input_dim, device=dev)
+        self.d_buf = torch.zeros(batch, seq_len, c.d_model, device=dev)
+        self.starts_buf = torch.zeros(batch, seq_len, dtype=torch.bool, device=dev)
+        self.extra_sq_buf = torch.zeros((), dtype=torch.float32, device=dev)
+        self.state = net.initial_state(batch)  # the carried state (input of the next call)
+        self._state_used = net.initial_state(batch)  # what the current forward started from (saved by autograd)
+        self._feat = None
+        self._graphs = {}
+        self._graph_ptrs = None
+
+    # ------------------------------------------------------------------------------------ inputs
+    def _load(self, x, initial_state, episode_starts, where):
+        B, T, net = self.batch, self.seq_len, self.net
+        check_tensor(f"{where}: x", x, shape=(B, T, net.input_dim), device=self.device, floating=True)
+        if episode_starts is not None:
+            check_tensor(f"{where}: episode_starts", episode_starts, shape=(B, T), dtype=torch.bool,
+                         device=self.device)
+        if initial_state is not None:
+            net.check_inputs(x, initial_state, None, where=where)
+        self.x_buf.copy_(x)
+        if episode_starts is None:
+            self.starts_buf.zero_()
+        else:
+            self.starts_buf.copy_(episode_starts)
+        if initial_state is not None:
+            self.state.copy_(initial_state)
+
+    def _load_grad(self, d_temporal, extra_grad_sq, where):
+        check_tensor(f"{where}: d_temporal", d_temporal, shape=(self.batch, self.seq_len, self.net.cfg.d_model),
+                     device=self.device, floating=True)
+        self.d_buf.copy_(d_temporal)
+        if extra_grad_sq is None:
+            self.extra_sq_buf.zero_()
+        else:
+            if not isinstance(extra_grad_sq, torch.Tensor):
+                extra_grad_sq = torch.tensor(float(extra_grad_sq))
+            if extra_grad_sq.numel() != 1:
+                raise ValueError(f"{where}: extra_grad_sq must be a scalar, got shape {list(extra_grad_sq.shape)}")
+            self.extra_sq_buf.copy_(extra_grad_sq.reshape(()))
+
+    # -------------------------------------------------------------------------------------- bodies
+    def _forward_body(self):
+        self._state_used.copy_(self.state)
+        feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
+        self.state.copy_(final.detach())
+        self._feat = feat
+        return feat
+
+    def _backward_body(self, optimizer_step: bool, retain_graph: bool = False):
+        net = self.net
+        g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
+        self._feat.backward(g, retain_graph=retain_graph)
+        if optimizer_step:
+            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
+            adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
+                       self.n_decay, net.compute_arena)
+            if self.scaler.enabled:
+                self.scaler.update(self.scalars[FOUND_INF])
+                self.scalars[LOSS_SCALE] = self.scaler.scale[0]
+            net.grad_arena.zero_()
+
+    def _metrics(self, replayed: bool) -> StepMetrics:
+        s = self.scalars.clone()  # one copy: the metrics never change under later steps
+        skipped = s[FOUND_INF] if self.scaler.enabled else self._zero
+        return StepMetrics(step=s[STEP], grad_norm=s[GRAD_NORM], clip_coef=s[CLIP_COEF], loss_scale=s[LOSS_SCALE],
+                           overflow_skipped=skipped, graph_replayed=replayed)
+
+    def _replay(self, name) -> bool:
+        g = self._graphs.get(name)
+        if g is None:
+            return False
+        if self._graph_ptrs != self._pointers():
+            raise RuntimeError("MambaTrainer: a buffer captured by the CUDA graph has moved (the backbone was "
+                               "moved or its arena replaced after capture_graph); call capture_graph() again")
+        g.replay()
+        return True
+
+    def _pointers(self):
+        n = self.net
+        bufs = [n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
+                self.scaler.scale, self.x_buf, self.d_buf, self.starts_buf, self.state.conv, self.state.ssm]
+        if n.compute_arena is not None:
+            bufs.append(n.compute_arena)
+        return tuple(b.data_ptr() for b in bufs)
+
+    # ---------------------------------------------------------------------------------------- API
+    def step(self, x, d_temporal, initial_state: RecurrentState | None = None, episode_starts=None) -> StepMetrics:
+        """Fused forward over [B, T], backward with ``d_temporal``, global clip and AdamW.
+
+        Args:
+            x: [B, T, input_dim] float on the trainer's device.
+            d_temporal: [B, T, d_model] float, dLoss/dfeatures of the caller's loss.
+            initial_state: the state to start from, or None to continue from the carried state.
+            episode_starts: [B, T] bool or None (see :meth:`MambaBackbone.forward`).
+        Returns:
+            :class:`StepMetrics` (device tensors; no sync).
+        """
+        self._load(x, initial_state, episode_starts, "MambaTrainer.step")
+        self._load_grad(d_temporal, None, "MambaTrainer.step")
+        if not self._replay("step"):
+            self._forward_body()
+            self._backward_body(True)
+            self._feat = None
+            return self._metrics(False)
+        return self._metrics(True)
+
+    def forward(self, x, initial_state: RecurrentState | None = None, episode_starts=None) -> torch.Tensor:
+        """First half of the split step: run the backbone and keep what backward needs.
+
+        Returns:
+            features [B, T, d_model] float32, a tensor without autograd history (call
+            ``.requires_grad_()`` on it, compute the head loss, backprop, and pass its ``.grad`` to
+            :meth:`backward_step`). Under graphs it is a fresh copy of the static output.
+        """
+        self._load(x, initial_state, episode_starts, "MambaTrainer.forward")
+        if self._replay("forward"):
+            return self._graph_feat.detach().clone()
+        return self._forward_body().detach()
+
+    def backward_step(self, d_temporal, accumulate: bool = False, extra_grad_sq=None) -> StepMetrics | None:
+        """Second half: backprop ``d_temporal`` through the last :meth:`forward`; then, unless
+        ``accumulate``, clip one global norm (backbone + ``extra_grad_sq``) and step AdamW.
+
+        Args:
+            d_temporal: [B, T, d_model] float.
+            accumulate: True adds the gradients to the arena and does not step (gradient accumulation).
+            extra_grad_sq: a head's squared gradient norm (0-d tensor or float), added to the global norm.
+        Returns:
+            :class:`StepMetrics` after an optimizer step, None when accumulating.
+        Raises:
+            RuntimeError: when no :meth:`forward` preceded this call.
+        """
+        if self._feat is None and "forward" not in self._graphs:
+            raise RuntimeError("MambaTrainer.backward_step: call forward() first")
+        self._load_grad(d_temporal, extra_grad_sq, "MambaTrainer.backward_step")
+        name = "accumulate" if accumulate else "backward_step"
+        if self._replay(name):
+            return None if accumulate else self._metrics(True)
+        if self._feat is None:
+            raise RuntimeError("MambaTrainer.backward_step: call forward() first")
+        self._backward_body(not accumulate)
+        self._feat = None
+        return None if accumulate else self._metrics(False)
+
+    def set_lr(self, lr: float):
+        """Set AdamW's learning rate (a device write: captured graphs pick it up without recapture)."""
+        if not (isinstance(lr, (int, float)) and lr >= 0 and lr == lr and lr != float("inf")):
+            raise ValueError(f"MambaTrainer.set_lr: lr must be a finite number >= 0, got {lr!r}")
+        self.lr = float(lr)
+        self.hyper[0] = self.lr
+
+    def reset_state(self, mask: torch.Tensor | None = None):
+        """Zero the carried state: all rows, or the rows where ``mask`` ([B] bool) is True."""
+        self.state.zero_(mask)
+
+    @property
+    def A(self) -> torch.Tensor:
+        """[n_layers, d_inner, d_state] = -exp(A_log) of the current master weights (what the scan reads)."""
+        return torch.stack([-torch.exp(l.mixer.A_log.detach()) for l in self.net.layers])
+
+    # ------------------------------------------------------------------------------------- graphs
+    def capture_graph(self, warmup: int = 3):
+        """Capture the fused step, ``forward``, ``backward_step`` (and its accumulate variant) as CUDA graphs.
+
+        Warm-up iterations run on a side stream, then every buffer (weights, moments, step counter,
+        scaler, state) is restored, so capturing changes nothing. Later calls copy their inputs into the
+        static buffers and replay. lr changes need no recapture.
+
+        Raises:
+            RuntimeError: when the trainer is not on a CUDA device.
+        """
+        if self.device.type != "cuda":
+            raise RuntimeError(f"MambaTrainer.capture_graph needs a CUDA device, the trainer is on {self.device}")
+        net = self.net
+        snap = self._snapshot()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._forward_body()
+                self._backward_body(True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self._feat = None
+        self._restore(snap)
+        graphs = {}
+        g = torch.cuda.CUDAGraph()  # the fused step gets its own pool: it may run between forward and backward
+        with torch.cuda.graph(g):
+            self._forward_body()
+            self._backward_body(True)
+        graphs["step"] = g
+        pool = torch.cuda.graph_pool_handle()
+        for name, body in (("forward", self._forward_body),
+                           ("backward_step", lambda: self._backward_body(True, retain_graph=True)),
+                           ("accumulate", lambda: self._backward_body(False, retain_graph=True))):
+            graphs[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graphs[name], pool=pool):
+                body()
+        # Both backward graphs read the activations that the forward graph saved; keep them alive.
+        self._graph_feat = self._feat
+        # Capturing ran nothing, but restore once more to be exact about every buffer.
+        torch.cuda.synchronize()
+        self._restore(snap)
+        self._graphs = graphs
+        self._graph_ptrs = self._pointers()
+        self._feat = None
+        return self
+
+    def _snapshot(self):
+        n = self.net
+        return [(t, t.detach().clone()) for t in
+                (n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.scalars, self.scaler.scale,
+                 self.scaler.growth_tracker, self.state.conv, self.state.ssm)
+                + ((n.compute_arena,) if n.compute_arena is not None else ())]
+
+    @staticmethod
+    def _restore(snap):
+        with torch.no_grad():
+            for t, v in snap:
+                t.copy_(v)
+
+    # ----------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """Everything needed to resume bit-identically: tensors (master weights, AdamW moments, carried
+        state) and plain metadata (config, step, optimizer hyperparameters, scaler)."""
+        s = self.scalars.detach().cpu()
+        return {
+            "tensors": {"master": self.net.arena.detach().cpu().clone(),
+                        "exp_avg": self.exp_avg.detach().cpu().clone(),
+                        "exp_avg_sq": self.exp_avg_sq.detach().cpu().clone(),
+                        "state_conv": self.state.conv.detach().cpu().clone(),
+                        "state_ssm": self.state.ssm.detach().cpu().clone()},
+            "meta": {"config": self.net.cfg.to_dict(), "input_dim": self.net.input_dim,
+                     "batch": self.batch, "seq_len": self.seq_len, "dtype": self.dtype,
+                     "step": int(s[STEP]), "bias_correction1": float(s[BC1]), "bias_correction2": float(s[BC2]),
+                     "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                     "weight_decay": self.weight_decay, "no_decay": self.no_decay,
+                     "max_grad_norm": self.max_grad_norm, "scaler": self.scaler.state_dict()},
+        }
+
+    def load_state_dict(self, sd: dict):
+        """Load :meth:`state_dict` output in place (captured graphs stay valid).
+
+        Raises:
+            ValueError: when the config, input_dim or a tensor shape differs; nothing is changed then.
+        """
+        meta, tens = sd["meta"], sd["tensors"]
+        need = ("config", "input_dim", "step", "bias_correction1", "bias_correction2", "lr", "scaler")
+        missing = [k for k in need if k not in meta]
+        if missing:
+            raise ValueError(f"MambaTrainer.load_state_dict: metadata lacks {missing}")
+        mine = self.net.cfg.to_dict()
+        if meta["config"] != mine or meta["input_dim"] != self.net.input_dim:
+            raise ValueError(f"MambaTrainer.load_state_dict: checkpoint is for config {meta['config']} with "
+                             f"input_dim {meta['input_dim']}, this trainer has {mine} with input_dim "
+                             f"{self.net.input_dim}")
+        want = {"master": self.net.arena, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        for k, t in want.items():
+            if k not in tens or tuple(tens[k].shape) != tuple(t.shape):
+                got = None if k not in tens else list(tens[k].shape)
+                raise ValueError(f"MambaTrainer.load_state_dict: tensor {k!r} expected shape {list(t.shape)}, got {got}")
+        with torch.no_grad():
+            for k, t in want.items():
+                t.copy_(tens[k])
+            if "state_conv" in tens and tuple(tens["state_conv"].shape) == tuple(self.state.conv.shape):
+                self.state.conv.copy_(tens["state_conv"])
+                self.state.ssm.copy_(tens["state_ssm"])
+            self.net.refresh_compute()
+            self.scalars[STEP] = float(meta["step"])
+            self.scalars[BC1] = float(meta["bias_correction1"])
+            self.scalars[BC2] = float(meta["bias_correction2"])
+            self.scaler.load_state_dict(meta["scaler"])
+            self.scalars[LOSS_SCALE] = self.scaler.scale[0]
+        self.set_lr(meta["lr"])
