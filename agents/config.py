@@ -1,0 +1,186 @@
+"""PPOConfig: every hyperparameter of the recurrent PPO agent, validated at construction.
+
+Defaults follow CleanRL's ``ppo.py`` / ``ppo_atari_lstm.py`` (Huang et al. 2022, "CleanRL"):
+lr 2.5e-4 (linearly annealed), 8 envs x 128 steps, gamma 0.99, GAE lambda 0.95, 4 minibatches,
+4 epochs, clip 0.2 (also on the value), entropy 0.01, value 0.5, max grad norm 0.5, Adam eps 1e-5.
+The backbone defaults are ARCHITECTURE.md's: d_model 128, 3 layers, d_state 16, d_conv 4, expand 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["PPOConfig"]
+
+_DEVICES = ("auto", "cpu", "cuda")
+_DTYPES = ("f32", "bf16", "f16")
+_BACKENDS = ("auto", "cuda", "reference")
+
+
+@dataclass
+class PPOConfig:
+    """Hyperparameters of :class:`mamba_rl.agents.RecurrentPPO`.
+
+    Attributes (units in brackets):
+        env_id: gymnasium id, ``mamba_rl/...`` POMDP id or ``popgym-...`` id.
+        exp_name: experiment name, part of the run folder name.
+        seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
+        total_timesteps: env steps to train for [steps, all envs together].
+        device: "auto" (cuda if available else cpu), "cpu" or "cuda".
+        dtype: backbone compute dtype, "f32" | "bf16" | "f16".
+        backend: backbone backend, "auto" | "cuda" | "reference".
+        cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
+        num_envs: parallel envs; must be divisible by ``num_minibatches``.
+        num_steps: steps per env per rollout (the BPTT length) [steps].
+        async_envs: one process per env (gymnasium AsyncVectorEnv).
+        learning_rate: initial lr of backbone AdamW and head Adam.
+        anneal_lr: decay both lrs linearly to 0 over the run.
+        adam_eps: epsilon of both optimizers.
+        weight_decay: backbone AdamW weight decay (0 = Adam, as CleanRL).
+        gamma: discount. gae_lambda: GAE lambda (Schulman et al. 2016).
+        num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
+        update_epochs: passes over the rollout per update.
+        norm_adv: normalise advantages per minibatch (over valid steps).
+        clip_coef: PPO ratio clip (Schulman et al. 2017). clip_vloss: clip the value too.
+        ent_coef: entropy bonus. vf_coef: value-loss weight.
+        max_grad_norm: one global clip over heads + backbone (None: no clip).
+        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
+        d_model, n_layers, d_state, d_conv, expand: backbone shape (MambaConfig).
+        prev_action: append the previous action (one-hot when discrete) to the input.
+        prev_reward: append the previous reward to the input.
+        normalize_obs: gymnasium NormalizeObservation on the vector env.
+        memoryless: reset the recurrent state at every step (ablation baseline).
+        capture_video: record videos of env 0 under ``{runs_dir}/{run_name}/videos``.
+        runs_dir: parent of the TensorBoard run folders. track: write TensorBoard.
+        checkpoint_dir: parent of checkpoint folders.
+        checkpoint_every: save every this many updates (0: only at the end / on Ctrl-C).
+
+    Raises:
+        ValueError: naming the field, the expected range and the received value.
+    """
+
+    env_id: str = "mamba_rl/CartPoleNoVel-v1"
+    exp_name: str = "mamba_ppo"
+    seed: int = 1
+    total_timesteps: int = 100_000
+    device: str = "auto"
+    dtype: str = "f32"
+    backend: str = "auto"
+    cuda_graphs: bool = True
+    num_envs: int = 8
+    num_steps: int = 128
+    async_envs: bool = False
+    learning_rate: float = 2.5e-4
+    anneal_lr: bool = True
+    adam_eps: float = 1e-5
+    weight_decay: float = 0.0
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    num_minibatches: int = 4
+    update_epochs: int = 4
+    norm_adv: bool = True
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.01
+    vf_coef: float = 0.5
+    max_grad_norm: Optional[float] = 0.5
+    target_kl: Optional[float] = None
+    d_model: int = 128
+    n_layers: int = 3
+    d_state: int = 16
+    d_conv: int = 4
+    expand: int = 2
+    prev_action: bool = False
+    prev_reward: bool = False
+    normalize_obs: bool = False
+    memoryless: bool = False
+    capture_video: bool = False
+    runs_dir: str = "runs"
+    track: bool = True
+    checkpoint_dir: str = "checkpoints"
+    checkpoint_every: int = 50
+
+    def __post_init__(self) -> None:
+        def pos_int(name: str, allow_zero: bool = False) -> None:
+            v = getattr(self, name)
+            lo = 0 if allow_zero else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"PPOConfig.{name} must be an int >= {lo}, got {v!r}")
+
+        def real(name: str, lo: float, hi: float, lo_open: bool = False, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"PPOConfig.{name} must be a finite number, got {v!r}")
+            if v < lo or v > hi or (lo_open and v == lo):
+                rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+                raise ValueError(f"PPOConfig.{name} must be in {rng}, got {v!r}")
+
+        for name in ("seed", "total_timesteps", "num_envs", "num_steps", "num_minibatches",
+                     "update_epochs", "d_model", "n_layers", "d_state", "d_conv", "expand"):
+            pos_int(name, allow_zero=(name == "seed"))
+        pos_int("checkpoint_every", allow_zero=True)
+        if not isinstance(self.env_id, str) or not self.env_id:
+            raise ValueError(f"PPOConfig.env_id must be a non-empty string, got {self.env_id!r}")
+        if self.device not in _DEVICES and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"PPOConfig.device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"PPOConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"PPOConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        if self.num_envs % self.num_minibatches != 0:
+            raise ValueError(
+                f"PPOConfig.num_envs ({self.num_envs}) must be divisible by num_minibatches "
+                f"({self.num_minibatches}): minibatches are fixed-shape slices over envs"
+            )
+        real("learning_rate", 0.0, 1.0, lo_open=True)
+        real("adam_eps", 0.0, 1.0, lo_open=True)
+        real("weight_decay", 0.0, 1.0)
+        real("gamma", 0.0, 1.0)
+        real("gae_lambda", 0.0, 1.0)
+        real("clip_coef", 0.0, math.inf, lo_open=True)
+        real("ent_coef", 0.0, math.inf)
+        real("vf_coef", 0.0, math.inf)
+        real("max_grad_norm", 0.0, math.inf, lo_open=True, optional=True)
+        real("target_kl", 0.0, math.inf, lo_open=True, optional=True)
+        if self.total_timesteps < self.batch_size:
+            raise ValueError(
+                f"PPOConfig.total_timesteps ({self.total_timesteps}) must be >= one rollout "
+                f"num_envs*num_steps = {self.batch_size}"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        """Env steps per rollout: num_envs * num_steps."""
+        return self.num_envs * self.num_steps
+
+    @property
+    def envs_per_minibatch(self) -> int:
+        """Rows (envs) of each minibatch: num_envs // num_minibatches."""
+        return self.num_envs // self.num_minibatches
+
+    @property
+    def num_updates(self) -> int:
+        """Updates in the run: total_timesteps // batch_size."""
+        return self.total_timesteps // self.batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict of all fields."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PPOConfig":
+        """Inverse of :meth:`to_dict`. Raises ValueError on unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"PPOConfig: unknown fields {sorted(extra)}; expected a subset of {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> "PPOConfig":
+        """A validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,93 @@
+"""Generalised advantage estimation (Schulman et al. 2016) under gymnasium 1.x NextStep autoreset.
+
+Layout: every tensor is batch-first, ``[num_envs, num_steps]`` (row n = env n, column t = step t
+of the rollout), float32 on any device.
+
+Why NextStep (gymnasium's default) and not SAME_STEP: under NextStep the final observation of
+an episode comes back as an ordinary observation, so it passes through every vector wrapper
+(NormalizeObservation included) and through the recurrent stepper with the episode's own,
+pre-reset state. Its value V(final obs) is therefore computed by the rollout itself, exactly as
+needed for bootstrapping a truncation. The price is one extra "reset step" per episode: the step
+after a done, where the env ignores the action, returns the reset observation, reward 0 and
+terminated = truncated = False. That step is not a transition of the MDP, so it is marked
+invalid (``valid = False``) and carries no advantage, no return and no loss.
+
+For a valid step t with done_t = terminated_t or truncated_t and V_T = ``next_value``:
+
+    delta_t = r_t + gamma * (1 - terminated_t) * V_{t+1} - V_t
+    A_t     = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}
+    R_t     = A_t + V_t                                (the value target)
+
+* termination: no bootstrap, the recursion stops (GAE is cut only at terminations in the sense
+  that only a termination drops the bootstrap value);
+* truncation: V_{t+1} is the value of the step after, which under NextStep is the reset step
+  holding the final observation and the pre-reset state, i.e. V(final obs); the recursion
+  stops there too (the next episode's advantages belong to another trajectory);
+* invalid (reset) steps get A = R = 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compute_gae"]
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    terminations: torch.Tensor,
+    truncations: torch.Tensor,
+    valid: torch.Tensor,
+    next_value: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE(gamma, lambda) advantages and value targets for one rollout.
+
+    Args:
+        rewards: [N, T] float, reward of the env step taken at t.
+        values: [N, T] float, V(obs_t) computed in the rollout.
+        terminations: [N, T] bool, the env step at t terminated the episode.
+        truncations: [N, T] bool, the env step at t truncated the episode.
+        valid: [N, T] bool, False at NextStep reset steps (the step after a done).
+        next_value: [N] float, V of the observation after the rollout (computed with the
+            carried state; equals V(final obs) when the last step was a done).
+        gamma: discount in [0, 1]. gae_lambda: lambda in [0, 1].
+
+    Returns:
+        (advantages, returns): two [N, T] float32 tensors, zero where ``valid`` is False.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes (names the tensor, expected and received).
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [num_envs, num_steps], got shape {tuple(rewards.shape)}")
+    shape = rewards.shape
+    for name, t in (("values", values), ("terminations", terminations),
+                    ("truncations", truncations), ("valid", valid)):
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {tuple(shape)} like rewards, got {tuple(t.shape)}")
+    for name, t in (("terminations", terminations), ("truncations", truncations), ("valid", valid)):
+        if t.dtype != torch.bool:
+            raise ValueError(f"{name} must be bool, got {t.dtype}")
+    if next_value.shape != shape[:1]:
+        raise ValueError(f"next_value must have shape ({shape[0]},), got {tuple(next_value.shape)}")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= gae_lambda <= 1.0):
+        raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {gamma}, {gae_lambda}")
+
+    n, t_len = shape
+    rewards = rewards.float()
+    values = values.float()
+    not_term = (~terminations).float()
+    not_done = (~(terminations | truncations)).float()
+    validf = valid.float()
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros(n, dtype=torch.float32, device=rewards.device)
+    for t in reversed(range(t_len)):
+        v_next = next_value.float() if t == t_len - 1 else values[:, t + 1]
+        delta = rewards[:, t] + gamma * not_term[:, t] * v_next - values[:, t]
+        last = (delta + gamma * gae_lambda * not_done[:, t] * last) * validf[:, t]
+        advantages[:, t] = last
+    returns = (advantages + values) * validf
+    return advantages, returns

@@ -1,0 +1,191 @@
+"""Actor and critic heads on backbone features, and the action distributions they produce.
+
+Heads are single linear layers with CleanRL's orthogonal initialisation (actor gain 0.01,
+critic gain 1, zero bias), as in CleanRL's ``ppo_atari_lstm.py``.
+
+Action spaces:
+
+* ``Discrete(n)``: categorical over n logits.
+* ``MultiDiscrete(nvec)``: independent categoricals, log-probs and entropies summed.
+* ``Box``: diagonal Gaussian, state-independent learned log-std (init 0), as CleanRL's
+  ``ppo_continuous_action.py``; actions are clipped to the bounds only when sent to the env.
+
+Sampling uses an explicit ``torch.Generator`` so that runs and resumed runs are reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+from gymnasium import spaces
+from torch import nn
+
+__all__ = ["ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim", "encode_prev_action"]
+
+
+def _check_action_space(space: spaces.Space) -> None:
+    if isinstance(space, spaces.MultiDiscrete) and space.nvec.ndim != 1:
+        raise TypeError(f"MultiDiscrete action spaces must be 1-D, got nvec shape {space.nvec.shape}")
+    if not isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.Box)):
+        raise TypeError(
+            f"unsupported action space {space!r}; expected Discrete, MultiDiscrete or Box"
+        )
+
+
+def action_dim(space: spaces.Space) -> int:
+    """Entries of one stored action: 1 (Discrete), len(nvec) (MultiDiscrete), prod(shape) (Box)."""
+    _check_action_space(space)
+    if isinstance(space, spaces.Discrete):
+        return 1
+    if isinstance(space, spaces.MultiDiscrete):
+        return int(space.nvec.shape[0])
+    return int(np.prod(space.shape))
+
+
+def action_input_dim(space: spaces.Space) -> int:
+    """Width of the previous-action input: n (one-hot), sum(nvec) (one-hots), prod(shape) (Box)."""
+    _check_action_space(space)
+    if isinstance(space, spaces.Discrete):
+        return int(space.n)
+    if isinstance(space, spaces.MultiDiscrete):
+        return int(space.nvec.sum())
+    return int(np.prod(space.shape))
+
+
+def encode_prev_action(space: spaces.Space, actions: torch.Tensor) -> torch.Tensor:
+    """Encode stored actions as backbone input.
+
+    Args:
+        space: the single-env action space.
+        actions: [..., action_dim(space)] (long for discrete spaces, float for Box).
+
+    Returns:
+        float32 [..., action_input_dim(space)]: one-hot for Discrete (action minus ``start``),
+        concatenated one-hots for MultiDiscrete, the (clipped) action for Box.
+    """
+    if isinstance(space, spaces.Discrete):
+        idx = actions[..., 0].long() - int(space.start)
+        return torch.nn.functional.one_hot(idx, int(space.n)).float()
+    if isinstance(space, spaces.MultiDiscrete):
+        parts = [
+            torch.nn.functional.one_hot(actions[..., i].long() - int(space.start[i]), int(n)).float()
+            for i, n in enumerate(space.nvec)
+        ]
+        return torch.cat(parts, dim=-1)
+    low = torch.as_tensor(space.low.reshape(-1), device=actions.device, dtype=torch.float32)
+    high = torch.as_tensor(space.high.reshape(-1), device=actions.device, dtype=torch.float32)
+    return torch.maximum(torch.minimum(actions.float(), high), low)
+
+
+def _layer_init(layer: nn.Linear, gain: float, generator: Optional[torch.Generator]) -> nn.Linear:
+    nn.init.orthogonal_(layer.weight, gain, generator=generator)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class ActionDist:
+    """A batch of action distributions (categorical / multi-categorical / diagonal Gaussian).
+
+    All methods work on any leading shape ``S`` of the features the head was applied to.
+    Stored actions have shape ``S + [action_dim]``: long for discrete spaces (zero-based: the
+    space's ``start`` is added only for the env), float32 for Box.
+    """
+
+    def __init__(self, kind: str, params: tuple[torch.Tensor, ...], splits: tuple[int, ...] = ()):
+        self.kind = kind
+        self.params = params
+        self.splits = splits
+
+    def _logps(self) -> list[torch.Tensor]:
+        (logits,) = self.params
+        if self.kind == "categorical":
+            return [torch.log_softmax(logits, dim=-1)]
+        return [torch.log_softmax(p, dim=-1) for p in torch.split(logits, list(self.splits), dim=-1)]
+
+    def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
+        """Log-probability [S] of ``actions`` [S, action_dim]."""
+        if self.kind == "gaussian":
+            mean, log_std = self.params
+            z = (actions - mean) / log_std.exp()
+            return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+        out = 0
+        for i, logp in enumerate(self._logps()):
+            out = out + logp.gather(-1, actions[..., i : i + 1].long()).squeeze(-1)
+        return out
+
+    def entropy(self) -> torch.Tensor:
+        """Entropy [S] (nats)."""
+        if self.kind == "gaussian":
+            _, log_std = self.params
+            return (log_std + 0.5 * math.log(2 * math.pi * math.e)).sum(-1)
+        out = 0
+        for logp in self._logps():
+            out = out - (logp.exp() * logp).sum(-1)
+        return out
+
+    def sample(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """One action [S, action_dim] per distribution (Gumbel-max for categoricals)."""
+        if self.kind == "gaussian":
+            mean, log_std = self.params
+            noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            return mean + log_std.exp() * noise
+        outs = []
+        for logp in self._logps():
+            u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=logp.dtype)
+            g = -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+            outs.append((logp + g).argmax(-1))
+        return torch.stack(outs, dim=-1)
+
+    def mode(self) -> torch.Tensor:
+        """The most likely action [S, action_dim] (the mean for a Gaussian)."""
+        if self.kind == "gaussian":
+            return self.params[0]
+        return torch.stack([logp.argmax(-1) for logp in self._logps()], dim=-1)
+
+
+class ActorHead(nn.Module):
+    """Policy head: features [..., d_model] f32 -> :class:`ActionDist`.
+
+    Args:
+        d_model: feature width.
+        action_space: Discrete, MultiDiscrete (1-D) or Box.
+        generator: RNG for the orthogonal init (None: torch's global RNG).
+
+    Raises:
+        TypeError: any other action space.
+    """
+
+    def __init__(self, d_model: int, action_space: spaces.Space, generator: Optional[torch.Generator] = None):
+        super().__init__()
+        _check_action_space(action_space)
+        self.action_space = action_space
+        if isinstance(action_space, spaces.Discrete):
+            self.kind, out, self.splits = "categorical", int(action_space.n), ()
+        elif isinstance(action_space, spaces.MultiDiscrete):
+            self.kind = "multicategorical"
+            self.splits = tuple(int(n) for n in action_space.nvec)
+            out = sum(self.splits)
+        else:
+            self.kind, out, self.splits = "gaussian", int(np.prod(action_space.shape)), ()
+            self.log_std = nn.Parameter(torch.zeros(out))
+        self.linear = _layer_init(nn.Linear(d_model, out), 0.01, generator)
+
+    def forward(self, features: torch.Tensor) -> ActionDist:
+        out = self.linear(features)
+        if self.kind == "gaussian":
+            return ActionDist("gaussian", (out, self.log_std.expand_as(out)))
+        return ActionDist(self.kind, (out,), self.splits)
+
+
+class CriticHead(nn.Module):
+    """Value head: features [..., d_model] f32 -> values [...] f32."""
+
+    def __init__(self, d_model: int, generator: Optional[torch.Generator] = None):
+        super().__init__()
+        self.linear = _layer_init(nn.Linear(d_model, 1), 1.0, generator)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(features).squeeze(-1)

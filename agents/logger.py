@@ -1,0 +1,97 @@
+"""TensorBoard logging with CleanRL's tag names (one ``SummaryWriter`` per run).
+
+Tags written by :class:`mamba_rl.agents.RecurrentPPO`:
+
+* ``charts/episodic_return``, ``charts/episodic_length`` (one point per finished episode, at
+  the global step it finished), ``charts/SPS``, ``charts/learning_rate``;
+* ``losses/{value_loss, policy_loss, entropy, approx_kl, old_approx_kl, clipfrac,
+  explained_variance}`` (CleanRL: last minibatch's losses, clipfrac averaged over the update);
+* ``backbone/{grad_norm, loss_scale, overflow_skipped}`` (mean grad norm, last loss scale and
+  the number of skipped optimizer steps over the update);
+* ``perf/{rollout_ms, update_ms}`` (wall time of the last rollout and update);
+* the hyperparameters as a markdown table under the text tag ``hyperparameters``.
+
+Every scalar of an update arrives here as a Python float after the agent's single
+device-to-host copy per update, so logging never syncs the GPU by itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, Optional
+
+__all__ = ["TensorBoardLogger", "SCALAR_TAGS", "hparams_markdown"]
+
+SCALAR_TAGS = (
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/SPS",
+    "charts/learning_rate",
+    "losses/value_loss",
+    "losses/policy_loss",
+    "losses/entropy",
+    "losses/approx_kl",
+    "losses/old_approx_kl",
+    "losses/clipfrac",
+    "losses/explained_variance",
+    "backbone/grad_norm",
+    "backbone/loss_scale",
+    "backbone/overflow_skipped",
+    "perf/rollout_ms",
+    "perf/update_ms",
+)
+
+
+def hparams_markdown(hparams: Mapping[str, Any]) -> str:
+    """CleanRL's hyperparameter table: ``|param|value|`` markdown, one row per key."""
+    rows = "\n".join(f"|{k}|{v}|" for k, v in hparams.items())
+    return "|param|value|\n|-|-|\n" + rows
+
+
+class TensorBoardLogger:
+    """A thin wrapper over ``torch.utils.tensorboard.SummaryWriter`` for one run.
+
+    Args:
+        log_dir: the run folder, e.g. ``runs/{env}__{exp_name}__{seed}__{unix_time}``;
+            created if missing (a resumed run appends a new event file to the same folder).
+        enabled: False makes every method a no-op (no folder, no file).
+    """
+
+    def __init__(self, log_dir: str, enabled: bool = True):
+        self.log_dir = log_dir
+        self.enabled = enabled
+        self._writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            os.makedirs(log_dir, exist_ok=True)
+            self._writer = SummaryWriter(log_dir)
+
+    def hparams(self, hparams: Mapping[str, Any]) -> None:
+        """Write the hyperparameters as a markdown text table (tag ``hyperparameters``)."""
+        if self._writer is not None:
+            self._writer.add_text("hyperparameters", hparams_markdown(hparams))
+
+    def scalars(self, values: Mapping[str, float], step: int) -> None:
+        """Write ``{tag: float}`` at ``step`` (global env steps)."""
+        if self._writer is None:
+            return
+        for tag, value in values.items():
+            self._writer.add_scalar(tag, float(value), int(step))
+
+    def episodes(self, episodes: Iterable[tuple[int, float, int]]) -> None:
+        """Write ``charts/episodic_return`` and ``_length`` for (step, return, length) triples."""
+        if self._writer is None:
+            return
+        for step, ret, length in episodes:
+            self._writer.add_scalar("charts/episodic_return", float(ret), int(step))
+            self._writer.add_scalar("charts/episodic_length", float(length), int(step))
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
