@@ -260,7 +260,8 @@ class MambaBackbone(nn.Module):
 
     def weight(self, name: str) -> torch.Tensor:
         """Parameter ``name`` as the GEMMs read it: the compute copy when one exists (grad flows to the master)."""
-        p = self.get_parameter(name)
+        mod, pname = name.rsplit(".", 1)
+        p = getattr(self.get_submodule(mod), pname)  # not get_parameter: torch.func.functional_call swaps in tensors
         if self.compute_arena is None:
             return p
         return _UseCompute.apply(p, self.arena_view(self.compute_arena, name))
