@@ -1,0 +1,229 @@
+// The one torch-facing file: checks every shape/dtype/device with a message, allocates outputs through
+// torch's caching allocator, and enqueues the torch-free launchers on the current torch stream.
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <optional>
+#include <sstream>
+#include <limits>
+#include "ops.h"
+
+using at::Tensor;
+using OptT = std::optional<Tensor>;
+
+namespace {
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream o; o << t.sizes(); return o.str();
+}
+
+int dtype_code(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return mrl::kF32;
+    case at::kBFloat16: return mrl::kBF16;
+    case at::kHalf: return mrl::kF16;
+    default: TORCH_CHECK(false, name, ": expected float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+  return -1;
+}
+
+void check_cuda(const Tensor& t, const char* name, const Tensor& ref) {
+  TORCH_CHECK(t.is_cuda(), name, ": expected a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == ref.device(), name, ": expected device ", ref.device(), ", got ", t.device());
+}
+
+// [B, T, C] activation with unit last-dim stride (row strides are free).
+void check_act(const Tensor& t, const char* name, const Tensor& ref, int64_t B, int64_t T, int64_t C,
+               at::ScalarType dt) {
+  check_cuda(t, name, ref);
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == T && t.size(2) == C, name, ": expected shape [",
+              B, ", ", T, ", ", C, "], got ", shape_str(t));
+  TORCH_CHECK(t.scalar_type() == dt, name, ": expected dtype ", dt, " (same as x), got ", t.scalar_type());
+  TORCH_CHECK(C <= 1 || t.stride(2) == 1, name, ": last dim must have stride 1, got strides ", t.strides());
+}
+
+void check_f32(const Tensor& t, const char* name, const Tensor& ref, at::IntArrayRef shape) {
+  check_cuda(t, name, ref);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+void check_starts(const OptT& s, const Tensor& ref, int64_t B, int64_t T) {
+  if (!s) return;
+  check_cuda(*s, "episode_starts", ref);
+  TORCH_CHECK(s->scalar_type() == at::kBool, "episode_starts: expected bool, got ", s->scalar_type());
+  TORCH_CHECK(s->dim() == 2 && s->size(0) == B && s->size(1) == T, "episode_starts: expected shape [", B, ", ", T,
+              "], got ", shape_str(*s));
+  TORCH_CHECK(s->is_contiguous(), "episode_starts: expected a contiguous tensor");
+}
+
+// Debug aid for the tests: outputs and workspaces start as NaN so an unwritten element shows.
+bool g_poison = false;
+void set_poison(bool on) { g_poison = on; }
+Tensor new_empty(at::IntArrayRef shape, const at::TensorOptions& opt) {
+  auto t = at::empty(shape, opt);
+  if (g_poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
+}
+
+void raise_if(const char* err) { TORCH_CHECK(err == nullptr, "mamba_rl CUDA kernel failed: ", err ? err : ""); }
+
+template <typename T> const T* ptr_or_null(const OptT& t) { return t ? t->data_ptr<T>() : nullptr; }
+
+// ---------------- causal conv1d ----------------
+std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                             const OptT& starts) {
+  TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  TORCH_CHECK(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: empty x ", shape_str(x));
+  const int dt = dtype_code(x, "causal_conv1d: x");
+  check_act(x, "causal_conv1d: x", x, B, T, D, x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == D, "causal_conv1d: weight must be [D, K], got ", shape_str(w));
+  const int64_t K = w.size(1);
+  check_f32(w, "causal_conv1d: weight", x, {D, K});
+  check_f32(bias, "causal_conv1d: bias", x, {D});
+  if (init) check_f32(*init, "causal_conv1d: conv_state", x, {B, D, K - 1});
+  check_starts(starts, x, B, T);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = new_empty({B, T, D}, x.options());
+  auto fin = new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
+  mrl::ConvFwdParams p{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
+                       ptr_or_null<float>(init), ptr_or_null<bool>(starts), out.data_ptr(), fin.data_ptr<float>(),
+                       (int)B, (int)T, (int)D, (int)K};
+  raise_if(mrl::conv_fwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {out, fin};
+}
+
+std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                             const OptT& starts, const Tensor& dout, const OptT& dfinal, bool need_dinit) {
+  TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  const int dt = dtype_code(x, "causal_conv1d: x");
+  check_act(x, "causal_conv1d: x", x, B, T, D, x.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == D, "causal_conv1d: weight must be [D, K], got ", shape_str(w));
+  const int64_t K = w.size(1);
+  check_f32(w, "causal_conv1d: weight", x, {D, K});
+  check_f32(bias, "causal_conv1d: bias", x, {D});
+  if (init) check_f32(*init, "causal_conv1d: conv_state", x, {B, D, K - 1});
+  check_starts(starts, x, B, T);
+  check_act(dout, "causal_conv1d: grad_out", x, B, T, D, x.scalar_type());
+  if (dfinal) check_f32(*dfinal, "causal_conv1d: grad_final_state", x, {B, D, K - 1});
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto f32 = x.options().dtype(at::kFloat);
+  auto dx = new_empty({B, T, D}, x.options());
+  auto dw = new_empty({D, K}, f32);
+  auto db = new_empty({D}, f32);
+  Tensor dinit = need_dinit ? new_empty({B, D, K - 1}, f32) : Tensor();
+  auto ws = new_empty({mrl::conv_bwd_workspace((int)B, (int)T, (int)D, (int)K)}, f32);
+  mrl::ConvBwdParams p{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
+                       ptr_or_null<float>(init), ptr_or_null<bool>(starts), dout.data_ptr(), dout.stride(0),
+                       dout.stride(1), ptr_or_null<float>(dfinal), dx.data_ptr(),
+                       need_dinit ? dinit.data_ptr<float>() : nullptr, dw.data_ptr<float>(), db.data_ptr<float>(),
+                       ws.data_ptr<float>(), (int)B, (int)T, (int)D, (int)K};
+  raise_if(mrl::conv_bwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {dx, dw, db, dinit};
+}
+
+// ---------------- selective scan ----------------
+struct ScanShapes { int64_t B, T, D, N; int dt; };
+
+ScanShapes scan_check(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm, const Tensor& Cm,
+                      const Tensor& Dp, const Tensor& z, const Tensor& dt_bias, const OptT& init, const OptT& starts) {
+  TORCH_CHECK(x.dim() == 3, "selective_scan: x must be [B, T, D], got ", shape_str(x));
+  ScanShapes s{x.size(0), x.size(1), x.size(2), 0, dtype_code(x, "selective_scan: x")};
+  TORCH_CHECK(s.T >= 1 && s.B >= 1 && s.D >= 1, "selective_scan: empty x ", shape_str(x));
+  const auto ty = x.scalar_type();
+  check_act(x, "selective_scan: x", x, s.B, s.T, s.D, ty);
+  check_act(dt, "selective_scan: dt", x, s.B, s.T, s.D, ty);
+  TORCH_CHECK(A_log.dim() == 2 && A_log.size(0) == s.D, "selective_scan: A_log must be [D, N], got ", shape_str(A_log));
+  s.N = A_log.size(1);
+  TORCH_CHECK(s.N == 8 || s.N == 16, "selective_scan: d_state must be 8 or 16 in the CUDA kernel, got ", s.N);
+  check_f32(A_log, "selective_scan: A_log", x, {s.D, s.N});
+  check_act(Bm, "selective_scan: Bm", x, s.B, s.T, s.N, ty);
+  check_act(Cm, "selective_scan: Cm", x, s.B, s.T, s.N, ty);
+  check_f32(Dp, "selective_scan: D", x, {s.D});
+  check_act(z, "selective_scan: z", x, s.B, s.T, s.D, ty);
+  check_f32(dt_bias, "selective_scan: dt_bias", x, {s.D});
+  if (init) check_f32(*init, "selective_scan: ssm_state", x, {s.B, s.D, s.N});
+  check_starts(starts, x, s.B, s.T);
+  return s;
+}
+
+mrl::ScanFwdParams scan_params(const ScanShapes& s, const Tensor& x, const Tensor& dt, const Tensor& A_log,
+                               const Tensor& Bm, const Tensor& Cm, const Tensor& Dp, const Tensor& z,
+                               const Tensor& dt_bias, const OptT& init, const OptT& starts) {
+  mrl::ScanFwdParams p{};
+  p.x = x.data_ptr(); p.x_sb = x.stride(0); p.x_st = x.stride(1);
+  p.dt = dt.data_ptr(); p.dt_sb = dt.stride(0); p.dt_st = dt.stride(1);
+  p.Bm = Bm.data_ptr(); p.B_sb = Bm.stride(0); p.B_st = Bm.stride(1);
+  p.Cm = Cm.data_ptr(); p.C_sb = Cm.stride(0); p.C_st = Cm.stride(1);
+  p.z = z.data_ptr(); p.z_sb = z.stride(0); p.z_st = z.stride(1);
+  p.A_log = A_log.data_ptr<float>(); p.Dskip = Dp.data_ptr<float>(); p.dt_bias = dt_bias.data_ptr<float>();
+  p.init = ptr_or_null<float>(init); p.starts = ptr_or_null<bool>(starts);
+  p.B = (int)s.B; p.T = (int)s.T; p.D = (int)s.D; p.N = (int)s.N;
+  return p;
+}
+
+std::vector<Tensor> scan_fwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
+                             const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
+                             const OptT& init, const OptT& starts, bool need_ckpt) {
+  auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto f32 = x.options().dtype(at::kFloat);
+  auto out = new_empty({s.B, s.T, s.D}, x.options());
+  auto fin = new_empty({s.B, s.D, s.N}, f32);
+  const int64_t nC = (s.T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
+  Tensor ckpt = need_ckpt ? new_empty({s.B, nC, s.D, s.N}, f32) : Tensor();
+  auto p = scan_params(s, x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  p.out = out.data_ptr(); p.final_state = fin.data_ptr<float>();
+  p.ckpt = need_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  raise_if(mrl::scan_fwd(s.dt, p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {out, fin, ckpt};
+}
+
+std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
+                             const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
+                             const OptT& init, const OptT& starts, const Tensor& ckpt, const Tensor& dout,
+                             const OptT& dfinal, bool need_dinit) {
+  auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  const int64_t nC = (s.T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
+  check_f32(ckpt, "selective_scan: checkpoints", x, {s.B, nC, s.D, s.N});
+  check_act(dout, "selective_scan: grad_out", x, s.B, s.T, s.D, x.scalar_type());
+  if (dfinal) check_f32(*dfinal, "selective_scan: grad_final_state", x, {s.B, s.D, s.N});
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto f32 = x.options().dtype(at::kFloat);
+  mrl::ScanBwdParams q{};
+  q.f = scan_params(s, x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  q.f.ckpt = ckpt.data_ptr<float>();
+  auto dx = new_empty({s.B, s.T, s.D}, x.options());
+  auto ddt = new_empty({s.B, s.T, s.D}, x.options());
+  auto dz = new_empty({s.B, s.T, s.D}, x.options());
+  auto dB = new_empty({s.B, s.T, s.N}, x.options());
+  auto dC = new_empty({s.B, s.T, s.N}, x.options());
+  auto dA = new_empty({s.D, s.N}, f32);
+  auto dD = new_empty({s.D}, f32);
+  auto ddb = new_empty({s.D}, f32);
+  Tensor dinit = need_dinit ? new_empty({s.B, s.D, s.N}, f32) : Tensor();
+  auto ws = new_empty({mrl::scan_bwd_workspace((int)s.B, (int)s.T, (int)s.D, (int)s.N)}, f32);
+  q.dout = dout.data_ptr(); q.g_sb = dout.stride(0); q.g_st = dout.stride(1);
+  q.dfinal = ptr_or_null<float>(dfinal);
+  q.dx = dx.data_ptr(); q.ddt = ddt.data_ptr(); q.dz = dz.data_ptr(); q.dB = dB.data_ptr(); q.dC = dC.data_ptr();
+  q.dA_log = dA.data_ptr<float>(); q.dD = dD.data_ptr<float>(); q.ddt_bias = ddb.data_ptr<float>();
+  q.dinit = need_dinit ? dinit.data_ptr<float>() : nullptr;
+  q.ws = ws.data_ptr<float>();
+  raise_if(mrl::scan_bwd(s.dt, q, c10::cuda::getCurrentCUDAStream().stream()));
+  return {dx, ddt, dA, dB, dC, dD, dz, ddb, dinit};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mamba_rl CUDA kernels (see csrc/ and mamba_rl/ops/_cuda_autograd.py)";
+  m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state)");
+  m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit)");
+  m.def("scan_fwd", &scan_fwd, "selective scan forward -> (y, final_state, checkpoints)");
+  m.def("scan_bwd", &scan_bwd, "selective scan backward -> (dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit)");
+  m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
+  m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
+}

@@ -1,0 +1,74 @@
+// Shared device helpers (torch-free).
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include "ops.h"
+
+namespace mrl {
+
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half(v); }
+
+__device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + expf(-v)); }
+__device__ __forceinline__ float siluf_(float v) { return v * sigmoidf_(v); }
+// torch.nn.functional.softplus(beta=1, threshold=20)
+__device__ __forceinline__ float softplusf_(float v) { return v > 20.f ? v : log1pf(expf(v)); }
+__device__ __forceinline__ float dsoftplusf_(float v) { return v > 20.f ? 1.f : sigmoidf_(v); }
+
+// Sum over groups of G consecutive lanes (G a power of two <= 32); every lane gets its group's sum.
+template <int G>
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+  for (int o = G / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+#define MRL_LAUNCH_CHECK()                                        \
+  do {                                                            \
+    cudaError_t e__ = cudaGetLastError();                         \
+    if (e__ != cudaSuccess) return cudaGetErrorString(e__);       \
+  } while (0)
+
+}  // namespace mrl
+
+namespace mrl {
+// Deterministic column sums: for j < M, f(j, sum_{p < P} ws[p * M + j]) with a fixed summation order.
+// Block = 32 columns x 8 row-groups; row-group r sums rows r, r+8, ...; then a fixed-order combine.
+constexpr int COLSUM_RG = 8;
+template <typename F>
+__global__ void __launch_bounds__(32 * COLSUM_RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
+  __shared__ float part[COLSUM_RG][33];
+  const int j = blockIdx.x * 32 + threadIdx.x;
+  const int r = threadIdx.y;
+  float acc = 0.f;
+  if (j < M) {
+    int p = r;
+    for (; p + 3 * COLSUM_RG < P; p += 4 * COLSUM_RG) {
+      float a0 = ws[(int64_t)p * M + j], a1 = ws[(int64_t)(p + COLSUM_RG) * M + j];
+      float a2 = ws[(int64_t)(p + 2 * COLSUM_RG) * M + j], a3 = ws[(int64_t)(p + 3 * COLSUM_RG) * M + j];
+      acc += (a0 + a1) + (a2 + a3);
+    }
+    for (; p < P; p += COLSUM_RG) acc += ws[(int64_t)p * M + j];
+  }
+  part[r][threadIdx.x] = acc;
+  __syncthreads();
+  if (r == 0 && j < M) {
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < COLSUM_RG; ++i) s += part[i][threadIdx.x];
+    f(j, s);
+  }
+}
+template <typename F>
+inline void launch_colsum(const float* ws, int P, int M, F f, cudaStream_t s) {
+  dim3 block(32, COLSUM_RG);
+  colsum_kernel<F><<<(M + 31) / 32, block, 0, s>>>(ws, P, M, f);
+}
+}  // namespace mrl

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call: build the extension (cache carried in .build), run every CUDA test, run the benchmark.
+# Usage on the device: scripts/gpu_check.sh [tests|bench|all] ; logs and JSON go to $OUT (or ./gpu_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export MAMBA_RL_BUILD_DIR=${MAMBA_RL_BUILD_DIR:-$PWD/.build}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+WHAT=${1:-all}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch;print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+t0=$(date +%s.%N)
+python3 -m mamba_rl.build 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
+echo "build rc=$brc wall=$(python3 -c "print(round($(date +%s.%N)-$t0,1))") s" | tee -a "$OUT/build.log"
+[ $brc -ne 0 ] && exit $brc
+rc=0
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q --timeout=120 -p no:cacheprovider ${PYTEST_ARGS:-} tests 2>&1 \
+    | tee "$OUT/pytest.log" | grep -v "^tests/.*PASSED" ; rc=${PIPESTATUS[0]}
+  echo "pytest rc=$rc"
+fi
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  if [ -f benchmarks/bench.py ]; then
+    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  fi
+fi
+exit $rc
