@@ -19,7 +19,7 @@ echo "build rc=$brc wall=$(python3 -c "print(round($(date +%s.%N)-$t0,1))") s" |
 [ $brc -ne 0 ] && exit $brc
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q --timeout=120 -p no:cacheprovider ${PYTEST_ARGS:-} tests 2>&1 \
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q --timeout=120 -p no:cacheprovider ${PYTEST_ARGS:-} ${TEST_PATHS:-tests} 2>&1 \
     | tee "$OUT/pytest.log" | grep -v "^tests/.*PASSED" ; rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
 fi
