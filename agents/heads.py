@@ -135,7 +135,8 @@ class ActionDist:
         outs = []
         for logp in self._logps():
             u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=logp.dtype)
-            g = -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+            exp_noise = (-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20)  # Exponential(1)
+            g = -torch.log(exp_noise)  # Gumbel(0, 1)
             outs.append((logp + g).argmax(-1))
         return torch.stack(outs, dim=-1)
 

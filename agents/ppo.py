@@ -196,6 +196,7 @@ class RecurrentPPO:
         self.update = 0
         self.history: list[dict[str, float]] = []
         self.recent_returns: deque = deque(maxlen=100)
+        self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
         self._act_low = self._act_high = None
         if isinstance(self.action_space, spaces.Box):
             self._act_low = torch.as_tensor(self.action_space.low.reshape(-1), device=self.device, dtype=torch.float32)
@@ -465,6 +466,7 @@ class RecurrentPPO:
                 lr = self.current_lr(update)
                 self._set_lr(lr)
                 episodes, rollout_ms = self.collect_rollout()
+                self.last_episodes = episodes
                 t0 = time.perf_counter()
                 metrics = self.update_policy()
                 update_ms = (time.perf_counter() - t0) * 1e3

@@ -1,0 +1,73 @@
+"""One learning-curve run: RecurrentPPO on one env and seed, one CSV row per PPO update.
+
+Usage (from the repo root):
+    python benchmarks/learning/run.py --env CartPole-v1 --seed 1 --total 100000 \
+        --d-model 64 --n-layers 2 --out benchmarks/learning/data
+
+Writes ``{out}/{env with / -> _}{suffix}__seed{seed}.csv`` with columns
+``env_id, variant, seed, update, global_step, episodes, mean_return_update, mean_return_last20,
+wall_s`` (mean_return_update: mean return of the episodes that finished during that update's
+rollout, NaN if none; mean_return_last20: mean over the last 20 finished episodes).
+All other hyperparameters are PPOConfig's defaults (CleanRL's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import tempfile
+import time
+from collections import deque
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env", required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--total", type=int, default=100_000)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-layers", type=int, default=2)
+    p.add_argument("--memoryless", action="store_true", help="reset the state every step (baseline)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
+    a = p.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(a.threads)
+    from mamba_rl.agents import RecurrentPPO
+
+    variant = "memoryless" if a.memoryless else "mamba"
+    os.makedirs(a.out, exist_ok=True)
+    name = a.env.replace("/", "_") + ("__memoryless" if a.memoryless else "")
+    path = os.path.join(a.out, f"{name}__seed{a.seed}.csv")
+    tmp = tempfile.mkdtemp(prefix="mamba_rl_curve_")
+    agent = RecurrentPPO(a.env, seed=a.seed, total_timesteps=a.total, d_model=a.d_model, n_layers=a.n_layers,
+                         memoryless=a.memoryless, device="cpu", track=False, checkpoint_every=0,
+                         checkpoint_dir=tmp, runs_dir=tmp)
+    last = deque(maxlen=20)
+    t0 = time.time()
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["env_id", "variant", "seed", "update", "global_step", "episodes", "mean_return_update",
+                    "mean_return_last20", "wall_s"])
+
+        def callback(agent, metrics):
+            this = [ret for _, ret, _ in agent.last_episodes]
+            last.extend(this)
+            mu = sum(this) / len(this) if this else math.nan
+            ml = sum(last) / len(last) if last else math.nan
+            w.writerow([a.env, variant, a.seed, metrics["update"], metrics["global_step"], len(this),
+                        f"{mu:.3f}", f"{ml:.3f}", f"{time.time() - t0:.1f}"])
+            f.flush()
+
+        agent.learn(callback=callback)
+    agent.close()
+    print(f"{path}: done in {time.time() - t0:.0f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
