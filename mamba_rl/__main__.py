@@ -1,0 +1,7 @@
+"""``python -m mamba_rl`` = the ``mamba-rl`` command (see :mod:`mamba_rl.cli`)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
