@@ -1,0 +1,119 @@
+"""mamba_rl.envs: POMDP ids, make_vec_env's stack, flattening, and the NextStep autoreset it relies on."""
+
+import numpy as np
+import pytest
+
+import gymnasium as gym
+from gymnasium import spaces
+
+from mamba_rl.envs import POMDP_ENV_IDS, MaskObservation, find_vector_wrapper, make_env, make_vec_env
+
+
+@pytest.mark.parametrize("env_id", sorted(POMDP_ENV_IDS))
+def test_pomdp_ids_mask_velocities_of_the_same_dynamics(env_id):
+    base_id, keep, max_steps, _ = POMDP_ENV_IDS[env_id]
+    masked, base = gym.make(env_id), gym.make(base_id)
+    assert masked.spec.max_episode_steps == max_steps == base.spec.max_episode_steps
+    assert masked.observation_space.shape == (len(keep),)
+    o_m, _ = masked.reset(seed=3)
+    o_b, _ = base.reset(seed=3)
+    np.testing.assert_array_equal(o_m, o_b[list(keep)])
+    masked.action_space.seed(0)
+    for _ in range(20):
+        a = masked.action_space.sample()
+        o_m, r_m, t_m, tr_m, _ = masked.step(a)
+        o_b, r_b, t_b, tr_b, _ = base.step(a)
+        np.testing.assert_array_equal(o_m, o_b[list(keep)])
+        assert (r_m, t_m, tr_m) == (r_b, t_b, tr_b)
+        if t_m or tr_m:
+            break
+
+
+def test_cartpole_novel_hides_both_velocities():
+    env = gym.make("mamba_rl/CartPoleNoVel-v1")
+    obs, _ = env.reset(seed=0)
+    full = env.unwrapped.state  # [x, x_dot, theta, theta_dot]
+    np.testing.assert_allclose(obs, np.asarray(full, dtype=np.float32)[[0, 2]])
+
+
+def test_mask_observation_rejects_bad_input():
+    with pytest.raises(TypeError, match="1-D Box"):
+        MaskObservation(gym.make("FrozenLake-v1"), [0])
+    with pytest.raises(ValueError, match=r"distinct indices in \[0, 4\)"):
+        MaskObservation(gym.make("CartPole-v1"), [0, 4])
+
+
+def test_make_vec_env_stack_and_next_step_autoreset():
+    envs = make_vec_env("CartPole-v1", num_envs=3, seed=0, normalize_obs=True)
+    assert isinstance(envs.unwrapped, gym.vector.SyncVectorEnv)
+    assert envs.metadata["autoreset_mode"] == gym.vector.AutoresetMode.NEXT_STEP
+    assert find_vector_wrapper(envs, gym.wrappers.vector.RecordEpisodeStatistics) is not None
+    assert find_vector_wrapper(envs, gym.wrappers.vector.NormalizeObservation) is not None
+    envs.reset(seed=0)
+    done_prev = np.zeros(3, bool)
+    saw_reset_step = False
+    for _ in range(200):
+        obs, rew, term, trunc, info = envs.step(np.zeros(3, dtype=np.int64))  # always left: short episodes
+        # the step after a done is the reset step: reward 0, no done (what the agent masks out)
+        if done_prev.any():
+            saw_reset_step = True
+            assert np.all(rew[done_prev] == 0) and not np.any((term | trunc)[done_prev])
+        if (term | trunc).any():
+            assert np.all(info["_episode"] == (term | trunc))
+        done_prev = term | trunc
+    assert saw_reset_step
+    envs.close()
+
+
+def test_unknown_id_and_bad_num_envs():
+    with pytest.raises(gym.error.NameNotFound, match="unknown env id 'NoSuchEnv-v0'"):
+        make_vec_env("NoSuchEnv-v0", 2)
+    with pytest.raises(ValueError, match="num_envs must be >= 1, got 0"):
+        make_vec_env("CartPole-v1", 0)
+
+
+class _SpacesEnv(gym.Env):
+    """One-step env with a composite observation space (no user wrapper needed)."""
+
+    def __init__(self, observation_space):
+        self.observation_space = observation_space
+        self.action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.observation_space.seed(seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 1.0, True, False, {}
+
+
+@pytest.mark.parametrize("space,width", [
+    (spaces.Discrete(4), 4),
+    (spaces.MultiDiscrete([2, 3]), 5),
+    (spaces.Tuple((spaces.Discrete(2), spaces.Box(-1, 1, (3,)))), 5),
+    (spaces.Dict({"a": spaces.MultiDiscrete([3, 3]), "b": spaces.Box(0, 1, (2, 2))}), 10),
+])
+def test_flatten_one_hot_for_discrete_parts(space, width):
+    gym.register("mamba_rl_test/Spaces-v0", entry_point=_SpacesEnv, kwargs={"observation_space": space})
+    try:
+        env = make_env("mamba_rl_test/Spaces-v0")
+        assert env.observation_space.shape == (width,) and env.observation_space.dtype == np.float32
+        obs, _ = env.reset(seed=0)
+        assert obs.dtype == np.float32 and obs.shape == (width,)
+        raw_obs, _ = _SpacesEnv(space).reset(seed=0)  # same seed -> same sample
+        np.testing.assert_array_equal(obs, spaces.flatten(space, raw_obs).astype(np.float32))
+        if isinstance(space, spaces.Discrete):
+            assert obs.sum() == 1.0 and set(np.unique(obs)) == {0.0, 1.0}  # one-hot
+    finally:
+        del gym.registry["mamba_rl_test/Spaces-v0"]
+
+
+def test_popgym_ids_go_through_untouched():
+    pytest.importorskip("popgym")
+    envs = make_vec_env("popgym-AutoencodeEasy-v0", num_envs=2, seed=0)
+    # Tuple(Discrete(2), Discrete(4)) -> one-hot width 6
+    assert envs.single_observation_space.shape == (6,)
+    obs, _ = envs.reset(seed=0)
+    assert obs.shape == (2, 6) and set(np.unique(obs)) <= {0.0, 1.0}
+    envs.close()
