@@ -13,24 +13,24 @@ constexpr int CONV_THREADS = 128; // channels per block
 template <typename T, int K>
 __device__ __forceinline__ void conv_load_window(const T* xb, int64_t st, const float* initbd, const bool* sb,
                                                  int t0, float (&win)[K], float (&vm)[K]) {
-  // win[k] holds time t0-K+1+k for k = 0..K-2 (entry K-1 is filled by the first step).
+  // Before the first push, win[k] holds time t0-K+k (k = 1..K-1); win[0] is shifted out by that push.
+  win[0] = 0.f; vm[0] = 0.f;
 #pragma unroll
-  for (int k = 0; k < K - 1; ++k) {
-    int tau = t0 - (K - 1) + k;
+  for (int k = 1; k < K; ++k) {
+    int tau = t0 - K + k;
     float v;
     if (tau >= 0) v = to_f(xb[tau * st]);
     else v = initbd ? initbd[K - 1 + tau] : 0.f;
     win[k] = v; vm[k] = 1.f;
   }
-  win[K - 1] = 0.f; vm[K - 1] = 1.f;
   if (sb) {
-    // starts at times s in [t0-K+2, t0-1] (s >= 0) invalidate entries older than s.
+    // a start at time s in [t0-K+2, t0-1] (s >= 0) invalidates the entries older than s.
 #pragma unroll
-    for (int k = 1; k < K - 1; ++k) {
-      int s = t0 - (K - 1) + k;
+    for (int k = 2; k < K; ++k) {
+      int s = t0 - K + k;
       if (s >= 0 && sb[s]) {
 #pragma unroll
-        for (int j = 0; j < k; ++j) { win[j] = 0.f; vm[j] = 0.f; }
+        for (int j = 1; j < k; ++j) { win[j] = 0.f; vm[j] = 0.f; }
       }
     }
   }
