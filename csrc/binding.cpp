@@ -216,6 +216,66 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   return {dx, ddt, dA, dB, dC, dD, dz, ddb, dinit};
 }
 
+
+// ---------------- optimizer ----------------
+void check_vec(const Tensor& t, const char* name, at::ScalarType ty, int64_t n, const Tensor& ref) {
+  check_cuda(t, name, ref);
+  TORCH_CHECK(t.scalar_type() == ty, name, ": expected dtype ", ty, ", got ", t.scalar_type());
+  TORCH_CHECK(t.numel() == n, name, ": expected ", n, " elements, got shape ", shape_str(t));
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_scale, const Tensor& hyper,
+                Tensor& scalars, Tensor& counter) {
+  TORCH_CHECK(grad.dim() == 1, "grad_stats: grad must be a flat [P] arena, got ", shape_str(grad));
+  const int64_t P = grad.numel();
+  check_vec(grad, "grad_stats: grad", at::kFloat, P, grad);
+  if (extra_sq) check_vec(*extra_sq, "grad_stats: extra_grad_sq", at::kFloat, 1, grad);
+  check_vec(loss_scale, "grad_stats: loss_scale", at::kFloat, 1, grad);
+  check_vec(hyper, "grad_stats: hyper", at::kDouble, 8, grad);
+  check_vec(scalars, "grad_stats: scalars", at::kDouble, 8, grad);
+  check_vec(counter, "grad_stats: counter", at::kInt, 1, grad);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  auto ws = new_empty({2 * (int64_t)mrl::grad_stats_blocks(P)}, grad.options().dtype(at::kDouble));
+  mrl::GradStatsParams p{grad.data_ptr<float>(), P, ptr_or_null<float>(extra_sq), loss_scale.data_ptr<float>(),
+                         hyper.data_ptr<double>(), scalars.data_ptr<double>(), ws.data_ptr<double>(),
+                         reinterpret_cast<unsigned int*>(counter.data_ptr<int>())};
+  raise_if(mrl::grad_stats(p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
+                const Tensor& scalars, int64_t n_decay, const OptT& compute) {
+  TORCH_CHECK(param.dim() == 1, "adamw_step: param must be a flat [P] arena, got ", shape_str(param));
+  const int64_t P = param.numel();
+  check_vec(param, "adamw_step: param", at::kFloat, P, param);
+  check_vec(grad, "adamw_step: grad", at::kFloat, P, param);
+  check_vec(exp_avg, "adamw_step: exp_avg", at::kFloat, P, param);
+  check_vec(exp_avg_sq, "adamw_step: exp_avg_sq", at::kFloat, P, param);
+  check_vec(hyper, "adamw_step: hyper", at::kDouble, 8, param);
+  check_vec(scalars, "adamw_step: scalars", at::kDouble, 8, param);
+  TORCH_CHECK(n_decay >= 0 && n_decay <= P, "adamw_step: n_decay must be in [0, ", P, "], got ", n_decay);
+  int cdt = mrl::kF32;
+  if (compute) {
+    check_cuda(*compute, "adamw_step: compute", param);
+    cdt = dtype_code(*compute, "adamw_step: compute");
+    TORCH_CHECK(compute->numel() == P && compute->is_contiguous(), "adamw_step: compute must be a contiguous [",
+                P, "] arena, got ", shape_str(*compute));
+  }
+  const c10::cuda::CUDAGuard guard(param.device());
+  mrl::AdamWParams p{param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                     exp_avg_sq.data_ptr<float>(), hyper.data_ptr<double>(), scalars.data_ptr<double>(), P, n_decay,
+                     compute ? compute->data_ptr() : nullptr, cdt};
+  raise_if(mrl::adamw_step(p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+void unscale_grad(Tensor& grad, const Tensor& scalars) {
+  check_vec(grad, "unscale_grad: grad", at::kFloat, grad.numel(), grad);
+  check_vec(scalars, "unscale_grad: scalars", at::kDouble, 8, grad);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  raise_if(mrl::unscale_grad(grad.data_ptr<float>(), grad.numel(), scalars.data_ptr<double>(),
+                             c10::cuda::getCurrentCUDAStream().stream()));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -224,6 +284,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit)");
   m.def("scan_fwd", &scan_fwd, "selective scan forward -> (y, final_state, checkpoints)");
   m.def("scan_bwd", &scan_bwd, "selective scan backward -> (dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit)");
+  m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections (in place)");
+  m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
+  m.def("unscale_grad", &unscale_grad, "grad = found_inf ? 0 : grad * inv_scale (in place)");
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
 }

@@ -68,3 +68,29 @@ const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s);
 const char* scan_bwd(int dtype, const ScanBwdParams& p, cudaStream_t s);
 
 }  // namespace mrl
+
+namespace mrl {
+// ---------------- optimizer (flat f32 arenas; see mamba_rl/optim.py for the contract) ----------------
+struct GradStatsParams {
+  const float* grad; int64_t P;
+  const float* extra_sq;  // 0-d / [1] float32 or nullptr (cast by the binding)
+  const float* loss_scale;  // [1]
+  const double* hyper;      // [8]
+  double* scalars;          // [8]
+  double* ws;               // [2 * grad_stats_blocks(P)]
+  unsigned int* counter;    // self-resetting, zero on entry
+};
+int grad_stats_blocks(int64_t P);
+const char* grad_stats(const GradStatsParams& p, cudaStream_t s);
+
+struct AdamWParams {
+  float* param; const float* grad; float* exp_avg; float* exp_avg_sq;
+  const double* hyper; const double* scalars;
+  int64_t P, n_decay;
+  void* compute; int compute_dtype;  // kBF16 / kF16 / kF32, or compute == nullptr
+};
+const char* adamw_step(const AdamWParams& p, cudaStream_t s);
+
+// grad = found_inf ? 0 : grad * inv_scale  (select, so an inf never turns into NaN)
+const char* unscale_grad(float* grad, int64_t P, const double* scalars, cudaStream_t s);
+}  // namespace mrl
