@@ -321,6 +321,8 @@ class MambaBackbone(nn.Module):
             ValueError: on a wrong shape, dtype or device (message gives expected vs received).
         """
         self.check_inputs(x, initial_state, episode_starts)
+        if self._use_fused(initial_state):
+            return self._forward_fused(x, initial_state, episode_starts)
         conv, scan, norm = self._ops()
         c = self.cfg
         di, n, r, eps = c.d_inner, c.d_state, c.dt_rank_value, c.rms_norm_eps
@@ -344,6 +346,25 @@ class MambaBackbone(nn.Module):
             ssm_f.append(sf)
         feat = norm(h, self.norm_f.weight, eps, rdt)
         return feat, RecurrentState(torch.stack(conv_f), torch.stack(ssm_f))
+
+    def _use_fused(self, initial_state) -> bool:
+        """The cuda backend runs the whole backbone as one node with a hand-written backward, unless a
+        gradient into the initial state is asked for (then the per-op autograd path serves)."""
+        if self.backend != "cuda" or self.cfg.d_state not in (8, 16):
+            return False
+        return initial_state is None or not (initial_state.conv.requires_grad or initial_state.ssm.requires_grad)
+
+    def _forward_fused(self, x, initial_state, episode_starts):
+        from .fused import fused_backbone
+        B, T = x.shape[:2]
+        if initial_state is None:
+            initial_state = self.initial_state(B)
+        conv0 = initial_state.conv.to(torch.float32).contiguous()
+        ssm0 = initial_state.ssm.to(torch.float32).contiguous()
+        if episode_starts is None:
+            episode_starts = torch.zeros(B, T, dtype=torch.bool, device=x.device)
+        feat, conv_f, ssm_f = fused_backbone(self, x, conv0, ssm0, episode_starts.contiguous())
+        return feat, RecurrentState(conv_f, ssm_f)
 
     def stepper(self, batch: int):
         """A one-token inference engine for ``batch`` envs that shares this module's weights (no copy)."""

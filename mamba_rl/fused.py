@@ -1,0 +1,177 @@
+"""The cuda backend's whole-backbone forward and hand-written backward (one autograd node).
+
+Same math as :meth:`MambaBackbone.forward` on the reference backend, but the backward is explicit: weight
+gradients are accumulated straight into the flat gradient arena (GEMMs with beta=1 into arena views, the
+kernels' small reductions added in place), with no per-parameter AccumulateGrad, no split/cat of gradients
+in autograd and no cast nodes. That is what keeps a captured training step near the kernel-count floor.
+
+Used only on CUDA with the extension loaded; the parity tests compare it with the float64 reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ops._dispatch import extension
+
+__all__ = ["fused_backbone"]
+
+_ADDMM_OUT_DTYPE = None  # probed once: does torch.addmm(..., out_dtype=float32) work for low-precision inputs?
+
+
+def _acc_mm(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """dst (float32, in the grad arena) += a @ b, with a and b in the compute dtype, f32 accumulation."""
+    global _ADDMM_OUT_DTYPE
+    if a.dtype == dst.dtype:
+        dst.addmm_(a, b)
+        return
+    if _ADDMM_OUT_DTYPE is None:
+        try:
+            probe = torch.zeros(2, 2, device=dst.device)
+            x = torch.ones(2, 2, device=dst.device, dtype=a.dtype)
+            torch.addmm(probe, x, x, out_dtype=torch.float32, out=probe)
+            _ADDMM_OUT_DTYPE = bool(probe[0, 0].item() == 2.0)
+        except (RuntimeError, TypeError):
+            _ADDMM_OUT_DTYPE = False
+    if _ADDMM_OUT_DTYPE:
+        torch.addmm(dst, a, b, out_dtype=torch.float32, out=dst)
+    else:
+        dst.add_(torch.mm(a, b))
+
+
+def _rms_fwd(h, w, eps, out_dtype):
+    """(u = h * rstd * w in out_dtype, rstd [N, 1] float32) for h [N, C] float32."""
+    ext = extension()
+    if hasattr(ext, "rmsnorm_fwd"):
+        return ext.rmsnorm_fwd(h, w, eps, out_dtype)
+    rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (h * rstd * w).to(out_dtype), rstd
+
+
+def _rms_bwd(du, h, rstd, w, dw_acc, dh_acc=None):
+    """Backward of :func:`_rms_fwd`: adds dL/dw into ``dw_acc``; returns dL/dh (+ ``dh_acc`` when given)."""
+    ext = extension()
+    if hasattr(ext, "rmsnorm_bwd"):
+        return ext.rmsnorm_bwd(du, h, rstd, w, dw_acc, dh_acc)
+    du = du.float()
+    xhat = h * rstd
+    dw_acc.add_((du * xhat).sum(0))
+    g = du * w
+    dh = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    return dh if dh_acc is None else dh_acc + dh
+
+
+class _Backbone(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, anchor, net, conv0, ssm0, starts):
+        ext = extension()
+        c = net.cfg
+        B, T, _ = x.shape
+        BT, di, n, r, eps = B * T, c.d_inner, c.d_state, c.dt_rank_value, c.rms_norm_eps
+        cdt = net.compute_dtype
+        W = net.arena if net.compute_arena is None else net.compute_arena
+        M = net.arena  # float32 masters for the non-GEMM parameters
+
+        def w(name, src=W):
+            return net.arena_view(src, name)
+
+        x2 = x.reshape(BT, -1).to(cdt)
+        h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
+        saved = []
+        conv_f, ssm_f = [], []
+        for i in range(c.n_layers):
+            p = f"layers.{i}."
+            u, rstd = _rms_fwd(h, w(p + "norm.weight", M), eps, cdt)
+            xz = torch.mm(u, w(p + "mixer.in_proj.weight").t())  # [BT, 2di]
+            xi = xz.view(B, T, 2 * di)[..., :di]
+            z = xz.view(B, T, 2 * di)[..., di:]
+            cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
+            xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts)
+            dbc = torch.mm(xc.view(BT, di), w(p + "mixer.x_proj.weight").t())  # [BT, r+2n]
+            dbc3 = dbc.view(B, T, r + 2 * n)
+            dt = torch.mm(dbc[:, :r], w(p + "mixer.dt_proj.weight").t())  # [BT, di]
+            y, sf, ckpt = ext.scan_fwd(xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n],
+                                       dbc3[..., r + n:], w(p + "mixer.D", M), z, w(p + "mixer.dt_proj.bias", M),
+                                       ssm0[i], starts, True)
+            h_in = h
+            w_out = w(p + "mixer.out_proj.weight").t()
+            if cdt == torch.float32:  # residual add fused into the GEMM
+                h = torch.addmm(h_in, y.view(BT, di), w_out)
+            else:  # the residual stream stays float32
+                h = h_in + torch.mm(y.view(BT, di), w_out).float()
+            saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
+            conv_f.append(cf)
+            ssm_f.append(sf)
+        feat, rstd_f = _rms_fwd(h, w("norm_f.weight", M), eps, torch.float32)
+        ctx.net, ctx.saved, ctx.shape = net, saved, (B, T)
+        ctx.h_last, ctx.rstd_f, ctx.x2 = h, rstd_f, x2
+        ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
+        ctx.x_dtype = x.dtype
+        return feat.view(B, T, -1), torch.stack(conv_f), torch.stack(ssm_f)
+
+    @staticmethod
+    def backward(ctx, dfeat, dconv_final, dssm_final):
+        ext = extension()
+        net = ctx.net
+        c = net.cfg
+        B, T = ctx.shape
+        BT, di, n, r = B * T, c.d_inner, c.d_state, c.dt_rank_value
+        cdt = net.compute_dtype
+        W = net.arena if net.compute_arena is None else net.compute_arena
+        M, G = net.arena, net.grad_arena
+
+        def w(name, src=W):
+            return net.arena_view(src, name)
+
+        dh = _rms_bwd(dfeat.reshape(BT, -1), ctx.h_last, ctx.rstd_f, w("norm_f.weight", M), w("norm_f.weight", G))
+        for i in reversed(range(c.n_layers)):
+            p = f"layers.{i}."
+            h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
+            dout = dh.to(cdt)
+            yf = y.view(BT, di)
+            _acc_mm(w(p + "mixer.out_proj.weight", G), dout.t(), yf)
+            dy = torch.mm(dout, w(p + "mixer.out_proj.weight"))  # [BT, di]
+            dbc3 = dbc.view(B, T, r + 2 * n)
+            z = xz.view(B, T, 2 * di)[..., di:]
+            dfin = None if dssm_final is None else dssm_final[i].contiguous()
+            dxc, ddt, dA, dB, dC, dD, dz, ddb, _ = ext.scan_bwd(
+                xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n], dbc3[..., r + n:],
+                w(p + "mixer.D", M), z, w(p + "mixer.dt_proj.bias", M), ctx.ssm0[i], ctx.starts, ckpt,
+                dy.view(B, T, di), dfin, False)
+            w(p + "mixer.A_log", G).add_(dA)
+            w(p + "mixer.D", G).add_(dD)
+            w(p + "mixer.dt_proj.bias", G).add_(ddb)
+            ddt2 = ddt.view(BT, di)
+            _acc_mm(w(p + "mixer.dt_proj.weight", G), ddt2.t(), dbc[:, :r])
+            ddbc = torch.cat([torch.mm(ddt2, w(p + "mixer.dt_proj.weight")), dB.view(BT, n), dC.view(BT, n)], dim=1)
+            _acc_mm(w(p + "mixer.x_proj.weight", G), ddbc.t(), xc.view(BT, di))
+            dxc = torch.addmm(dxc.view(BT, di), ddbc, w(p + "mixer.x_proj.weight"))
+            xi = xz.view(B, T, 2 * di)[..., :di]
+            cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
+            dcf = None if dconv_final is None else dconv_final[i].contiguous()
+            dxi, dcw, dcb, _ = ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts,
+                                            dxc.view(B, T, di), dcf, False)
+            w(p + "mixer.conv1d.weight", G).view(di, -1).add_(dcw)
+            w(p + "mixer.conv1d.bias", G).add_(dcb)
+            dxz = torch.cat([dxi.view(BT, di), dz.view(BT, di)], dim=1)
+            _acc_mm(w(p + "mixer.in_proj.weight", G), dxz.t(), u)
+            du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
+            dh = _rms_bwd(du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh_acc=dh)
+        dh_c = dh.to(cdt)
+        _acc_mm(w("input_proj.weight", G), dh_c.t(), ctx.x2)
+        w("input_proj.bias", G).add_(dh.sum(0))
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(dh_c, w("input_proj.weight")).view(B, T, -1).to(ctx.x_dtype)
+        return dx, None, None, None, None, None
+
+
+def fused_backbone(net, x, conv0, ssm0, starts):
+    """(features [B, T, d_model] f32, final conv [L, B, d_inner, d_conv-1], final ssm [L, B, d_inner, d_state]).
+
+    ``conv0``/``ssm0`` are float32 contiguous [L, B, ...] tensors (zeros for no initial state) and ``starts``
+    a contiguous [B, T] bool tensor. Gradients of every parameter are added to ``net.grad_arena`` by the
+    backward; the gradient of x is returned when x requires grad. No gradient flows into the initial state
+    (truncated BPTT).
+    """
+    anchor = net.norm_f.weight  # any parameter: makes the output require grad so backward runs
+    return _Backbone.apply(x, anchor, net, conv0, ssm0, starts)
