@@ -107,6 +107,7 @@ class MambaTrainer:
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         # Static buffers: every call copies into these, and captured graphs read them.
         c = net.cfg
+        # x_buf [B,T,input_dim] f32, d_buf [B,T,d_model] f32, starts_buf [B,T] bool: public, for zero-copy.
         self.x_buf = torch.zeros(batch, seq_len, net.input_dim, device=dev)
         self.d_buf = torch.zeros(batch, seq_len, c.d_model, device=dev)
         self.starts_buf = torch.zeros(batch, seq_len, dtype=torch.bool, device=dev)
@@ -120,6 +121,14 @@ class MambaTrainer:
     # ------------------------------------------------------------------------------------ inputs
     def _load(self, x, initial_state, episode_starts, where):
         B, T, net = self.batch, self.seq_len, self.net
+        if x is None:  # zero-copy: the caller wrote x_buf and starts_buf itself
+            if episode_starts is not None:
+                raise ValueError(f"{where}: with x=None write the starts into trainer.starts_buf, "
+                                 f"not episode_starts")
+            if initial_state is not None:
+                net.check_inputs(self.x_buf, initial_state, None, where=where)
+                self.state.copy_(initial_state)
+            return
         check_tensor(f"{where}: x", x, shape=(B, T, net.input_dim), device=self.device, floating=True)
         if episode_starts is not None:
             check_tensor(f"{where}: episode_starts", episode_starts, shape=(B, T), dtype=torch.bool,
@@ -135,9 +144,12 @@ class MambaTrainer:
             self.state.copy_(initial_state)
 
     def _load_grad(self, d_temporal, extra_grad_sq, where):
+        if d_temporal is None:  # zero-copy: the caller wrote d_buf itself
+            d_temporal = self.d_buf
         check_tensor(f"{where}: d_temporal", d_temporal, shape=(self.batch, self.seq_len, self.net.cfg.d_model),
                      device=self.device, floating=True)
-        self.d_buf.copy_(d_temporal)
+        if d_temporal is not self.d_buf:
+            self.d_buf.copy_(d_temporal)
         if extra_grad_sq is None:
             self.extra_sq_buf.zero_()
         else:
@@ -197,8 +209,10 @@ class MambaTrainer:
         """Fused forward over [B, T], backward with ``d_temporal``, global clip and AdamW.
 
         Args:
-            x: [B, T, input_dim] float on the trainer's device.
-            d_temporal: [B, T, d_model] float, dLoss/dfeatures of the caller's loss.
+            x: [B, T, input_dim] float on the trainer's device; None when the caller wrote ``x_buf`` and
+                ``starts_buf`` in place (zero-copy: the static buffers the graphs read).
+            d_temporal: [B, T, d_model] float, dLoss/dfeatures of the caller's loss; None when written
+                into ``d_buf`` in place.
             initial_state: the state to start from, or None to continue from the carried state.
             episode_starts: [B, T] bool or None (see :meth:`MambaBackbone.forward`).
         Returns:

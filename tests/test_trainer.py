@@ -173,3 +173,18 @@ def test_bf16_reference_runs_close_to_f32():
     t32.backward_step(d, accumulate=True)
     t16.backward_step(d, accumulate=True)
     assert float((net16.grad_arena - net32.grad_arena).norm() / net32.grad_arena.norm()) < 2e-2
+
+
+def test_zero_copy_buffers_equal_copying():
+    gen = torch.Generator().manual_seed(9)
+    x, d, s = data(gen)
+    net_a, a = make(lr=1e-3)
+    net_b, b = make(lr=1e-3)
+    a.step(x, d, episode_starts=s)
+    b.x_buf.copy_(x)
+    b.d_buf.copy_(d)
+    b.starts_buf.copy_(s)
+    b.step(None, None)
+    assert torch.equal(net_a.arena, net_b.arena)
+    with pytest.raises(ValueError, match="starts_buf"):
+        b.step(None, None, episode_starts=s)
