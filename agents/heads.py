@@ -63,15 +63,15 @@ def encode_prev_action(space: spaces.Space, actions: torch.Tensor) -> torch.Tens
         actions: [..., action_dim(space)] (long for discrete spaces, float for Box).
 
     Returns:
-        float32 [..., action_input_dim(space)]: one-hot for Discrete (action minus ``start``),
+        float32 [..., action_input_dim(space)]: one-hot for Discrete (stored actions are zero-based),
         concatenated one-hots for MultiDiscrete, the (clipped) action for Box.
     """
     if isinstance(space, spaces.Discrete):
-        idx = actions[..., 0].long() - int(space.start)
+        idx = actions[..., 0].long()
         return torch.nn.functional.one_hot(idx, int(space.n)).float()
     if isinstance(space, spaces.MultiDiscrete):
         parts = [
-            torch.nn.functional.one_hot(actions[..., i].long() - int(space.start[i]), int(n)).float()
+            torch.nn.functional.one_hot(actions[..., i].long(), int(n)).float()
             for i, n in enumerate(space.nvec)
         ]
         return torch.cat(parts, dim=-1)

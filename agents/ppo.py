@@ -178,6 +178,7 @@ class RecurrentPPO:
             self.stepper.capture_graph()
             self.trainer.capture_graph()
         self._predict_steppers: dict[int, Any] = {}
+        self._warned_pickle = False
 
         self.sample_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.np_rng = np.random.default_rng(config.seed)
@@ -685,8 +686,11 @@ class RecurrentPPO:
                 and not self.config.capture_video:
             try:
                 blob = pickle.dumps(self.envs)
-            except Exception as err:  # some third-party envs do not pickle
-                warnings.warn(f"envs could not be pickled ({err}); a resume will reset the envs")
+            except Exception as err:  # lambdas in wrappers (e.g. FlattenObservation), third-party envs
+                if not self._warned_pickle:
+                    warnings.warn(f"envs could not be pickled ({err}); resuming from this run's checkpoints "
+                                  "restores the learner exactly but resets the envs")
+                    self._warned_pickle = True
             else:
                 with open(path / "envs.pkl.tmp", "wb") as f:
                     f.write(blob)
