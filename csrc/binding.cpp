@@ -276,6 +276,142 @@ void unscale_grad(Tensor& grad, const Tensor& scalars) {
                              c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+
+// ---------------- one-token backbone step ----------------
+Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                     const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
+                     const OptT& starts, double eps, int64_t rows_per_block) {
+  TORCH_CHECK(x.dim() == 2, "backbone_step: x_t must be [B, input_dim], got ", shape_str(x));
+  const int64_t B = x.size(0), in_dim = x.size(1);
+  check_f32(x, "backbone_step: x_t", x, {B, in_dim});
+  TORCH_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight must be [d_model, ",
+              in_dim, "], got ", shape_str(inp_w));
+  const int64_t dm = inp_w.size(0);
+  const auto wt = inp_w.scalar_type();
+  const int wcode = dtype_code(inp_w, "backbone_step: input_proj.weight");
+  auto check_w = [&](const Tensor& t, const char* name, at::IntArrayRef shape) {
+    check_cuda(t, name, x);
+    TORCH_CHECK(t.scalar_type() == wt, name, ": expected the GEMM weight dtype ", wt, ", got ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
+    TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  };
+  check_w(inp_w, "backbone_step: input_proj.weight", {dm, in_dim});
+  check_w(inp_b, "backbone_step: input_proj.bias", {dm});
+  check_f32(normf_w, "backbone_step: norm_f.weight", x, {dm});
+  const int64_t L = (int64_t)layers.size();
+  TORCH_CHECK(L >= 1 && L <= mrl::STEP_MAX_LAYERS, "backbone_step: n_layers must be in [1, 16], got ", L);
+  TORCH_CHECK(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B,
+              "backbone_step: conv_state must be [", L, ", ", B, ", d_inner, d_conv-1], got ", shape_str(conv_state));
+  const int64_t D = conv_state.size(2), K = conv_state.size(3) + 1;
+  check_f32(conv_state, "backbone_step: conv_state", x, {L, B, D, K - 1});
+  TORCH_CHECK(ssm_state.dim() == 4, "backbone_step: ssm_state must be [L, B, d_inner, d_state], got ", shape_str(ssm_state));
+  const int64_t N = ssm_state.size(3);
+  check_f32(ssm_state, "backbone_step: ssm_state", x, {L, B, D, N});
+  TORCH_CHECK(N == 8 || N == 16, "backbone_step: d_state must be 8 or 16, got ", N);
+  TORCH_CHECK(K == 4, "backbone_step: d_conv must be 4, got ", K);
+  if (starts) {
+    check_cuda(*starts, "backbone_step: episode_starts", x);
+    TORCH_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
+                "backbone_step: episode_starts must be a contiguous [", B, "] bool tensor, got ", shape_str(*starts),
+                " ", starts->scalar_type());
+  }
+  mrl::StepParams p{};
+  int64_t rank = -1;
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& t = layers[l];
+    TORCH_CHECK(t.size() == 10, "backbone_step: layer ", l, " needs 10 tensors, got ", t.size());
+    if (rank < 0) rank = t[5].dim() == 2 ? t[5].size(1) : -1;
+    TORCH_CHECK(rank >= 1, "backbone_step: dt_proj.weight must be [d_inner, dt_rank]");
+    check_f32(t[0], "backbone_step: norm.weight", x, {dm});
+    check_w(t[1], "backbone_step: in_proj.weight", {2 * D, dm});
+    check_f32(t[2], "backbone_step: conv1d.weight (as [d_inner, d_conv])", x, {D, K});
+    check_f32(t[3], "backbone_step: conv1d.bias", x, {D});
+    check_w(t[4], "backbone_step: x_proj.weight", {rank + 2 * N, D});
+    check_w(t[5], "backbone_step: dt_proj.weight", {D, rank});
+    check_f32(t[6], "backbone_step: dt_proj.bias", x, {D});
+    check_f32(t[7], "backbone_step: A_log", x, {D, N});
+    check_f32(t[8], "backbone_step: D", x, {D});
+    check_w(t[9], "backbone_step: out_proj.weight", {dm, D});
+    p.layer[l] = mrl::StepLayer{t[0].data_ptr<float>(), t[1].data_ptr(), t[2].data_ptr<float>(), t[3].data_ptr<float>(),
+                                t[4].data_ptr(), t[5].data_ptr(), t[6].data_ptr<float>(), t[7].data_ptr<float>(),
+                                t[8].data_ptr<float>(), t[9].data_ptr()};
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = new_empty({B, dm}, x.options());
+  p.x = x.data_ptr<float>(); p.inp_w = inp_w.data_ptr(); p.inp_b = inp_b.data_ptr();
+  p.normf_w = normf_w.data_ptr<float>(); p.conv_state = conv_state.data_ptr<float>();
+  p.ssm_state = ssm_state.data_ptr<float>(); p.starts = ptr_or_null<bool>(starts); p.out = out.data_ptr<float>();
+  p.B = (int)B; p.in_dim = (int)in_dim; p.dm = (int)dm; p.D = (int)D; p.N = (int)N; p.K = (int)K;
+  p.rank = (int)rank; p.L = (int)L; p.eps = (float)eps;
+  raise_if(mrl::backbone_step(wcode, p, (int)rows_per_block, c10::cuda::getCurrentCUDAStream().stream()));
+  return out;
+}
+
+
+// ---------------- RMSNorm ----------------
+// Self-resetting counters for the kernels whose last block finishes a reduction: one slot per op kind and
+// device, zeroed once (from torch's allocator, so a first use inside a graph capture is fine too).
+unsigned int* counter_slot(const Tensor& ref, int slot) {
+  static std::vector<Tensor> pool(64);
+  const int dev = ref.get_device();
+  TORCH_CHECK(dev >= 0 && dev < 64, "counter_slot: bad device");
+  if (!pool[dev].defined()) pool[dev] = at::zeros({64}, ref.options().dtype(at::kInt));
+  return reinterpret_cast<unsigned int*>(pool[dev].data_ptr<int>()) + slot;
+}
+
+std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
+  TORCH_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  check_cuda(x, "rms_norm: x", x);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32, got ",
+              x.scalar_type(), " strides ", x.strides());
+  check_f32(w, "rms_norm: weight", x, {C});
+  TORCH_CHECK(C >= 1 && C <= 1024, "rms_norm: channels must be in [1, 1024], got ", C);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = new_empty(x.sizes(), x.options().dtype(out_dtype));
+  const int odt = dtype_code(out, "rms_norm: out_dtype");
+  std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
+  rshape.back() = 1;
+  auto rstd = new_empty(rshape, x.options());
+  mrl::NormFwdParams p{x.data_ptr<float>(), rows, (int)C, w.data_ptr<float>(), (float)eps, out.data_ptr(), odt,
+                       rstd.data_ptr<float>()};
+  if (rows) raise_if(mrl::norm_fwd(p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {out, rstd};
+}
+
+Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
+                   const OptT& dx_acc) {
+  const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
+  check_cuda(x, "rms_norm: x", x);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
+  check_cuda(dy, "rms_norm: grad_out", x);
+  const int gdt = dtype_code(dy, "rms_norm: grad_out");
+  TORCH_CHECK(dy.numel() == x.numel() && dy.size(-1) == C && dy.is_contiguous(), "rms_norm: grad_out must be a "
+              "contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(dy));
+  check_cuda(rstd, "rms_norm: rstd", x);
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(),
+              "rms_norm: rstd must be contiguous float32 with ", rows, " elements, got ", shape_str(rstd));
+  check_f32(w, "rms_norm: weight", x, {C});
+  check_cuda(dw_acc, "rms_norm: dw_acc", x);
+  TORCH_CHECK(dw_acc.scalar_type() == at::kFloat && dw_acc.numel() == C && dw_acc.is_contiguous(),
+              "rms_norm: dw_acc must be a contiguous float32 [", C, "] tensor, got ", shape_str(dw_acc));
+  if (dx_acc) {
+    check_cuda(*dx_acc, "rms_norm: dh_acc", x);
+    TORCH_CHECK(dx_acc->scalar_type() == at::kFloat && dx_acc->numel() == x.numel() && dx_acc->is_contiguous(),
+                "rms_norm: dh_acc must be contiguous float32 shaped like x, got ", shape_str(*dx_acc));
+  }
+  TORCH_CHECK(C >= 1 && C <= 1024, "rms_norm: channels must be in [1, 1024], got ", C);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto dx = new_empty(x.sizes(), x.options());
+  if (!rows) return dx;
+  auto ws = new_empty({(int64_t)mrl::norm_bwd_blocks(rows) * C}, x.options());
+  mrl::NormBwdParams p{dy.data_ptr(), gdt, x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), rows,
+                       (int)C, dx.data_ptr<float>(), ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(),
+                       ws.data_ptr<float>(), counter_slot(x, 0)};
+  raise_if(mrl::norm_bwd(p, c10::cuda::getCurrentCUDAStream().stream()));
+  return dx;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -287,6 +423,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections (in place)");
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
   m.def("unscale_grad", &unscale_grad, "grad = found_inf ? 0 : grad * inv_scale (in place)");
+  m.def("backbone_step", &backbone_step, "one token through the whole backbone (one launch); states in place");
+  m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1])");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc");
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
 }

@@ -94,3 +94,59 @@ const char* adamw_step(const AdamWParams& p, cudaStream_t s);
 // grad = found_inf ? 0 : grad * inv_scale  (select, so an inf never turns into NaN)
 const char* unscale_grad(float* grad, int64_t P, const double* scalars, cudaStream_t s);
 }  // namespace mrl
+
+namespace mrl {
+// ---------------- one-token backbone step (all layers, one launch) ----------------
+constexpr int STEP_MAX_LAYERS = 16;
+struct StepLayer {
+  const float* norm_w;            // [dm]
+  const void* in_w;               // [2*D, dm]      (weight dtype)
+  const float* conv_w;            // [D, K]
+  const float* conv_b;            // [D]
+  const void* x_w;                // [rank + 2N, D] (weight dtype)
+  const void* dt_w;               // [D, rank]      (weight dtype)
+  const float* dt_b;              // [D]
+  const float* A_log;             // [D, N]
+  const float* Dp;                // [D]
+  const void* out_w;              // [dm, D]        (weight dtype)
+};
+struct StepParams {
+  const float* x;                 // [B, in_dim]
+  const void* inp_w;              // [dm, in_dim]   (weight dtype)
+  const void* inp_b;              // [dm]           (weight dtype)
+  const float* normf_w;           // [dm]
+  float* conv_state;              // [L, B, D, K-1]
+  float* ssm_state;               // [L, B, D, N]
+  const bool* starts;             // [B] or nullptr
+  float* out;                     // [B, dm]
+  int B, in_dim, dm, D, N, K, rank, L;
+  float eps;
+  StepLayer layer[STEP_MAX_LAYERS];
+};
+// rows_per_block: 0 = choose from B
+const char* backbone_step(int wdtype, const StepParams& p, int rows_per_block, cudaStream_t s);
+}  // namespace mrl
+
+namespace mrl {
+// ---------------- RMSNorm (rows of C, float32 input) ----------------
+struct NormFwdParams {
+  const float* x; int64_t rows; int C;   // [rows, C] contiguous
+  const float* w;                        // [C]
+  float eps;
+  void* out; int out_dtype;              // [rows, C]
+  float* rstd;                           // [rows]
+};
+struct NormBwdParams {
+  const void* dy; int dy_dtype;          // [rows, C]
+  const float* x; const float* rstd; const float* w;
+  int64_t rows; int C;
+  float* dx;                             // [rows, C] = rstd * (g - xhat * mean(g * xhat)) (+ dx_acc), g = dy * w
+  const float* dx_acc;                   // [rows, C] or nullptr (may alias dx)
+  float* dw_acc;                         // [C]: += sum_rows dy * xhat
+  float* ws;                             // [norm_bwd_blocks(rows) * C]
+  unsigned int* counter;                 // self-resetting
+};
+int norm_bwd_blocks(int64_t rows);
+const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);
+const char* norm_bwd(const NormBwdParams& p, cudaStream_t s);
+}  // namespace mrl

@@ -170,3 +170,34 @@ def test_graph_capture_conv_scan(ext):
     torch.cuda.synchronize()
     for a, b in zip(eager, static):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("odt", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows,C", [(1, 128), (7, 128), (1000, 128), (4099, 128), (33, 256), (5, 40)])
+def test_rms_norm(ext, rows, C, odt):
+    from mamba_rl.ops._cuda_autograd import rms_norm
+    from mamba_rl.ops.norm import rms_norm_ref
+    g = torch.Generator(device="cuda").manual_seed(rows * 7 + C)
+    x = torch.randn(rows, C, device="cuda", generator=g) * 3
+    w = 1 + 0.2 * torch.randn(C, device="cuda", generator=g)
+    dy = torch.randn(rows, C, device="cuda", generator=g).to(odt)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = rms_norm(xl, wl, 1e-5, odt)
+    assert y.dtype == odt
+    dx, dw = torch.autograd.grad(y, [xl, wl], dy)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    yr = rms_norm_ref(xr, wr, 1e-5)
+    dxr, dwr = torch.autograd.grad(yr, [xr, wr], dy.double())
+    tol = TOL[odt]
+    assert rel(y, yr) <= tol and rel(dx, dxr) <= tol and rel(dw, dwr) <= tol
+    # the fused-backbone entry points: rstd out, dw accumulated, residual grad added
+    u, rstd = ext.rmsnorm_fwd(x, w, 1e-5, odt)
+    assert torch.equal(u, y.detach()) and rstd.shape == (rows, 1)
+    acc = torch.randn(C, device="cuda")
+    acc0 = acc.clone()
+    dh_acc = torch.randn(rows, C, device="cuda")
+    dh = ext.rmsnorm_bwd(dy, x, rstd, w, acc, dh_acc)
+    assert rel(dh, dxr + dh_acc.double()) <= tol
+    assert rel(acc - acc0, dwr) <= max(tol, 1e-5)
+    dh2 = ext.rmsnorm_bwd(dy, x, rstd, w, acc0, dh_acc)  # repeatable: the counter reset itself
+    assert torch.equal(dh, dh2) and torch.equal(acc, acc0)

@@ -110,3 +110,33 @@ def selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, episode_
         return selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
     return _SelectiveScan.apply(_act(x, x.dtype), dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state,
                                 _bool_c(episode_starts))
+
+
+# ---------------------------------------------------------------- RMSNorm
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, out_dtype):
+        xc = x.contiguous()
+        w32 = _f32c(weight)
+        out, rstd = _ext().rmsnorm_fwd(xc, w32, float(eps), out_dtype)
+        ctx.save_for_backward(xc, rstd, w32)
+        ctx.wdtype = weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, w32 = ctx.saved_tensors
+        if dy.dtype not in _ACT:
+            dy = dy.float()
+        dw = torch.zeros_like(w32)
+        dx = _ext().rmsnorm_bwd(dy.contiguous(), x, rstd, w32, dw, None)
+        return dx, dw.to(ctx.wdtype), None, None
+
+
+def rms_norm(x, weight, eps=1e-5, out_dtype=None):
+    """CUDA RMSNorm (see :func:`mamba_rl.ops.norm.rms_norm_ref`): float32 x, any activation out_dtype."""
+    out_dtype = out_dtype or x.dtype
+    if x.dtype != torch.float32 or out_dtype not in _ACT or x.shape[-1] > 1024 or weight.dtype == torch.float64:
+        from .norm import rms_norm_ref
+        return rms_norm_ref(x, weight, eps, out_dtype)
+    return _RMSNorm.apply(x, weight, eps, out_dtype)

@@ -1,0 +1,157 @@
+// RMSNorm forward (writes the compute-dtype output and rstd) and backward (dx, with an optional residual
+// gradient added in the same pass, and dw accumulated into the gradient arena). Warp per row; each lane
+// owns the columns lane + 32 k, so the backward's dw partials stay in registers; the last block to finish
+// sums the block partials in a fixed order (bit-reproducible, one launch).
+#include "common.cuh"
+
+namespace mrl {
+
+constexpr int NORM_THREADS = 256;
+constexpr int NORM_WARPS = NORM_THREADS / 32;
+constexpr int NORM_ROWS_PER_WARP = 8;
+
+int norm_bwd_blocks(int64_t rows) {
+  return (int)((rows + NORM_WARPS * NORM_ROWS_PER_WARP - 1) / (NORM_WARPS * NORM_ROWS_PER_WARP));
+}
+
+template <typename T> __device__ __forceinline__ float ld_any(const void* p, int64_t i) {
+  return to_f(reinterpret_cast<const T*>(p)[i]);
+}
+
+template <typename OT, int CPL>
+__global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32;
+  if (row >= p.rows) return;
+  const float* xr = p.x + row * p.C;
+  float v[CPL];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    const int c = lane + 32 * k;
+    v[k] = c < p.C ? xr[c] : 0.f;
+    ss = fmaf(v[k], v[k], ss);
+  }
+  ss = group_sum<32>(ss);
+  const float rs = rsqrtf(ss / p.C + p.eps);
+  OT* o = reinterpret_cast<OT*>(p.out) + row * p.C;
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    const int c = lane + 32 * k;
+    if (c < p.C) o[c] = from_f<OT>(v[k] * rs * p.w[c]);
+  }
+  if (lane == 0) p.rstd[row] = rs;
+}
+
+template <typename GT, int CPL>
+__global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p) {
+  __shared__ float part[NORM_WARPS][CPL * 32];
+  __shared__ bool is_last;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  float w[CPL], dw[CPL];
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) { const int c = lane + 32 * k; w[k] = c < p.C ? p.w[c] : 0.f; dw[k] = 0.f; }
+  const int64_t r0 = ((int64_t)blockIdx.x * NORM_WARPS + warp) * NORM_ROWS_PER_WARP;
+  for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
+    const int64_t row = r0 + i;
+    if (row >= p.rows) break;
+    const float rs = p.rstd[row];
+    float xh[CPL], g[CPL];
+    float dot = 0.f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int c = lane + 32 * k;
+      const bool ok = c < p.C;
+      const float dy = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
+      xh[k] = ok ? p.x[row * p.C + c] * rs : 0.f;
+      g[k] = dy * w[k];
+      dot = fmaf(g[k], xh[k], dot);
+      dw[k] = fmaf(dy, xh[k], dw[k]);
+    }
+    dot = group_sum<32>(dot) / p.C;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int c = lane + 32 * k;
+      if (c < p.C) {
+        float d = rs * (g[k] - xh[k] * dot);
+        if (p.dx_acc) d += p.dx_acc[row * p.C + c];
+        p.dx[row * p.C + c] = d;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) part[warp][lane + 32 * k] = dw[k];
+  __syncthreads();
+  for (int c = threadIdx.x; c < p.C; c += NORM_THREADS) {
+    float s = 0.f;
+#pragma unroll
+    for (int q = 0; q < NORM_WARPS; ++q) s += part[q][c];
+    p.ws[(int64_t)blockIdx.x * p.C + c] = s;
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  // last block: column sums over the block partials, rows split over NORM_WARPS groups, fixed order.
+  const int nb = gridDim.x;
+  for (int c0 = 0; c0 < p.C; c0 += 32) {
+    const int c = c0 + lane;
+    float s = 0.f;
+    if (c < p.C)
+      for (int b = warp; b < nb; b += NORM_WARPS) s += __ldcg(p.ws + (int64_t)b * p.C + c);
+    part[warp][lane] = s;
+    __syncthreads();
+    if (warp == 0 && c < p.C) {
+      float t = 0.f;
+#pragma unroll
+      for (int q = 0; q < NORM_WARPS; ++q) t += part[q][lane];
+      p.dw_acc[c] += t;
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *p.counter = 0u;
+}
+
+template <int CPL>
+static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
+  const unsigned nb = (unsigned)((p.rows + NORM_WARPS - 1) / NORM_WARPS);
+  switch (p.out_dtype) {
+    case kF32: norm_fwd_kernel<float, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kBF16: norm_fwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kF16: norm_fwd_kernel<__half, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    default: return "rms_norm: unsupported output dtype";
+  }
+  MRL_LAUNCH_CHECK();
+  return nullptr;
+}
+template <int CPL>
+static const char* norm_bwd_c(const NormBwdParams& p, cudaStream_t s) {
+  const unsigned nb = (unsigned)norm_bwd_blocks(p.rows);
+  switch (p.dy_dtype) {
+    case kF32: norm_bwd_kernel<float, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kBF16: norm_bwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kF16: norm_bwd_kernel<__half, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    default: return "rms_norm: unsupported grad dtype";
+  }
+  MRL_LAUNCH_CHECK();
+  return nullptr;
+}
+
+const char* norm_fwd(const NormFwdParams& p, cudaStream_t s) {
+  if (p.C <= 128) return norm_fwd_c<4>(p, s);
+  if (p.C <= 256) return norm_fwd_c<8>(p, s);
+  if (p.C <= 512) return norm_fwd_c<16>(p, s);
+  if (p.C <= 1024) return norm_fwd_c<32>(p, s);
+  return "rms_norm: at most 1024 channels";
+}
+const char* norm_bwd(const NormBwdParams& p, cudaStream_t s) {
+  if (p.C <= 128) return norm_bwd_c<4>(p, s);
+  if (p.C <= 256) return norm_bwd_c<8>(p, s);
+  if (p.C <= 512) return norm_bwd_c<16>(p, s);
+  if (p.C <= 1024) return norm_bwd_c<32>(p, s);
+  return "rms_norm: at most 1024 channels";
+}
+
+}  // namespace mrl

@@ -1,0 +1,146 @@
+"""Fused one-token CUDA step vs the sequence forward (float64 references) over T = 1024 with resets."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
+
+
+class Cfg:
+    rms_norm_eps = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from mamba_rl.ops._dispatch import extension, extension_error
+    e = extension()
+    assert e is not None, f"extension failed to load: {extension_error()!r}"
+    e.set_poison(True)
+    yield e
+    e.set_poison(False)
+
+
+def make_weights(in_dim, dm=128, L=3, N=16, K=4, seed=0, gemm_dtype=torch.float32):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    di, r = 2 * dm, math.ceil(dm / 16)
+    rn = lambda *s, sc=1.0: torch.randn(*s, device="cuda", generator=g) * sc
+    w = {"input_proj.weight": rn(dm, in_dim, sc=in_dim ** -0.5), "input_proj.bias": rn(dm, sc=0.1),
+         "norm_f.weight": 1 + rn(dm, sc=0.1)}
+    for i in range(L):
+        p = f"layers.{i}."
+        w[p + "norm.weight"] = 1 + rn(dm, sc=0.1)
+        w[p + "mixer.in_proj.weight"] = rn(2 * di, dm, sc=dm ** -0.5)
+        w[p + "mixer.conv1d.weight"] = rn(di, 1, K, sc=0.5)
+        w[p + "mixer.conv1d.bias"] = rn(di, sc=0.1)
+        w[p + "mixer.x_proj.weight"] = rn(r + 2 * N, di, sc=di ** -0.5)
+        w[p + "mixer.dt_proj.weight"] = rn(di, r, sc=r ** -0.5)
+        w[p + "mixer.dt_proj.bias"] = torch.log(torch.expm1(torch.exp(
+            torch.rand(di, device="cuda", generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))))
+        w[p + "mixer.A_log"] = torch.log(torch.arange(1, N + 1, device="cuda", dtype=torch.float32)).repeat(di, 1)
+        w[p + "mixer.D"] = 1 + rn(di, sc=0.1)
+        w[p + "mixer.out_proj.weight"] = rn(dm, di, sc=di ** -0.5)
+    gemm = ("input_proj.", "in_proj.weight", "x_proj.weight", "dt_proj.weight", "out_proj.weight")
+    for k in list(w):
+        if any(s in k for s in gemm) and not k.endswith("dt_proj.bias"):
+            w[k] = w[k].to(gemm_dtype)
+    return w
+
+
+def seq_forward_ref(x, w, L, starts, conv0, ssm0):
+    """The sequence forward in float64 (per-op references over T)."""
+    from mamba_rl.ops.conv import causal_conv1d_ref
+    from mamba_rl.ops.norm import rms_norm_ref
+    from mamba_rl.ops.scan import selective_scan_ref
+    d = {k: v.double() for k, v in w.items()}
+    h = F.linear(x.double(), d["input_proj.weight"], d["input_proj.bias"])
+    di = d["layers.0.mixer.conv1d.weight"].shape[0]
+    N = d["layers.0.mixer.A_log"].shape[1]
+    r = d["layers.0.mixer.dt_proj.weight"].shape[1]
+    cf_all, sf_all = [], []
+    for i in range(L):
+        q = lambda k: d[f"layers.{i}.{k}"]
+        u = rms_norm_ref(h, q("norm.weight"), 1e-5)
+        xi, z = F.linear(u, q("mixer.in_proj.weight")).split(di, -1)
+        xc, cf = causal_conv1d_ref(xi, q("mixer.conv1d.weight").reshape(di, -1), q("mixer.conv1d.bias"),
+                                   conv0[i].double(), starts)
+        dt_r, Bm, Cm = F.linear(xc, q("mixer.x_proj.weight")).split([r, N, N], -1)
+        dt = F.linear(dt_r, q("mixer.dt_proj.weight"))
+        y, sf = selective_scan_ref(xc, dt, q("mixer.A_log"), Bm, Cm, q("mixer.D"), z, q("mixer.dt_proj.bias"),
+                                   ssm0[i].double(), starts)
+        h = h + F.linear(y, q("mixer.out_proj.weight"))
+        cf_all.append(cf)
+        sf_all.append(sf)
+    return rms_norm_ref(h, d["norm_f.weight"], 1e-5), torch.stack(cf_all), torch.stack(sf_all)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("B,gdt,tol", [(16, torch.float32, 1e-4), (7, torch.float32, 1e-4),
+                                       (16, torch.bfloat16, 2e-2)], ids=["B16-f32", "B7-f32", "B16-bf16"])
+def test_step_equals_forward_T1024(ext, B, gdt, tol):
+    from mamba_rl.ops.step import backbone_step
+    T, L, in_dim, dm = 1024, 3, 5, 128
+    w = make_weights(in_dim, dm, L, gemm_dtype=gdt, seed=B)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(B, T, in_dim, device="cuda", generator=g)
+    starts = torch.rand(B, T, device="cuda", generator=g) < 0.01
+    starts[0, 0] = True
+    conv0 = torch.randn(L, B, 2 * dm, 3, device="cuda", generator=g)
+    ssm0 = torch.randn(L, B, 2 * dm, 16, device="cuda", generator=g)
+    ref, rcf, rsf = seq_forward_ref(x, w, L, starts, conv0, ssm0)
+    cs, ss = conv0.clone(), ssm0.clone()
+    feats = torch.stack([backbone_step(x[:, t], w, cs, ss, starts[:, t], Cfg()) for t in range(T)], 1)
+    assert feats.dtype == torch.float32 and feats.shape == (B, T, dm)
+    assert rel(feats, ref) <= tol
+    assert rel(cs, rcf) <= tol
+    assert rel(ss, rsf) <= tol
+
+
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
+def test_rows_per_block_agree_and_match_ref(ext, R):
+    from mamba_rl.ops.step import backbone_step, backbone_step_ref
+    B, L, in_dim = 37, 3, 4
+    w = make_weights(in_dim, 128, L, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(R)
+    x = torch.randn(B, in_dim, device="cuda", generator=g)
+    st = torch.rand(B, device="cuda", generator=g) < 0.3
+    cs = torch.randn(L, B, 256, 3, device="cuda", generator=g)
+    ss = torch.randn(L, B, 256, 16, device="cuda", generator=g)
+    rcs, rss = cs.double(), ss.double()
+    out = backbone_step(x, w, cs, ss, st, Cfg(), rows_per_block=R)
+    ref = backbone_step_ref(x.double(), {k: v.double() for k, v in w.items()}, rcs, rss, st, Cfg())
+    assert rel(out, ref) <= 1e-4 and rel(cs, rcs) <= 1e-4 and rel(ss, rss) <= 1e-4
+
+
+def test_step_graph_capture(ext):
+    from mamba_rl.ops.step import backbone_step
+    B, L, in_dim = 16, 3, 4
+    w = make_weights(in_dim, 128, L, seed=5, gemm_dtype=torch.bfloat16)
+    xs = torch.randn(6, B, in_dim, device="cuda")
+    sts = torch.rand(6, B, device="cuda") < 0.2
+    cs0 = torch.randn(L, B, 256, 3, device="cuda")
+    ss0 = torch.randn(L, B, 256, 16, device="cuda")
+    cs_e, ss_e = cs0.clone(), ss0.clone()
+    eager = [backbone_step(xs[t], w, cs_e, ss_e, sts[t], Cfg()).clone() for t in range(6)]
+    cs, ss = cs0.clone(), ss0.clone()
+    x_buf, st_buf = xs[0].clone(), sts[0].clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        backbone_step(x_buf, w, cs.clone(), ss.clone(), st_buf, Cfg())
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        out = backbone_step(x_buf, w, cs, ss, st_buf, Cfg())
+    for t in range(6):
+        x_buf.copy_(xs[t]); st_buf.copy_(sts[t])
+        gr.replay()
+        assert torch.equal(out, eager[t])
+    assert torch.equal(cs, cs_e) and torch.equal(ss, ss_e)
