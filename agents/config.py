@@ -52,6 +52,10 @@ class PPOConfig:
         prev_action: append the previous action (one-hot when discrete) to the input.
         prev_reward: append the previous reward to the input.
         normalize_obs: gymnasium NormalizeObservation on the vector env.
+        normalize_reward: gymnasium NormalizeReward (scale by the std of the discounted return).
+            On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,
+            and unscaled value targets (O(100) on CartPole) dominate the one global gradient
+            norm, starving the policy (measured: CartPole-v1 collapses back to ~50 without it).
         memoryless: reset the recurrent state at every step (ablation baseline).
         capture_video: record videos of env 0 under ``{runs_dir}/{run_name}/videos``.
         runs_dir: parent of the TensorBoard run folders. track: write TensorBoard.
@@ -96,6 +100,7 @@ class PPOConfig:
     prev_action: bool = False
     prev_reward: bool = False
     normalize_obs: bool = False
+    normalize_reward: bool = True
     memoryless: bool = False
     capture_video: bool = False
     runs_dir: str = "runs"

@@ -210,7 +210,7 @@ class RecurrentPPO:
         video = c.capture_video if capture_video is None else capture_video
         return make_vec_env(c.env_id, c.num_envs, seed=c.seed, async_=c.async_envs, capture_video=video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
-                            normalize_obs=c.normalize_obs)
+                            normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma)
 
     def _adopt_envs(self, envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
         if not isinstance(envs, gym.vector.VectorEnv):

@@ -109,13 +109,17 @@ def make_vec_env(
     normalize_obs: bool = False,
     flatten_obs: bool = True,
     env_kwargs: Optional[dict[str, Any]] = None,
+    normalize_reward: bool = False,
+    gamma: float = 0.99,
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
     The stack, innermost first: per env ``make_env`` (gym.make, RecordVideo on env 0,
     FlattenObservation); ``SyncVectorEnv`` (or ``AsyncVectorEnv`` with ``async_``) in
     gymnasium's default NextStep autoreset mode; vector ``RecordEpisodeStatistics`` (raw
-    returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` if asked.
+    returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` and
+    ``NormalizeReward`` (discounted-return scaling with ``gamma``) if asked. Episode statistics
+    are recorded before any normalisation, so they are the raw returns.
 
     The env is not reset here. ``seed`` seeds the vector action space; reset with
     ``env.reset(seed=seed)`` to seed sub-env ``i`` with ``seed + i`` (what RecurrentPPO does).
@@ -128,6 +132,8 @@ def make_vec_env(
         capture_video, video_dir, flatten_obs, env_kwargs: see ``make_env``.
         normalize_obs: running mean/std observation normalisation (gymnasium's vector
             ``NormalizeObservation``; freeze it with ``update_running_mean = False``).
+        normalize_reward: scale rewards by the running std of the discounted return
+            (gymnasium's vector ``NormalizeReward``, NextStep-aware). gamma: its discount.
 
     Returns:
         A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
@@ -157,6 +163,8 @@ def make_vec_env(
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
     if normalize_obs:
         envs = gym.wrappers.vector.NormalizeObservation(envs)
+    if normalize_reward:
+        envs = gym.wrappers.vector.NormalizeReward(envs, gamma=gamma)
     if seed is not None:
         envs.action_space.seed(int(seed))
     return envs
