@@ -61,7 +61,24 @@ def count_kernels(fn):
     return n
 
 
-def bench_train(B, T, dtype, iters):
+def kernel_profile(fn, top=25):
+    """Per-kernel GPU time of one call (torch.profiler), largest first: [(name, count, total µs)]."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg = {}
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            k = ev.name[:90]
+            c, t = agg.get(k, (0, 0.0))
+            agg[k] = (c + 1, t + ev.device_time_total if hasattr(ev, "device_time_total") else t + ev.cuda_time_total)
+    rows = sorted(((k, c, round(t, 2)) for k, (c, t) in agg.items()), key=lambda r: -r[2])
+    return rows[:top]
+
+
+def bench_train(B, T, dtype, iters, profile_it=False):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl.trainer import MambaTrainer
     torch.cuda.synchronize()
@@ -78,10 +95,14 @@ def bench_train(B, T, dtype, iters):
     api = timeit(lambda: tr.step(None, None), iters)
     replay = timeit(graph.replay, iters)
     nk = count_kernels(graph.replay)
+    prof = kernel_profile(graph.replay) if profile_it else None
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     del tr, net, graph
-    return dict(kind="train", model=f"mamba_rl_{dtype}", B=B, T=T, graph=True, us=replay, api_us=api,
-                eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
+    r = dict(kind="train", model=f"mamba_rl_{dtype}", B=B, T=T, graph=True, us=replay, api_us=api,
+             eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
+    if prof:
+        r["profile"] = prof
+    return r
 
 
 def bench_infer(B, iters):
@@ -161,21 +182,24 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["train", "infer"], default=None)
     a = ap.parse_args(argv)
     assert torch.cuda.is_available(), "bench needs a GPU"
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     iters = 30 if a.quick else 100
     rows = []
-    for B, T in SHAPES:
+    for B, T in (SHAPES if a.only != "infer" else []):
         for dt in ("f32", "bf16"):
             try:
-                rows.append(bench_train(B, T, dt, iters))
+                rows.append(bench_train(B, T, dt, iters, profile_it=(dt == "f32")))
             except Exception as e:  # record and keep going
                 rows.append(dict(kind="train", model=f"mamba_rl_{dt}", B=B, T=T, graph=True, us=float("nan"),
                                  err=repr(e)[:300]))
-            print(rows[-1], flush=True)
-    for B in INFER_B:
+            print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
+            for pr in rows[-1].get("profile", []):
+                print(f"    {pr[2]:9.1f} us  x{pr[1]:<3d} {pr[0]}", flush=True)
+    for B in (INFER_B if a.only != "train" else []):
         try:
             rows += bench_infer(B, 200 if not a.quick else 50)
         except Exception as e:

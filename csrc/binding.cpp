@@ -96,7 +96,8 @@ std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bia
 }
 
 std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
-                             const OptT& starts, const Tensor& dout, const OptT& dfinal, bool need_dinit) {
+                             const OptT& starts, const Tensor& dout, const OptT& dfinal, bool need_dinit,
+                             const OptT& dx_out, const OptT& dw_acc, const OptT& db_acc) {
   TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   const int dt = dtype_code(x, "causal_conv1d: x");
@@ -111,16 +112,22 @@ std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bia
   if (dfinal) check_f32(*dfinal, "causal_conv1d: grad_final_state", x, {B, D, K - 1});
   const c10::cuda::CUDAGuard guard(x.device());
   auto f32 = x.options().dtype(at::kFloat);
-  auto dx = new_empty({B, T, D}, x.options());
-  auto dw = new_empty({D, K}, f32);
-  auto db = new_empty({D}, f32);
+  if (dx_out) check_act(*dx_out, "causal_conv1d: dx_out", x, B, T, D, x.scalar_type());
+  TORCH_CHECK(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or neither");
+  if (dw_acc) {
+    check_f32(*dw_acc, "causal_conv1d: dw_acc", x, {D, K});
+    check_f32(*db_acc, "causal_conv1d: db_acc", x, {D});
+  }
+  auto dx = dx_out ? *dx_out : new_empty({B, T, D}, x.options());
+  auto dw = dw_acc ? *dw_acc : new_empty({D, K}, f32);
+  auto db = db_acc ? *db_acc : new_empty({D}, f32);
   Tensor dinit = need_dinit ? new_empty({B, D, K - 1}, f32) : Tensor();
   auto ws = new_empty({mrl::conv_bwd_workspace((int)B, (int)T, (int)D, (int)K)}, f32);
   mrl::ConvBwdParams p{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
                        ptr_or_null<float>(init), ptr_or_null<bool>(starts), dout.data_ptr(), dout.stride(0),
-                       dout.stride(1), ptr_or_null<float>(dfinal), dx.data_ptr(),
+                       dout.stride(1), ptr_or_null<float>(dfinal), dx.data_ptr(), dx.stride(0), dx.stride(1),
                        need_dinit ? dinit.data_ptr<float>() : nullptr, dw.data_ptr<float>(), db.data_ptr<float>(),
-                       ws.data_ptr<float>(), (int)B, (int)T, (int)D, (int)K};
+                       dw_acc.has_value(), ws.data_ptr<float>(), (int)B, (int)T, (int)D, (int)K};
   raise_if(mrl::conv_bwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
   return {dx, dw, db, dinit};
 }
@@ -185,7 +192,8 @@ std::vector<Tensor> scan_fwd(const Tensor& x, const Tensor& dt, const Tensor& A_
 std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
                              const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
                              const OptT& init, const OptT& starts, const Tensor& ckpt, const Tensor& dout,
-                             const OptT& dfinal, bool need_dinit) {
+                             const OptT& dfinal, bool need_dinit, const OptT& dz_out,
+                             const std::optional<std::vector<Tensor>>& acc) {
   auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
   const int64_t nC = (s.T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
   check_f32(ckpt, "selective_scan: checkpoints", x, {s.B, nC, s.D, s.N});
@@ -198,17 +206,25 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   q.f.ckpt = ckpt.data_ptr<float>();
   auto dx = new_empty({s.B, s.T, s.D}, x.options());
   auto ddt = new_empty({s.B, s.T, s.D}, x.options());
-  auto dz = new_empty({s.B, s.T, s.D}, x.options());
+  if (dz_out) check_act(*dz_out, "selective_scan: dz_out", x, s.B, s.T, s.D, x.scalar_type());
+  if (acc) {
+    TORCH_CHECK(acc->size() == 3, "selective_scan: acc must be [dA_log_acc, dD_acc, ddt_bias_acc]");
+    check_f32((*acc)[0], "selective_scan: dA_log_acc", x, {s.D, s.N});
+    check_f32((*acc)[1], "selective_scan: dD_acc", x, {s.D});
+    check_f32((*acc)[2], "selective_scan: ddt_bias_acc", x, {s.D});
+  }
+  auto dz = dz_out ? *dz_out : new_empty({s.B, s.T, s.D}, x.options());
   auto dB = new_empty({s.B, s.T, s.N}, x.options());
   auto dC = new_empty({s.B, s.T, s.N}, x.options());
-  auto dA = new_empty({s.D, s.N}, f32);
-  auto dD = new_empty({s.D}, f32);
-  auto ddb = new_empty({s.D}, f32);
+  auto dA = acc ? (*acc)[0] : new_empty({s.D, s.N}, f32);
+  auto dD = acc ? (*acc)[1] : new_empty({s.D}, f32);
+  auto ddb = acc ? (*acc)[2] : new_empty({s.D}, f32);
   Tensor dinit = need_dinit ? new_empty({s.B, s.D, s.N}, f32) : Tensor();
   auto ws = new_empty({mrl::scan_bwd_workspace((int)s.B, (int)s.T, (int)s.D, (int)s.N)}, f32);
   q.dout = dout.data_ptr(); q.g_sb = dout.stride(0); q.g_st = dout.stride(1);
   q.dfinal = ptr_or_null<float>(dfinal);
-  q.dx = dx.data_ptr(); q.ddt = ddt.data_ptr(); q.dz = dz.data_ptr(); q.dB = dB.data_ptr(); q.dC = dC.data_ptr();
+  q.dx = dx.data_ptr(); q.ddt = ddt.data_ptr(); q.dB = dB.data_ptr(); q.dC = dC.data_ptr();
+  q.dz = dz.data_ptr(); q.dz_sb = dz.stride(0); q.dz_st = dz.stride(1); q.accumulate = acc.has_value();
   q.dA_log = dA.data_ptr<float>(); q.dD = dD.data_ptr<float>(); q.ddt_bias = ddb.data_ptr<float>();
   q.dinit = need_dinit ? dinit.data_ptr<float>() : nullptr;
   q.ws = ws.data_ptr<float>();
@@ -417,9 +433,16 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mamba_rl CUDA kernels (see csrc/ and mamba_rl/ops/_cuda_autograd.py)";
   m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state)");
-  m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit)");
+  m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit); optional strided "
+        "dx_out and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
+        py::arg("starts"), py::arg("dout"), py::arg("dfinal"), py::arg("need_dinit"), py::arg("dx_out") = py::none(),
+        py::arg("dw_acc") = py::none(), py::arg("db_acc") = py::none());
   m.def("scan_fwd", &scan_fwd, "selective scan forward -> (y, final_state, checkpoints)");
-  m.def("scan_bwd", &scan_bwd, "selective scan backward -> (dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit)");
+  m.def("scan_bwd", &scan_bwd, "selective scan backward -> (dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit); "
+        "optional strided dz_out and acc=[dA_log, dD, ddt_bias] (added into)", py::arg("x"), py::arg("dt"),
+        py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"), py::arg("dt_bias"),
+        py::arg("init"), py::arg("starts"), py::arg("ckpt"), py::arg("dout"), py::arg("dfinal"),
+        py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
   m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections (in place)");
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
   m.def("unscale_grad", &unscale_grad, "grad = found_inf ? 0 : grad * inv_scale (in place)");

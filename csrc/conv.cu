@@ -23,10 +23,11 @@ const char* conv_fwd(int dtype, const ConvFwdParams& p, cudaStream_t s) {
 }
 
 struct ConvWGradOut {
-  float* dw; float* dbias; int D, K;
+  float* dw; float* dbias; int D, K; bool acc;
   __device__ void operator()(int j, float v) const {
     int k = j / D, d = j - k * D;
-    if (k < K) dw[d * K + k] = v; else dbias[d] = v;
+    float* dst = k < K ? dw + d * K + k : dbias + d;
+    *dst = acc ? *dst + v : v;
   }
 };
 
@@ -40,7 +41,7 @@ const char* conv_bwd(int dtype, const ConvBwdParams& p, cudaStream_t s) {
   }
   if (err) return err;
   const int P = p.B * ((p.T + CONV_LC - 1) / CONV_LC);
-  launch_colsum(p.ws, P, (p.K + 1) * p.D, ConvWGradOut{p.dw, p.dbias, p.D, p.K}, s);
+  launch_colsum(p.ws, P, (p.K + 1) * p.D, ConvWGradOut{p.dw, p.dbias, p.D, p.K, p.accumulate}, s);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

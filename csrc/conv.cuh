@@ -10,132 +10,140 @@ namespace mrl {
 constexpr int CONV_LC = 16;       // steps per thread
 constexpr int CONV_THREADS = 128; // channels per block
 
-template <typename T, int K>
-__device__ __forceinline__ void conv_load_window(const T* xb, int64_t st, const float* initbd, const bool* sb,
-                                                 int t0, float (&win)[K], float (&vm)[K]) {
-  // Before the first push, win[k] holds time t0-K+k (k = 1..K-1); win[0] is shifted out by that push.
-  win[0] = 0.f; vm[0] = 0.f;
-#pragma unroll
-  for (int k = 1; k < K; ++k) {
-    int tau = t0 - K + k;
-    float v;
-    if (tau >= 0) v = to_f(xb[tau * st]);
-    else v = initbd ? initbd[K - 1 + tau] : 0.f;
-    win[k] = v; vm[k] = 1.f;
-  }
-  if (sb) {
-    // a start at time s in [t0-K+2, t0-1] (s >= 0) invalidates the entries older than s.
-#pragma unroll
-    for (int k = 2; k < K; ++k) {
-      int s = t0 - K + k;
-      if (s >= 0 && sb[s]) {
-#pragma unroll
-        for (int j = 1; j < k; ++j) { win[j] = 0.f; vm[j] = 0.f; }
-      }
-    }
-  }
-}
-
-template <typename T, int K>
-__device__ __forceinline__ void conv_push(float (&win)[K], float (&vm)[K], float v, bool start) {
-#pragma unroll
-  for (int k = 0; k < K - 1; ++k) { win[k] = start ? 0.f : win[k + 1]; vm[k] = start ? 0.f : vm[k + 1]; }
-  win[K - 1] = v; vm[K - 1] = 1.f;
-}
-
+// One thread per (b, d, chunk of CONV_LC steps). Every input the chunk needs is loaded into registers
+// first (fully unrolled, so all loads are in flight together), then the chunk is computed.
+// Tap validity: the tap at time tau of output t is used iff no episode start lies in (tau, t].
 template <typename T, int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p) {
+  constexpr int LC = CONV_LC, W = LC + K - 1;  // register window: times t0-K+1 .. t0+LC-1
   const int d = blockIdx.x * CONV_THREADS + threadIdx.x;
   const int c = blockIdx.y, b = blockIdx.z;
   if (d >= p.D) return;
-  const int T_ = p.T;
-  const int t0 = c * CONV_LC, t1 = min(t0 + CONV_LC, T_);
-  const T* xb = reinterpret_cast<const T*>(p.x) + b * p.x_sb + d;
-  const float* initbd = p.init ? p.init + ((int64_t)b * p.D + d) * (K - 1) : nullptr;
+  const int T_ = p.T, D = p.D;
+  const int t0 = c * LC;
+  const T* __restrict__ xb = reinterpret_cast<const T*>(p.x) + b * p.x_sb + d;
+  const float* initbd = p.init ? p.init + ((int64_t)b * D + d) * (K - 1) : nullptr;
   const bool* sb = p.starts ? p.starts + (int64_t)b * T_ : nullptr;
+  float xv[W];
+  bool sv[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int tau = t0 - (K - 1) + j;
+    xv[j] = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : (tau < T_ ? to_f(xb[(int64_t)tau * p.x_st]) : 0.f);
+    sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
+  }
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];
   const float bias = p.bias[d];
-  float win[K], vm[K];
-  conv_load_window<T, K>(xb, p.x_st, initbd, sb, t0, win, vm);
-  T* ob = reinterpret_cast<T*>(p.out) + ((int64_t)b * T_) * p.D + d;
-  for (int t = t0; t < t1; ++t) {
-    conv_push<T, K>(win, vm, to_f(xb[t * p.x_st]), sb ? sb[t] : false);
-    float pre = bias;
+  T* ob = reinterpret_cast<T*>(p.out) + ((int64_t)b * T_) * D + d;
 #pragma unroll
-    for (int k = 0; k < K; ++k) pre = fmaf(w[k], win[k], pre);
-    ob[(int64_t)t * p.D] = from_f<T>(siluf_(pre));
+  for (int i = 0; i < LC; ++i) {
+    const int t = t0 + i;
+    if (t < T_) {
+      float pre = bias;
+      bool valid = true;
+#pragma unroll
+      for (int k = K - 1; k >= 0; --k) {  // tap time t-K+1+k, register index i+k
+        if (valid) pre = fmaf(w[k], xv[i + k], pre);
+        if (sv[i + k]) valid = false;
+      }
+      ob[(int64_t)t * D] = from_f<T>(siluf_(pre));
+    }
   }
-  if (t1 == T_) {
-    float* fb = p.final_state + ((int64_t)b * p.D + d) * (K - 1);
-#pragma unroll
-    for (int j = 0; j < K - 1; ++j) fb[j] = win[j + 1];
+  if (t0 + LC >= T_) {  // this chunk holds T-1: write the final window
+    float* fb = p.final_state + ((int64_t)b * D + d) * (K - 1);
+    bool valid = true;
+    for (int j = K - 2; j >= 0; --j) {
+      const int tau = T_ - K + 1 + j;
+      float v = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : to_f(xb[(int64_t)tau * p.x_st]);
+      fb[j] = valid ? v : 0.f;
+      if (tau >= 0 && sb && sb[tau]) valid = false;
+    }
   }
 }
 
 // Partials layout: ws[(b * nC + c) * (K+1) + k][d], k = K is the bias.
 template <typename T, int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv_bwd_kernel(ConvBwdParams p) {
+  constexpr int LC = CONV_LC, WX = LC + 2 * (K - 1), WP = LC + K - 1;
+  // xv/sv index j <-> time t0-K+1+j (j < WX); dp index m <-> time t0+m (m < WP)
   const int d = blockIdx.x * CONV_THREADS + threadIdx.x;
   const int c = blockIdx.y, b = blockIdx.z;
   if (d >= p.D) return;
   const int T_ = p.T, D = p.D;
   const int nC = gridDim.y;
-  const int t0 = c * CONV_LC, t1 = min(t0 + CONV_LC, T_);
-  const int tE = min(t1 + K - 2, T_ - 1);
-  const T* xb = reinterpret_cast<const T*>(p.x) + b * p.x_sb + d;
-  const T* gb = reinterpret_cast<const T*>(p.dout) + b * p.g_sb + d;
+  const int t0 = c * LC;
+  const T* __restrict__ xb = reinterpret_cast<const T*>(p.x) + b * p.x_sb + d;
+  const T* __restrict__ gb = reinterpret_cast<const T*>(p.dout) + b * p.g_sb + d;
   const float* initbd = p.init ? p.init + ((int64_t)b * D + d) * (K - 1) : nullptr;
   const bool* sb = p.starts ? p.starts + (int64_t)b * T_ : nullptr;
-  T* dxb = reinterpret_cast<T*>(p.dx) + ((int64_t)b * T_) * D + d;
-  float* dib = p.dinit ? p.dinit + ((int64_t)b * D + d) * (K - 1) : nullptr;
+  float xv[WX], gv[WP];
+  bool sv[WX];
+#pragma unroll
+  for (int j = 0; j < WX; ++j) {
+    const int tau = t0 - (K - 1) + j;
+    xv[j] = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : (tau < T_ ? to_f(xb[(int64_t)tau * p.x_st]) : 0.f);
+    sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
+  }
+#pragma unroll
+  for (int m = 0; m < WP; ++m) gv[m] = t0 + m < T_ ? to_f(gb[(int64_t)(t0 + m) * p.g_st]) : 0.f;
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];
   const float bias = p.bias[d];
-  float win[K], vm[K], pend[K], dW[K + 1];
+  float dp[WP], dW[K + 1];
 #pragma unroll
   for (int k = 0; k <= K; ++k) dW[k] = 0.f;
 #pragma unroll
-  for (int k = 0; k < K; ++k) pend[k] = 0.f;
-  conv_load_window<T, K>(xb, p.x_st, initbd, sb, t0, win, vm);
-  for (int t = t0; t <= tE; ++t) {
-    // shift pending: pend[k] is the dx accumulator of time t-K+1+k
-#pragma unroll
-    for (int k = 0; k < K - 1; ++k) pend[k] = pend[k + 1];
-    pend[K - 1] = 0.f;
-    conv_push<T, K>(win, vm, to_f(xb[t * p.x_st]), sb ? sb[t] : false);
+  for (int m = 0; m < WP; ++m) {
+    const int t = t0 + m;
     float pre = bias;
+    bool valid = true;
+    float tap[K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) pre = fmaf(w[k], win[k], pre);
+    for (int k = K - 1; k >= 0; --k) {
+      tap[k] = valid ? xv[m + k] : 0.f;
+      pre = fmaf(w[k], tap[k], pre);
+      if (sv[m + k]) valid = false;
+    }
     const float sg = sigmoidf_(pre);
-    const float dpre = to_f(gb[t * p.g_st]) * sg * (1.f + pre * (1.f - sg));
-    if (t < t1) {
+    dp[m] = t < T_ ? gv[m] * sg * (1.f + pre * (1.f - sg)) : 0.f;
+    if (m < LC && t < T_) {
 #pragma unroll
-      for (int k = 0; k < K; ++k) dW[k] = fmaf(dpre, win[k], dW[k]);
-      dW[K] += dpre;
+      for (int k = 0; k < K; ++k) dW[k] = fmaf(dp[m], tap[k], dW[k]);
+      dW[K] += dp[m];
     }
-#pragma unroll
-    for (int k = 0; k < K; ++k) pend[k] = fmaf(w[k] * vm[k], dpre, pend[k]);
-    if (t == T_ - 1 && p.dfinal) {
-      const float* dfb = p.dfinal + ((int64_t)b * D + d) * (K - 1);
-#pragma unroll
-      for (int k = 1; k < K; ++k) pend[k] = fmaf(dfb[k - 1], vm[k], pend[k]);
-    }
-    // time t-K+1 is complete
-    const int tau = t - K + 1;
-    if (tau >= t0 && tau < t1) dxb[(int64_t)tau * D] = from_f<T>(pend[0]);
-    else if (tau < 0 && c == 0 && dib) dib[K - 1 + tau] = pend[0];
   }
-  if (tE == T_ - 1) {
-    // flush the times T-K+1 .. T-1 still pending
+  const float* dfb = p.dfinal ? p.dfinal + ((int64_t)b * D + d) * (K - 1) : nullptr;
+  // dx of time tau = t0 + i: outputs t = tau + q (tap k = K-1-q) while no start in (tau, t]
+  auto dx_at = [&](const int i) -> float {
+    const int tau = t0 + i;
+    float acc = 0.f;
+    bool valid = true;
 #pragma unroll
-    for (int k = 1; k < K; ++k) {
-      const int tau = T_ - K + k;
-      if (tau >= t0 && tau < t1) dxb[(int64_t)tau * D] = from_f<T>(pend[k]);
-      else if (tau < 0 && c == 0 && dib) dib[K - 1 + tau] = pend[k];
+    for (int q = 0; q < K; ++q) {
+      const int t = tau + q;
+      if (q > 0 && sv[i + q + K - 1]) valid = false;
+      if (valid && t >= 0 && t < T_) acc = fmaf(w[K - 1 - q], dp[(i + q) < 0 ? 0 : (i + q)], acc);
     }
+    if (dfb && tau >= T_ - K + 1) {
+      bool vf = true;
+#pragma unroll
+      for (int q = 1; q < K - 1; ++q)
+        if (tau + q <= T_ - 1 && sv[i + q + K - 1]) vf = false;
+      if (vf) acc += dfb[tau - (T_ - K + 1)];
+    }
+    return acc;
+  };
+  T* dxb = reinterpret_cast<T*>(p.dx) + b * p.dx_sb + d;
+#pragma unroll
+  for (int i = 0; i < LC; ++i)
+    if (t0 + i < T_) dxb[(int64_t)(t0 + i) * p.dx_st] = from_f<T>(dx_at(i));
+  if (c == 0 && p.dinit) {
+    float* dib = p.dinit + ((int64_t)b * D + d) * (K - 1);
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) dib[j] = dx_at(j - (K - 1));
   }
   float* wsb = p.ws + ((int64_t)(b * nC + c) * (K + 1)) * D + d;
 #pragma unroll

@@ -24,10 +24,11 @@ struct ConvBwdParams {
   const float* w; const float* bias; const float* init; const bool* starts;
   const void* dout; int64_t g_sb, g_st;   // [B, T, D] x dtype
   const float* dfinal;                    // [B, D, K-1] or nullptr
-  void* dx;                               // [B, T, D] contiguous, x dtype
+  void* dx; int64_t dx_sb, dx_st;         // [B, T, D] x dtype, may be a strided view
   float* dinit;                           // [B, D, K-1] or nullptr
   float* dw;                              // [D, K]
   float* dbias;                           // [D]
+  bool accumulate;                        // add into dw / dbias instead of writing
   float* ws;                              // workspace: conv_bwd_workspace() floats
   int B, T, D, K;
 };
@@ -56,9 +57,11 @@ struct ScanBwdParams {
   ScanFwdParams f;                       // the forward's inputs (out/final_state unused); ckpt required
   const void* dout; int64_t g_sb, g_st;  // [B, T, D]
   const float* dfinal;                   // [B, D, N] or nullptr
-  void* dx; void* ddt; void* dz;         // [B, T, D] contiguous
+  void* dx; void* ddt;                   // [B, T, D] contiguous
+  void* dz; int64_t dz_sb, dz_st;        // [B, T, D], may be a strided view (e.g. half of a dxz buffer)
   void* dB; void* dC;                    // [B, T, N] contiguous
   float* dA_log; float* dD; float* ddt_bias;  // [D, N], [D], [D]
+  bool accumulate;                       // add into dA_log / dD / ddt_bias instead of writing
   float* dinit;                          // [B, D, N] or nullptr
   float* ws;                             // workspace: scan_bwd_workspace() floats
 };

@@ -26,49 +26,61 @@ const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s) {
   return "selective_scan: unsupported dtype";
 }
 
-// dB/dC: sum over channel tiles, one thread per (b, t, j); written in the activation dtype.
+// One finalize launch: blocks [0, nbc) sum dB/dC over channel tiles (thread per (b, t, j)), the others
+// sum dA_log / dD / ddt_bias over rows (32 columns x 8 row groups per block, fixed order).
 template <typename T>
-__global__ void scan_bc_reduce(const float* __restrict__ pBC, int ntiles, int64_t M, int N, T* dB, T* dC) {
-  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= M) return;
-  float acc = 0.f;
-  for (int k = 0; k < ntiles; ++k) acc += pBC[(int64_t)k * M + i];
-  const int64_t bt = i / (2 * N);
-  const int j = (int)(i % (2 * N));
-  if (j < N) dB[bt * N + j] = from_f<T>(acc); else dC[bt * N + j - N] = from_f<T>(acc);
+__global__ void __launch_bounds__(256) scan_finalize(const float* __restrict__ pBC, int ntiles, int64_t Mbc, int N,
+                                                     T* dB, T* dC, int nbc, const float* __restrict__ pPar, int B,
+                                                     int D, float* dA_log, float* dD, float* ddt_bias, bool acc) {
+  if ((int)blockIdx.x < nbc) {
+    const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x;
+    if (i >= Mbc) return;
+    float a = 0.f;
+    for (int k = 0; k < ntiles; ++k) a += pBC[(int64_t)k * Mbc + i];
+    const int64_t bt = i / (2 * N);
+    const int j = (int)(i % (2 * N));
+    if (j < N) dB[bt * N + j] = from_f<T>(a); else dC[bt * N + j - N] = from_f<T>(a);
+    return;
+  }
+  __shared__ float part[8][33];
+  const int M = D * N + 2 * D;
+  const int col = ((int)blockIdx.x - nbc) * 32 + (threadIdx.x & 31);
+  const int rg = threadIdx.x >> 5;
+  float a = 0.f;
+  if (col < M)
+    for (int r = rg; r < B; r += 8) a += pPar[(int64_t)r * M + col];
+  part[rg][threadIdx.x & 31] = a;
+  __syncthreads();
+  if (rg == 0 && col < M) {
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v += part[k][threadIdx.x & 31];
+    float* dst = col < D * N ? dA_log + col : (col < D * N + D ? dD + (col - D * N) : ddt_bias + (col - D * N - D));
+    *dst = acc ? *dst + v : v;
+  }
 }
 
-struct ScanParamGradOut {
-  float* dA_log; float* dD; float* ddt_bias; int DN, D;
-  __device__ void operator()(int j, float v) const {
-    if (j < DN) dA_log[j] = v;
-    else if (j < DN + D) dD[j - DN] = v;
-    else ddt_bias[j - DN - D] = v;
-  }
-};
-
 template <typename T>
-static void scan_bwd_reduce(const ScanBwdParams& q, cudaStream_t s) {
+static void scan_bwd_finalize(const ScanBwdParams& q, cudaStream_t s) {
   const auto& p = q.f;
   const int ntiles = scan_tiles(p.D, p.N);
-  const int64_t M = (int64_t)p.B * p.T * 2 * p.N;
-  scan_bc_reduce<T><<<(unsigned)((M + 255) / 256), 256, 0, s>>>(q.ws, ntiles, M, p.N, (T*)q.dB, (T*)q.dC);
+  const int64_t Mbc = (int64_t)p.B * p.T * 2 * p.N;
+  const int nbc = (int)((Mbc + 255) / 256);
+  const int M = p.D * p.N + 2 * p.D;
+  const float* pPar = q.ws + (int64_t)ntiles * Mbc;
+  scan_finalize<T><<<nbc + (M + 31) / 32, 256, 0, s>>>(q.ws, ntiles, Mbc, p.N, (T*)q.dB, (T*)q.dC, nbc, pPar, p.B,
+                                                       p.D, q.dA_log, q.dD, q.ddt_bias, q.accumulate);
 }
 
 const char* scan_bwd(int dtype, const ScanBwdParams& q, cudaStream_t s) {
   const char* err = nullptr;
   switch (dtype) {
-    case kF32: err = scan_bwd_f32(q, s); if (!err) scan_bwd_reduce<float>(q, s); break;
-    case kBF16: err = scan_bwd_bf16(q, s); if (!err) scan_bwd_reduce<__nv_bfloat16>(q, s); break;
-    case kF16: err = scan_bwd_f16(q, s); if (!err) scan_bwd_reduce<__half>(q, s); break;
+    case kF32: err = scan_bwd_f32(q, s); if (!err) scan_bwd_finalize<float>(q, s); break;
+    case kBF16: err = scan_bwd_bf16(q, s); if (!err) scan_bwd_finalize<__nv_bfloat16>(q, s); break;
+    case kF16: err = scan_bwd_f16(q, s); if (!err) scan_bwd_finalize<__half>(q, s); break;
     default: return "selective_scan: unsupported dtype";
   }
   if (err) return err;
-  MRL_LAUNCH_CHECK();
-  const auto& p = q.f;
-  const int ntiles = scan_tiles(p.D, p.N);
-  const float* pPar = q.ws + (int64_t)ntiles * p.B * p.T * 2 * p.N;
-  launch_colsum(pPar, p.B, p.D * p.N + 2 * p.D, ScanParamGradOut{q.dA_log, q.dD, q.ddt_bias, p.D * p.N, p.D}, s);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

@@ -201,3 +201,33 @@ def test_rms_norm(ext, rows, C, odt):
     assert rel(acc - acc0, dwr) <= max(tol, 1e-5)
     dh2 = ext.rmsnorm_bwd(dy, x, rstd, w, acc0, dh_acc)  # repeatable: the counter reset itself
     assert torch.equal(dh, dh2) and torch.equal(acc, acc0)
+
+
+def test_bwd_out_and_accumulate_args(ext):
+    """conv_bwd(dx_out=, dw_acc=, db_acc=) and scan_bwd(dz_out=, acc=) write strided views / add in place."""
+    g = torch.Generator(device="cuda").manual_seed(42)
+    B, T, D, N, K = 3, 37, 80, 16, 4
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    starts = starts_pattern(B, T, g)
+    x, w, cb, dout = mk(B, T, D), mk(D, K), mk(D), mk(B, T, D)
+    dx, dw, db, _ = ext.conv_bwd(x, w, cb, None, starts, dout, None, False)
+    buf = torch.full((B, T, 2 * D), float("nan"), device="cuda")
+    wa, ba = mk(D, K), mk(D)
+    wa0, ba0 = wa.clone(), ba.clone()
+    r = ext.conv_bwd(x, w, cb, None, starts, dout, None, False, dx_out=buf[..., :D], dw_acc=wa, db_acc=ba)
+    assert torch.equal(buf[..., :D], dx) and torch.isnan(buf[..., D:]).all()
+    assert r[1] is wa and torch.allclose(wa, wa0 + dw, atol=1e-6) and torch.allclose(ba, ba0 + db, atol=1e-6)
+    xs, dt, z, Bm, Cm = mk(B, T, D), mk(B, T, D) - 1, mk(B, T, D), mk(B, T, N), mk(B, T, N)
+    A_log, Dp, dtb = torch.zeros(D, N, device="cuda"), mk(D), mk(D)
+    _, _, ckpt = ext.scan_fwd(xs, dt, A_log, Bm, Cm, Dp, z, dtb, None, starts, True)
+    ref = ext.scan_bwd(xs, dt, A_log, Bm, Cm, Dp, z, dtb, None, starts, ckpt, dout, None, False)
+    acc = [mk(D, N), mk(D), mk(D)]
+    acc0 = [a.clone() for a in acc]
+    buf.fill_(float("nan"))
+    out = ext.scan_bwd(xs, dt, A_log, Bm, Cm, Dp, z, dtb, None, starts, ckpt, dout, None, False,
+                       dz_out=buf[..., D:], acc=acc)
+    assert torch.equal(buf[..., D:], ref[6]) and torch.isnan(buf[..., :D]).all()
+    for a, a0, k in zip(acc, acc0, (2, 5, 7)):
+        assert torch.allclose(a, a0 + ref[k], atol=1e-5)
+    for k in (0, 1, 3, 4):
+        assert torch.equal(out[k], ref[k])
