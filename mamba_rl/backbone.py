@@ -185,6 +185,27 @@ class MambaBackbone(nn.Module):
         if self.compute_arena is not None:
             self.compute_arena = arena.to(self.compute_arena.dtype)
 
+    def __setstate__(self, state):
+        # deepcopy / pickle copy the arena and each Parameter separately: re-point the Parameters at the
+        # copied arena (their values are equal) and the grads at a copied grad arena.
+        super().__setstate__(state)
+        grads = self.grad_arena.clone()
+        compute = self.compute_arena
+        self._bind_arena(self.arena)
+        self.grad_arena.copy_(grads)
+        if compute is not None:
+            self.compute_arena = compute
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict`` into the arena (in place; ``assign=True`` is refused, since it
+        would detach the Parameters from the arena), then refresh the compute copy."""
+        if assign:
+            raise ValueError("MambaBackbone.load_state_dict: assign=True would detach the parameters from the "
+                             "arena; load in place (assign=False)")
+        out = super().load_state_dict(state_dict, strict=strict)
+        self.refresh_compute()
+        return out
+
     def arena_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         """The view of parameter ``name`` inside a flat tensor laid out like the arena."""
         o, shape = self._offsets[name]
@@ -261,9 +282,12 @@ class MambaBackbone(nn.Module):
     def weight(self, name: str) -> torch.Tensor:
         """Parameter ``name`` as the GEMMs read it: the compute copy when one exists (grad flows to the master)."""
         mod, pname = name.rsplit(".", 1)
-        p = getattr(self.get_submodule(mod), pname)  # not get_parameter: torch.func.functional_call swaps in tensors
+        m = self.get_submodule(mod)
+        p = getattr(m, pname)  # not get_parameter: torch.func.functional_call swaps in plain tensors
         if self.compute_arena is None:
             return p
+        if p is not m._parameters.get(pname) or p.data_ptr() != self.arena_view(self.arena, name).data_ptr():
+            return p.to(self.compute_dtype)  # a swapped-in tensor (functional_call): cast it, not our copy
         return _UseCompute.apply(p, self.arena_view(self.compute_arena, name))
 
     def step_weights(self) -> dict:
@@ -292,6 +316,8 @@ class MambaBackbone(nn.Module):
         """Validate forward inputs; raise ValueError naming the expected and received shape/dtype/device."""
         check_tensor(f"{where}: x", x, shape=(None, None, self.input_dim), device=self.device, floating=True)
         B, T = x.shape[:2]
+        if T < 1:
+            raise ValueError(f"{where}: x must hold at least one step, got T = {T} (shape {list(x.shape)})")
         if episode_starts is not None:
             check_tensor(f"{where}: episode_starts", episode_starts, shape=(B, T), dtype=torch.bool,
                          device=self.device)

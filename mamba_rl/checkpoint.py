@@ -37,8 +37,18 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
     Returns:
         the path written. The write is atomic: a crash leaves the old file or none, never half a file.
     """
+    if extra is not None and not isinstance(extra, dict):
+        raise ValueError(f"save_checkpoint: extra must be a JSON-able dict, got {type(extra).__name__}")
+    for k, v in (extra_tensors or {}).items():
+        if not isinstance(k, str) or not isinstance(v, torch.Tensor):
+            raise ValueError(f"save_checkpoint: extra_tensors must map str -> torch.Tensor, got {k!r} -> "
+                             f"{type(v).__name__}")
     sd = trainer.state_dict()
     meta = dict(sd["meta"], format_version=FORMAT_VERSION, extra=extra or {})
+    try:
+        meta_json = json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
     tensors = {k: v.contiguous() for k, v in sd["tensors"].items()}
     for k, v in (extra_tensors or {}).items():
         tensors[f"extra/{k}"] = v.detach().cpu().contiguous()
@@ -48,7 +58,7 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata={_KEY: json.dumps(meta)})
+        save_file(tensors, tmp, metadata={_KEY: meta_json})
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -79,6 +89,8 @@ def read_checkpoint(path) -> tuple[dict, dict]:
         meta = json.loads(header[_KEY])
     except json.JSONDecodeError as e:
         raise CheckpointError(f"checkpoint {path!r}: metadata is not valid JSON: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path!r}: metadata must be a JSON object, got {type(meta).__name__}")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: format_version {meta.get('format_version')!r}, "
                               f"expected {FORMAT_VERSION}")

@@ -35,7 +35,15 @@ MAX_STEP_EXPONENT = 2 ** 30
 
 def make_hyper(lr, betas, eps, weight_decay, max_grad_norm, skip_on_overflow, device) -> torch.Tensor:
     """Build the float64 ``hyper`` buffer; raises ValueError on out-of-range values (naming them)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"AdamW: betas must be a pair (beta1, beta2), got {betas!r}")
     b1, b2 = betas
+    for name, v in (("lr", lr), ("beta1", b1), ("beta2", b2), ("eps", eps), ("weight_decay", weight_decay)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"AdamW: {name} must be a number, got {v!r}")
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))
+                                      or not math.isfinite(max_grad_norm)):
+        raise ValueError(f"max_grad_norm must be None or a finite number > 0, got {max_grad_norm!r}")
     for name, v, ok, rng in (("lr", lr, lr >= 0, ">= 0"), ("beta1", b1, 0 <= b1 < 1, "[0, 1)"),
                              ("beta2", b2, 0 <= b2 < 1, "[0, 1)"), ("eps", eps, eps > 0, "> 0"),
                              ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")):
@@ -136,6 +144,8 @@ class LossScaler:
 
     def __init__(self, device, enabled: bool, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000):
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
+            raise ValueError(f"LossScaler: growth_interval must be an int >= 1, got {growth_interval!r}")
         if growth_interval < 1 or not growth_factor > 1 or not 0 < backoff_factor < 1 or not init_scale > 0:
             raise ValueError(f"LossScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
                              f"growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, "
@@ -160,7 +170,16 @@ class LossScaler:
                 "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
 
     def load_state_dict(self, sd: dict):
-        self.scale.fill_(sd["scale"])
-        self.growth_tracker.fill_(sd["growth_tracker"])
-        self.growth_factor, self.backoff_factor = sd["growth_factor"], sd["backoff_factor"]
-        self.growth_interval = sd["growth_interval"]
+        """Adopt a saved scaler. A disabled scaler (f32/bf16) keeps scale 1 whatever was saved; an f16
+        scaler loading a checkpoint of a run without one starts from the initial scale."""
+        self.growth_factor, self.backoff_factor = float(sd["growth_factor"]), float(sd["backoff_factor"])
+        self.growth_interval = int(sd["growth_interval"])
+        if not self.enabled:
+            self.scale.fill_(1.0)
+            self.growth_tracker.zero_()
+        elif sd.get("enabled", True):
+            self.scale.fill_(float(sd["scale"]))
+            self.growth_tracker.fill_(int(sd["growth_tracker"]))
+        else:
+            self.scale.fill_(2.0 ** 16)
+            self.growth_tracker.zero_()

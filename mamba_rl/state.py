@@ -48,6 +48,8 @@ class RecurrentState:
 
     def copy_(self, other: "RecurrentState") -> "RecurrentState":
         """In-place copy from ``other`` (same shapes); keeps this object's buffers (graph-safe)."""
+        if not isinstance(other, RecurrentState):
+            raise ValueError(f"RecurrentState.copy_: expected a RecurrentState, got {type(other).__name__}")
         if other.conv.shape != self.conv.shape or other.ssm.shape != self.ssm.shape:
             raise ValueError(
                 f"RecurrentState.copy_: expected conv {list(self.conv.shape)} and ssm {list(self.ssm.shape)}, "

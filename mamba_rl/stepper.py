@@ -66,6 +66,8 @@ class Stepper:
             check_tensor("Stepper.step: episode_starts", episode_starts, shape=(B,), dtype=torch.bool,
                          device=self.device)
         x_t = x_t.to(self.net.arena.dtype)
+        if self.state.ssm.dtype != self.net.arena.dtype and self._graph is None:  # the net changed dtype
+            self.state = self.state.to(self.net.arena.dtype)
         if self._graph is not None:
             self._x.copy_(x_t)
             if episode_starts is None:

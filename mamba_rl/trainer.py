@@ -87,18 +87,18 @@ class MambaTrainer:
             raise ValueError(f"MambaTrainer: no_decay must be 'reference' or None, got {no_decay!r}")
         if net.arena.dtype != torch.float32:
             raise ValueError(f"MambaTrainer: the backbone's master weights must be float32, got {net.arena.dtype}")
+        dev = net.device
+        self.hyper = make_hyper(lr, betas, eps, weight_decay, max_grad_norm, dtype == "f16", dev)  # validates
         self.net, self.batch, self.seq_len, self.dtype = net, batch, seq_len, dtype
         self.no_decay = no_decay
         self.betas, self.eps, self.weight_decay, self.max_grad_norm = tuple(betas), eps, weight_decay, max_grad_norm
-        self.lr = lr
-        dev = net.device
+        self.lr = float(lr)
         self.device = dev
         net.set_compute_dtype(DTYPES[dtype])
         net.zero_grad()
         self.n_decay = net.n_decay if no_decay == "reference" else net.numel_total
         self.exp_avg = torch.zeros_like(net.arena)
         self.exp_avg_sq = torch.zeros_like(net.arena)
-        self.hyper = make_hyper(lr, self.betas, eps, weight_decay, max_grad_norm, dtype == "f16", dev)
         self.scalars = torch.zeros(8, dtype=torch.float64, device=dev)
         self.scalars[BC1] = 1.0
         self.scalars[BC2] = 1.0
@@ -152,12 +152,17 @@ class MambaTrainer:
             self.d_buf.copy_(d_temporal)
         if extra_grad_sq is None:
             self.extra_sq_buf.zero_()
-        else:
-            if not isinstance(extra_grad_sq, torch.Tensor):
-                extra_grad_sq = torch.tensor(float(extra_grad_sq))
-            if extra_grad_sq.numel() != 1:
-                raise ValueError(f"{where}: extra_grad_sq must be a scalar, got shape {list(extra_grad_sq.shape)}")
+        elif isinstance(extra_grad_sq, torch.Tensor):
+            # A device scalar is taken as is (checking its value would sync); it must be a float scalar.
+            if extra_grad_sq.numel() != 1 or not extra_grad_sq.is_floating_point():
+                raise ValueError(f"{where}: extra_grad_sq must be a float scalar tensor, got shape "
+                                 f"{list(extra_grad_sq.shape)} dtype {extra_grad_sq.dtype}")
             self.extra_sq_buf.copy_(extra_grad_sq.reshape(()))
+        else:
+            v = extra_grad_sq
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and v != float("inf")):
+                raise ValueError(f"{where}: extra_grad_sq must be a finite number >= 0 (a squared norm), got {v!r}")
+            self.extra_sq_buf.fill_(float(v))
 
     # -------------------------------------------------------------------------------------- bodies
     def _forward_body(self):
@@ -170,6 +175,8 @@ class MambaTrainer:
     def _backward_body(self, optimizer_step: bool, retain_graph: bool = False):
         net = self.net
         g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
+        if net.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            net.attach_grads()  # a parent's zero_grad() may have set p.grad = None
         self._feat.backward(g, retain_graph=retain_graph)
         if optimizer_step:
             grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
@@ -267,7 +274,7 @@ class MambaTrainer:
 
     def set_lr(self, lr: float):
         """Set AdamW's learning rate (a device write: captured graphs pick it up without recapture)."""
-        if not (isinstance(lr, (int, float)) and lr >= 0 and lr == lr and lr != float("inf")):
+        if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr >= 0 and lr == lr and lr != float("inf")):
             raise ValueError(f"MambaTrainer.set_lr: lr must be a finite number >= 0, got {lr!r}")
         self.lr = float(lr)
         self.hyper[0] = self.lr
@@ -368,31 +375,62 @@ class MambaTrainer:
         Raises:
             ValueError: when the config, input_dim or a tensor shape differs; nothing is changed then.
         """
+        where = "MambaTrainer.load_state_dict"
+        if not isinstance(sd, dict) or not isinstance(sd.get("meta"), dict) or not isinstance(sd.get("tensors"), dict):
+            raise ValueError(f"{where}: expected {{'meta': dict, 'tensors': dict}}, got {type(sd).__name__}")
         meta, tens = sd["meta"], sd["tensors"]
         need = ("config", "input_dim", "step", "bias_correction1", "bias_correction2", "lr", "scaler")
         missing = [k for k in need if k not in meta]
         if missing:
-            raise ValueError(f"MambaTrainer.load_state_dict: metadata lacks {missing}")
+            raise ValueError(f"{where}: metadata lacks {missing}")
         mine = self.net.cfg.to_dict()
         if meta["config"] != mine or meta["input_dim"] != self.net.input_dim:
-            raise ValueError(f"MambaTrainer.load_state_dict: checkpoint is for config {meta['config']} with "
-                             f"input_dim {meta['input_dim']}, this trainer has {mine} with input_dim "
-                             f"{self.net.input_dim}")
+            raise ValueError(f"{where}: checkpoint is for config {meta['config']} with input_dim "
+                             f"{meta['input_dim']}, this trainer has {mine} with input_dim {self.net.input_dim}")
+        step, bc1, bc2, lr, sc = (meta[k] for k in ("step", "bias_correction1", "bias_correction2", "lr", "scaler"))
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"{where}: step must be an int >= 0, got {step!r}")
+        for k, v in (("bias_correction1", bc1), ("bias_correction2", bc2), ("lr", lr)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
+                raise ValueError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
+        sc_keys = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval")
+        if not isinstance(sc, dict) or any(k not in sc or isinstance(sc[k], bool) or not isinstance(sc[k], (int, float))
+                                           for k in sc_keys):
+            raise ValueError(f"{where}: scaler must be a dict with numeric {list(sc_keys)}, got {sc!r}")
         want = {"master": self.net.arena, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
         for k, t in want.items():
-            if k not in tens or tuple(tens[k].shape) != tuple(t.shape):
-                got = None if k not in tens else list(tens[k].shape)
-                raise ValueError(f"MambaTrainer.load_state_dict: tensor {k!r} expected shape {list(t.shape)}, got {got}")
+            v = tens.get(k)
+            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != torch.float32:
+                got = "nothing" if v is None else f"shape {list(v.shape)} dtype {v.dtype}" \
+                    if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"{where}: tensor {k!r} expected shape {list(t.shape)} dtype torch.float32, got {got}")
+        has_state = [k in tens for k in ("state_conv", "state_ssm")]
+        if has_state[0] != has_state[1]:
+            raise ValueError(f"{where}: the carried state needs both 'state_conv' and 'state_ssm', got only one")
+        load_state = False
+        if all(has_state):
+            sc_, ss_ = tens["state_conv"], tens["state_ssm"]
+            c = self.net.cfg
+            ok = (isinstance(sc_, torch.Tensor) and isinstance(ss_, torch.Tensor) and sc_.dim() == 4 and ss_.dim() == 4
+                  and sc_.shape[1] == ss_.shape[1]
+                  and tuple(sc_.shape[::2]) + (sc_.shape[3],) == (c.n_layers, c.d_inner, c.d_conv - 1)
+                  and tuple(ss_.shape[::2]) + (ss_.shape[3],) == (c.n_layers, c.d_inner, c.d_state))
+            if not ok:
+                raise ValueError(f"{where}: carried state of shapes {list(getattr(sc_, 'shape', []))} / "
+                                 f"{list(getattr(ss_, 'shape', []))} does not fit conv [L, B, d_inner, d_conv-1] / "
+                                 f"ssm [L, B, d_inner, d_state] of this config")
+            load_state = sc_.shape[1] == self.batch  # another batch size: the weights load, our state stays
+        # Everything is checked: now write.
         with torch.no_grad():
             for k, t in want.items():
                 t.copy_(tens[k])
-            if "state_conv" in tens and tuple(tens["state_conv"].shape) == tuple(self.state.conv.shape):
+            if load_state:
                 self.state.conv.copy_(tens["state_conv"])
                 self.state.ssm.copy_(tens["state_ssm"])
             self.net.refresh_compute()
-            self.scalars[STEP] = float(meta["step"])
-            self.scalars[BC1] = float(meta["bias_correction1"])
-            self.scalars[BC2] = float(meta["bias_correction2"])
-            self.scaler.load_state_dict(meta["scaler"])
+            self.scalars[STEP] = float(step)
+            self.scalars[BC1] = float(bc1)
+            self.scalars[BC2] = float(bc2)
+            self.scaler.load_state_dict(sc)
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]
-        self.set_lr(meta["lr"])
+        self.set_lr(float(lr))

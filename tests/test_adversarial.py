@@ -158,10 +158,6 @@ def test_forward_empty_batch():
     assert y.shape == (0, 5, 8) and st.ssm.shape == (2, 0, 16, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: forward with T=0 dies in conv's Tensor.unfold with a raw RuntimeError "
-                   "('maximum size for tensor at dimension 1 is 2 but size is 3'); expected a ValueError naming T "
-                   "or an empty [B, 0, d_model] output with the initial state passed through (ops/conv.py unfold; "
-                   "backbone.check_inputs does not check T)")
 def test_forward_T0_is_clean():
     net = make_net()
     init = rand_state(net, 2, torch.Generator().manual_seed(0))
@@ -205,9 +201,6 @@ def test_stepper_bad_inputs():
     assert torch.count_nonzero(st.state.ssm) == 0
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Stepper.load_state(None) / a non-RecurrentState raises AttributeError "
-                   "('NoneType' object has no attribute 'conv') from RecurrentState.copy_ (state.py copy_) "
-                   "instead of a ValueError naming the expected RecurrentState")
 def test_stepper_load_state_non_state():
     st = make_net().stepper(2)
     with pytest.raises(ValueError, match="RecurrentState"):
@@ -240,10 +233,6 @@ def test_trainer_refuses_float64_backbone_and_non_backbone():
         MambaTrainer(torch.nn.Linear(2, 2), batch=2, seq_len=4)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: non-numeric hyperparameters raise TypeError instead of ValueError: "
-                   "make_hyper (optim.py ~line 40) evaluates `lr >= 0` / `eps > 0` before the isinstance check; "
-                   "MambaTrainer.__init__ does tuple(betas) unchecked (trainer.py ~line 95); LossScaler compares "
-                   "growth_interval < 1 unchecked (optim.py LossScaler.__init__)")
 @pytest.mark.parametrize("kw,match", [
     (dict(lr=None), "lr"), (dict(lr="1e-3"), "lr"), (dict(eps=None), "eps"), (dict(weight_decay=None), "weight_decay"),
     (dict(betas=0.9), "betas"), (dict(growth_interval="x"), "growth_interval"),
@@ -255,22 +244,16 @@ def test_trainer_non_numeric_args_raise_valueerror(kw, match):
         MambaTrainer(make_net(), **args)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: betas of the wrong length raise 'not enough values to unpack "
-                   "(expected 2, got 1)' which names neither betas nor the received value (optim.make_hyper `b1, b2 = betas`)")
 def test_trainer_betas_wrong_length_message():
     with pytest.raises(ValueError, match="betas"):
         MambaTrainer(make_net(), batch=2, seq_len=4, betas=(0.9,))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: growth_interval=1.5 (float for int) is accepted by LossScaler and only "
-                   "fails at the first f16 step inside torch._amp_update_scale_ with TypeError (optim.py LossScaler)")
 def test_trainer_float_growth_interval_rejected():
     with pytest.raises(ValueError, match="growth_interval"):
         MambaTrainer(make_net(), batch=2, seq_len=4, dtype="f16", growth_interval=1.5)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: bool accepted as a number for lr / max_grad_norm (lr=True trains with "
-                   "lr 1.0; MambaConfig rejects bools, the trainer does not) (optim.make_hyper, trainer.set_lr)")
 def test_trainer_bool_hyperparameters_rejected():
     with pytest.raises(ValueError, match="lr"):
         MambaTrainer(make_net(), batch=2, seq_len=4, lr=True)
@@ -328,8 +311,6 @@ def test_extra_grad_sq_wrong_shape():
     tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=torch.ones(1, 1))  # numel 1 is accepted
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: extra_grad_sq=[1.0] (a list) raises TypeError from float() "
-                   "(trainer._load_grad) instead of a ValueError naming extra_grad_sq")
 def test_extra_grad_sq_list_is_valueerror():
     tr = make_trainer()
     tr.forward(torch.randn(2, 4, IN))
@@ -337,9 +318,6 @@ def test_extra_grad_sq_list_is_valueerror():
         tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=[1.0])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a negative or NaN Python-float extra_grad_sq is accepted silently: "
-                   "-1.0 lowers the global norm (sqrt(sq - 1)), NaN makes clip_coef NaN and writes NaN into every "
-                   "master weight (trainer._load_grad does not check the value; optim.grad_stats_ref)")
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_extra_grad_sq_bad_value_rejected(bad):
     tr = make_trainer(max_grad_norm=1.0)
@@ -743,10 +721,6 @@ def test_checkpoint_other_batch_loads_weights_keeps_state(tmp_path):
     assert torch.equal(u.net.arena, t.net.arena) and u.state.ssm.shape[1] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: load_checkpoint copies master/exp_avg/exp_avg_sq (and scalars) into the "
-                   "trainer BEFORE parsing the rest of the metadata and state tensors (trainer.load_state_dict): a "
-                   "bad step / scaler / lr / missing state_ssm raises CheckpointError but leaves the trainer "
-                   "half-loaded; a state_ssm of the wrong shape escapes as a raw RuntimeError from copy_")
 @pytest.mark.parametrize("variant", ["step_str", "scaler_empty", "lr_nan", "lr_negative", "no_state_ssm",
                                      "bad_state_ssm_shape"])
 def test_checkpoint_bad_fields_leave_trainer_unchanged(tmp_path, src_ckpt, variant):
@@ -767,29 +741,18 @@ def test_checkpoint_bad_fields_leave_trainer_unchanged(tmp_path, src_ckpt, varia
     _assert_unchanged_after_failed_load(p)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a 'master' tensor of dtype int64 (right shape) is accepted and "
-                   "silently truncates every weight to an integer (trainer.load_state_dict checks shapes only, "
-                   "not dtypes)")
 def test_checkpoint_integer_master_rejected(tmp_path, src_ckpt):
     p = _write_variant(src_ckpt, tmp_path / "int.safetensors",
                        tensors_fn=lambda t: t.__setitem__("master", (t["master"] * 100).long()))
     _assert_unchanged_after_failed_load(p)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: metadata JSON that is not an object ('[1,2]' or 'null') raises "
-                   "AttributeError (\"'list' object has no attribute 'get'\") in checkpoint.read_checkpoint "
-                   "(meta.get) instead of CheckpointError")
 @pytest.mark.parametrize("raw", ["[1, 2]", "null", "3"])
 def test_checkpoint_non_object_metadata(tmp_path, src_ckpt, raw):
     p = _write_variant(src_ckpt, tmp_path / "m.safetensors", raw_meta=raw)
     _assert_unchanged_after_failed_load(p)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: loading an f16 checkpoint into an f32 (or bf16) trainer copies the "
-                   "scaler's scale 65536 into a DISABLED scaler: d_temporal is no longer multiplied by it but "
-                   "grad_stats still divides by it, so every later gradient is 65536x too small (silent wrong "
-                   "training). Checkpoint dtype is never compared (trainer.load_state_dict / LossScaler.load_state_dict); "
-                   "should raise CheckpointError or keep scale 1 when the scaler is disabled")
 def test_checkpoint_f16_into_f32_trainer_does_not_rescale_grads(tmp_path):
     src = make_trainer("f16")
     p = save_checkpoint(tmp_path / "f16.safetensors", src)
@@ -858,10 +821,6 @@ def test_grads_accumulate_into_grad_arena():
     assert net.input_proj.weight.grad.data_ptr() == net.arena_view(net.grad_arena, "input_proj.weight").data_ptr()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: copy.deepcopy(net) / pickle round trip (e.g. a target network, a worker copy) gives Parameters that are "
-                   "NOT views of the copy's arena (Parameter.__deepcopy__ clones storage), so a MambaTrainer on the "
-                   "copy updates copy.arena while forward keeps reading the stale Parameters: training silently has no "
-                   "effect. Needs MambaBackbone.__deepcopy__ that re-binds (backbone.py _bind_arena)")
 @pytest.mark.parametrize("clone", ["deepcopy", "pickle"])
 def test_deepcopy_keeps_arena_binding(clone):
     import pickle
@@ -869,11 +828,6 @@ def test_deepcopy_keeps_arena_binding(clone):
     assert net.input_proj.weight.data_ptr() == net.arena_view(net.arena, "input_proj.weight").data_ptr()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a parent module's zero_grad() (nn.Module.zero_grad sets p.grad=None on "
-                   "every parameter, it never calls MambaBackbone.zero_grad) detaches the grads from the grad arena; "
-                   "later trainer.step backprops into fresh tensors, grad_stats reads a zero grad arena and AdamW "
-                   "steps with grad 0 (grad_norm reported 0.0): silent no-op training. trainer._backward_body "
-                   "should re-attach (net.attach_grads()) before backward")
 def test_parent_zero_grad_does_not_break_trainer():
     class Agent(torch.nn.Module):
         def __init__(self):
@@ -891,9 +845,6 @@ def test_parent_zero_grad_does_not_break_trainer():
     assert torch.equal(ag.backbone.arena, ref.backbone.arena)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: net.load_state_dict(...) under a bf16/f16 trainer writes the master "
-                   "Parameters but not the compute copy, so forward / stepper keep using the OLD weights "
-                   "(no refresh_compute hook on load_state_dict; backbone.py)")
 def test_load_state_dict_refreshes_compute_copy():
     a, b = make_net(seed=0), make_net(seed=5)
     MambaTrainer(a, batch=2, seq_len=4, dtype="bf16")
@@ -901,10 +852,6 @@ def test_load_state_dict_refreshes_compute_copy():
     assert torch.equal(a.compute_arena, a.arena.to(torch.bfloat16))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: under a bf16/f16 compute copy, torch.func.functional_call(net, params) "
-                   "mixes weights: the GEMMs read net's own compute copy (MambaBackbone.weight -> _UseCompute returns "
-                   "compute_arena views, ignoring the swapped-in tensor's value) while A_log/D/conv/norms come from "
-                   "params; the output matches neither network (backbone.py weight())")
 def test_functional_call_under_compute_copy():
     net, other = make_net(seed=0), make_net(seed=7)
     net.set_compute_dtype(torch.bfloat16)
@@ -921,10 +868,6 @@ def test_functional_call_f32_uses_swapped_params():
 
 
 # ====================================================================== non-finite isolation
-@pytest.mark.xfail(strict=True, reason="BUG: a NaN/inf observation (or NaN initial state) in one episode leaks past "
-                   "the next episode start of the same row: resets are multiplications by 0 (ops/scan.py "
-                   "`s = s * keep`, ops/conv.py `taps * valid` and `final * keep`) and NaN*0 = NaN, so every later "
-                   "episode of that env outputs NaN. Should select (torch.where / masked_fill) instead")
 @pytest.mark.parametrize("where", ["x_nan", "x_inf", "init_ssm_nan", "init_conv_nan"])
 def test_nonfinite_does_not_leak_across_reset(where):
     net = make_net(dtype=F64)
@@ -958,9 +901,6 @@ def test_nonfinite_row_does_not_touch_other_rows():
 
 
 # ============================================================================ misc verified
-@pytest.mark.xfail(strict=True, reason="BUG: a Stepper created before net.double() keeps float32 state buffers "
-                   "(Stepper.__init__ allocates once; MambaBackbone._apply does not reach it), so its float64 "
-                   "features drift ~1e-9 from forward: float64 parity silently lost (stepper.py)")
 def test_stepper_follows_net_double():
     net = make_net()
     st = net.stepper(2)
@@ -1015,9 +955,6 @@ def test_parameter_layout_names_shapes_and_arena_cover():
     torch.testing.assert_close(net.layers[0].mixer.A_log[3], torch.log(torch.arange(1.0, c.d_state + 1)))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: save_checkpoint(extra_tensors={'a': [1]}) raises AttributeError "
-                   "(\"'list' object has no attribute 'detach'\"), and a non-JSON `extra` raises json's TypeError; "
-                   "expected a ValueError naming the offending key (checkpoint.save_checkpoint)")
 def test_save_checkpoint_bad_extra(tmp_path):
     tr = make_trainer()
     with pytest.raises(ValueError, match="a"):

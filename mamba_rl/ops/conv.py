@@ -72,8 +72,8 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     else:
         valid = None
     taps = win.unfold(1, K, 1)  # [B, T, D, K]
-    if valid is not None:
-        taps = taps * valid.unsqueeze(2).to(cdt)
+    if valid is not None:  # select, not multiply: a NaN of the old episode must not leak
+        taps = torch.where(valid.unsqueeze(2), taps, torch.zeros((), dtype=cdt, device=x.device))
     pre = (taps * weight.to(cdt)).sum(-1) + bias.to(cdt)
     out = F.silu(pre).to(x.dtype)
     # final window: the last K-1 entries of win, zeroed before the latest start of each row.
@@ -81,7 +81,7 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     if episode_starts is not None and K > 1:
         ft = torch.arange(T - (K - 1), T, device=x.device)  # [K-1]
         keep = ft.unsqueeze(0) >= last_start[:, -1:]  # [B, K-1]
-        final = final * keep.unsqueeze(-1).to(cdt)
+        final = torch.where(keep.unsqueeze(-1), final, torch.zeros((), dtype=cdt, device=x.device))
     return out, final.transpose(1, 2).contiguous()
 
 

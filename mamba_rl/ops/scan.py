@@ -69,11 +69,10 @@ def selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, epis
     dBx = (delta * xf).unsqueeze(-1) * Bm.to(cdt).unsqueeze(2)  # [B, T, D, N]
     Cf = Cm.to(cdt)
     s = x.new_zeros((Bsz, Di, N), dtype=cdt) if ssm_state is None else ssm_state.to(cdt)
-    keep = None if episode_starts is None else (~episode_starts).to(cdt)  # [B, T]
     ys = []
     for t in range(T):
-        if keep is not None:
-            s = s * keep[:, t, None, None]
+        if episode_starts is not None:  # select, not multiply: a NaN of the old episode must not leak
+            s = torch.where(episode_starts[:, t, None, None], torch.zeros((), dtype=cdt, device=s.device), s)
         s = dA[:, t] * s + dBx[:, t]
         ys.append(torch.einsum("bdn,bn->bd", s, Cf[:, t]))
     y = torch.stack(ys, dim=1) if T > 0 else xf.new_zeros(Bsz, 0, Di)
