@@ -133,13 +133,15 @@ class _Backbone(torch.autograd.Function):
             dbc3 = dbc.view(B, T, r + 2 * n)
             z = xz.view(B, T, 2 * di)[..., di:]
             dfin = None if dssm_final is None else dssm_final[i].contiguous()
-            dxc, ddt, dA, dB, dC, dD, dz, ddb, _ = ext.scan_bwd(
+            # dL/d[xi, z] is assembled in place: the scan writes dz into the right half, the conv dxi into
+            # the left; the small weight grads are accumulated by the kernels straight into the arena.
+            dxz = torch.empty(BT, 2 * di, device=dh.device, dtype=xz.dtype)
+            dxz3 = dxz.view(B, T, 2 * di)
+            dxc, ddt, _, dB, dC, _, _, _, _ = ext.scan_bwd(
                 xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n], dbc3[..., r + n:],
                 w(p + "mixer.D", M), z, w(p + "mixer.dt_proj.bias", M), ctx.ssm0[i], ctx.starts, ckpt,
-                dy.view(B, T, di), dfin, False)
-            w(p + "mixer.A_log", G).add_(dA)
-            w(p + "mixer.D", G).add_(dD)
-            w(p + "mixer.dt_proj.bias", G).add_(ddb)
+                dy.view(B, T, di), dfin, False, dxz3[..., di:],
+                [w(p + "mixer.A_log", G), w(p + "mixer.D", G), w(p + "mixer.dt_proj.bias", G)])
             ddt2 = ddt.view(BT, di)
             _acc_mm(w(p + "mixer.dt_proj.weight", G), ddt2.t(), dbc[:, :r])
             ddbc = torch.cat([torch.mm(ddt2, w(p + "mixer.dt_proj.weight")), dB.view(BT, n), dC.view(BT, n)], dim=1)
@@ -148,11 +150,9 @@ class _Backbone(torch.autograd.Function):
             xi = xz.view(B, T, 2 * di)[..., :di]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
             dcf = None if dconv_final is None else dconv_final[i].contiguous()
-            dxi, dcw, dcb, _ = ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts,
-                                            dxc.view(B, T, di), dcf, False)
-            w(p + "mixer.conv1d.weight", G).view(di, -1).add_(dcw)
-            w(p + "mixer.conv1d.bias", G).add_(dcb)
-            dxz = torch.cat([dxi.view(BT, di), dz.view(BT, di)], dim=1)
+            ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts, dxc.view(B, T, di), dcf,
+                         False, dxz3[..., :di], w(p + "mixer.conv1d.weight", G).view(di, -1),
+                         w(p + "mixer.conv1d.bias", G))
             _acc_mm(w(p + "mixer.in_proj.weight", G), dxz.t(), u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
             dh = _rms_bwd(du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh_acc=dh)
