@@ -32,6 +32,7 @@ class Stepper:
         self._x = None
         self._starts = None
         self._out = None
+        self._graph_ptrs = None
 
     @property
     def device(self) -> torch.device:
@@ -69,6 +70,10 @@ class Stepper:
         if self.state.ssm.dtype != self.net.arena.dtype and self._graph is None:  # the net changed dtype
             self.state = self.state.to(self.net.arena.dtype)
         if self._graph is not None:
+            if self._pointers() != self._graph_ptrs:
+                raise RuntimeError("Stepper: a buffer captured by the CUDA graph has moved (the backbone was moved, "
+                                   "its arena or compute copy replaced, or the state rebound after capture_graph); "
+                                   "call capture_graph() again")
             self._x.copy_(x_t)
             if episode_starts is None:
                 self._starts.zero_()
@@ -77,6 +82,11 @@ class Stepper:
             self._graph.replay()
             return self._out
         return self._step_impl(x_t, episode_starts)
+
+    def _pointers(self):
+        n = self.net
+        bufs = (n.arena, n.compute_arena, self.state.conv, self.state.ssm)
+        return tuple(None if b is None else b.data_ptr() for b in bufs)
 
     def reset(self, mask: torch.Tensor | None = None):
         """Zero the state of every env, or of the envs where ``mask`` ([B] bool) is True."""
@@ -116,5 +126,6 @@ class Stepper:
         with torch.no_grad(), torch.cuda.graph(g):
             self._out = self._step_impl(self._x, self._starts)
         self._graph = g
+        self._graph_ptrs = self._pointers()
         self.state.copy_(saved)
         return self

@@ -179,6 +179,24 @@ def test_checkpoint_gpu_to_cpu_and_back(tmp_path):
     assert torch.equal(net2.arena.cpu(), cpu_net.arena)
 
 
+def test_stepper_graph_sees_trainer_updates_and_detects_moves():
+    net, tr = _trainer("bf16", B=4, T=8)
+    st = net.stepper(4).capture_graph()
+    x = torch.randn(4, IN, device="cuda")
+    a = st.step(x).clone()
+    for xb, d, s in _batches(3, B=4, T=8):
+        tr.step(xb, d, episode_starts=s)
+    st.reset()
+    b = st.step(x).clone()
+    assert not torch.equal(a, b)  # the graph reads the compute copy that AdamW rewrote in place
+    st.reset()
+    ref = net.stepper(4)  # eager, same weights
+    assert rel(b, ref.step(x)) <= 1e-6
+    net.set_compute_dtype(torch.bfloat16)  # a new compute copy: the captured pointers are stale
+    with pytest.raises(RuntimeError, match="has moved"):
+        st.step(x)
+
+
 @pytest.mark.parametrize("B", [1, 16, 256])
 def test_stepper_graph_equals_forward(B):
     gen = torch.Generator().manual_seed(B)
