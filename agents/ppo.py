@@ -604,6 +604,9 @@ class RecurrentPPO:
             env.obs_rms.var = norm.obs_rms.var.copy()
             env.obs_rms.count = norm.obs_rms.count
             env.update_running_mean = False
+        rnorm = find_vector_wrapper(self.envs, gym.wrappers.vector.NormalizeReward)
+        # the prev-reward input saw normalised rewards in training: feed the same scale (frozen)
+        reward_scale = 1.0 if rnorm is None else float(1.0 / np.sqrt(rnorm.return_rms.var + rnorm.epsilon))
         base_seed = c.seed + 10_000 if seed is None else seed
         returns, lengths, values = [], [], []
         try:
@@ -613,9 +616,9 @@ class RecurrentPPO:
                 total, steps, vals = 0.0, 0, []
                 while True:
                     vals.append(float(self.value(obs[None], state or self.initial_policy_state(1), [start],
-                                                 reward=[reward])[0]))
+                                                 reward=[reward * reward_scale])[0]))
                     action, state = self.predict(obs[None], state, episode_start=[start],
-                                                 deterministic=deterministic, reward=[reward])
+                                                 deterministic=deterministic, reward=[reward * reward_scale])
                     obs, reward, term, trunc, _ = env.step(action[0])
                     total += float(reward)
                     steps += 1
@@ -671,10 +674,15 @@ class RecurrentPPO:
         if norm is not None:
             obs_rms = {"mean": norm.obs_rms.mean.tolist(), "var": norm.obs_rms.var.tolist(),
                        "count": float(norm.obs_rms.count)}
+        rnorm = find_vector_wrapper(self.envs, gym.wrappers.vector.NormalizeReward)
+        return_rms = None
+        if rnorm is not None:
+            return_rms = {"mean": np.asarray(rnorm.return_rms.mean).tolist(),
+                          "var": np.asarray(rnorm.return_rms.var).tolist(), "count": float(rnorm.return_rms.count)}
         opt_sd = self.head_optimizer.state_dict()
         extra = {"format": CHECKPOINT_FORMAT, "ppo_config": self.config.to_dict(), "run_name": self.run_name,
                  "global_step": self.global_step, "update": self.update, "input_dim": self.input_dim,
-                 "obs_dim": self.obs_dim, "obs_rms": obs_rms, "env_started": self._env_started,
+                 "obs_dim": self.obs_dim, "obs_rms": obs_rms, "return_rms": return_rms, "env_started": self._env_started,
                  "np_rng": self.np_rng.bit_generator.state,
                  "head_optimizer_param_groups": opt_sd["param_groups"],
                  "head_optimizer_state_keys": {str(k): sorted(v) for k, v in opt_sd["state"].items()},
@@ -768,12 +776,15 @@ class RecurrentPPO:
             for name in ("next_obs", "next_start", "next_done", "prev_action", "prev_reward"):
                 setattr(agent, name, t[f"carry/{name}"].clone())
             agent._env_started = bool(extra["env_started"])
-        elif extra.get("obs_rms") is not None:
-            norm = find_vector_wrapper(agent.envs, gym.wrappers.vector.NormalizeObservation)
-            if norm is not None:
-                norm.obs_rms.mean = np.asarray(extra["obs_rms"]["mean"], dtype=norm.obs_rms.mean.dtype)
-                norm.obs_rms.var = np.asarray(extra["obs_rms"]["var"], dtype=norm.obs_rms.var.dtype)
-                norm.obs_rms.count = extra["obs_rms"]["count"]
+        else:  # fresh envs: restore the normalisation statistics
+            for key, wrapper, attr in (("obs_rms", gym.wrappers.vector.NormalizeObservation, "obs_rms"),
+                                       ("return_rms", gym.wrappers.vector.NormalizeReward, "return_rms")):
+                w = find_vector_wrapper(agent.envs, wrapper)
+                if w is not None and extra.get(key) is not None:
+                    rms = getattr(w, attr)
+                    rms.mean = np.asarray(extra[key]["mean"], dtype=np.float64).reshape(np.shape(rms.mean))
+                    rms.var = np.asarray(extra[key]["var"], dtype=np.float64).reshape(np.shape(rms.var))
+                    rms.count = extra[key]["count"]
         return agent
 
     @classmethod

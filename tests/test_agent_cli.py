@@ -1,0 +1,82 @@
+"""`mamba-rl train | eval` and `python -m mamba_rl` on CPU, with tiny models."""
+
+import subprocess
+import sys
+
+import pytest
+
+from mamba_rl.agents import PPOConfig, RecurrentPPO
+from mamba_rl.cli import build_parser, main
+
+TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1",
+        "--d-model", "16", "--n-layers", "1", "--d-state", "4", "--device", "cpu", "--no-progress"]
+
+
+def test_every_config_field_has_a_flag_and_defaults_match():
+    args = build_parser().parse_args(["train"])
+    assert args.command == "train" and args.resume is None
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    import dataclasses
+
+    for f in dataclasses.fields(PPOConfig):
+        assert "--" + f.name.replace("_", "-") in help_text, f.name
+    # no flag given -> PPOConfig's defaults (env mamba_rl/CartPoleNoVel-v1, device auto, dtype f32)
+    from mamba_rl.cli import _config_overrides
+
+    assert _config_overrides(args) == {}
+    c = PPOConfig()
+    assert (c.env_id, c.device, c.dtype) == ("mamba_rl/CartPoleNoVel-v1", "auto", "f32")
+    a = build_parser().parse_args(["train", "--env", "CartPole-v1", "--target-kl", "none", "--no-anneal-lr",
+                                   "--max-grad-norm", "1.5"])
+    assert _config_overrides(a) == {"env_id": "CartPole-v1", "target_kl": None, "anneal_lr": False,
+                                    "max_grad_norm": 1.5}
+
+
+def test_train_eval_resume(tmp_path, capsys):
+    dirs = ["--runs-dir", str(tmp_path / "runs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+    rc = main(["train", "--env", "CartPole-v1", "--total-timesteps", "64", "--checkpoint-every", "1", *TINY, *dirs])
+    assert rc == 0
+    out = capsys.readouterr()
+    final = out.out.strip().splitlines()[-1].split("checkpoint: ")[1]
+    assert final.endswith("final") and "tensorboard --logdir" in out.err
+    run = final.split("/")[-2]
+    assert (tmp_path / "runs" / run).is_dir()
+    assert (tmp_path / "ckpt" / run / "update_000001" / "agent.safetensors").is_file()
+
+    assert main(["eval", "--checkpoint", final, "--episodes", "2", "--deterministic"]) == 0
+    line = capsys.readouterr().out
+    assert "CartPole-v1: mean return" in line and "± " in line and "over 2 episodes" in line
+
+    # resume from update 1 of 2: continues the same run (same run name, same step counter)
+    rc = main(["train", "--resume", str(tmp_path / "ckpt" / run / "update_000001"), "--no-progress"])
+    assert rc == 0
+    assert "resuming " + run + " at update 1, step 32" in capsys.readouterr().err
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+    assert main(["eval", "--checkpoint", str(tmp_path / "nothing")]) == 2
+    assert "no RecurrentPPO checkpoint at" in capsys.readouterr().err
+    assert main(["train", "--num-envs", "3", "--num-minibatches", "2", "--device", "cpu"]) == 2
+    assert "must be divisible by num_minibatches" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--dtype"])  # argparse: missing value
+
+
+def test_ctrl_c_saves_a_checkpoint(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=PPOConfig(
+        num_envs=2, num_steps=16, num_minibatches=1, update_epochs=1, d_model=16, n_layers=1, d_state=4,
+        device="cpu", total_timesteps=320, track=False, checkpoint_dir=str(tmp_path / "ckpt")))
+
+    def interrupt(agent, metrics):
+        if metrics["update"] == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        agent.learn(callback=interrupt)
+    resumed = RecurrentPPO.load(tmp_path / "ckpt" / agent.run_name / "interrupted")
+    assert resumed.update == 2 and resumed.global_step == 64
+
+
+def test_python_dash_m():
+    r = subprocess.run([sys.executable, "-m", "mamba_rl", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "train" in r.stdout and "eval" in r.stdout
