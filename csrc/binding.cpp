@@ -416,11 +416,11 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
     TORCH_CHECK(dx_acc->scalar_type() == at::kFloat && dx_acc->numel() == x.numel() && dx_acc->is_contiguous(),
                 "rms_norm: dh_acc must be contiguous float32 shaped like x, got ", shape_str(*dx_acc));
   }
-  TORCH_CHECK(C >= 1 && C <= 1024, "rms_norm: channels must be in [1, 1024], got ", C);
+  TORCH_CHECK(C >= 1 && C <= 512, "rms_norm backward: channels must be in [1, 512], got ", C);
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = new_empty(x.sizes(), x.options());
   if (!rows) return dx;
-  auto ws = new_empty({(int64_t)mrl::norm_bwd_blocks(rows) * C}, x.options());
+  auto ws = new_empty({(int64_t)mrl::norm_bwd_blocks(rows, (int)C) * C}, x.options());
   mrl::NormBwdParams p{dy.data_ptr(), gdt, x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), rows,
                        (int)C, dx.data_ptr<float>(), ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(),
                        ws.data_ptr<float>(), counter_slot(x, 0)};

@@ -6,12 +6,14 @@
 
 namespace mrl {
 
-constexpr int NORM_THREADS = 256;
+constexpr int NORM_THREADS = 512;
 constexpr int NORM_WARPS = NORM_THREADS / 32;
-constexpr int NORM_ROWS_PER_WARP = 8;
+template <int CPL> struct NormRPW { static constexpr int v = CPL <= 4 ? 4 : (CPL <= 8 ? 2 : 1); };
+static int norm_rpw(int C) { return C <= 128 ? 4 : (C <= 256 ? 2 : 1); }
 
-int norm_bwd_blocks(int64_t rows) {
-  return (int)((rows + NORM_WARPS * NORM_ROWS_PER_WARP - 1) / (NORM_WARPS * NORM_ROWS_PER_WARP));
+int norm_bwd_blocks(int64_t rows, int C) {
+  const int rpw = norm_rpw(C);
+  return (int)((rows + NORM_WARPS * rpw - 1) / (NORM_WARPS * rpw));
 }
 
 template <typename T> __device__ __forceinline__ float ld_any(const void* p, int64_t i) {
@@ -45,6 +47,7 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p)
 
 template <typename GT, int CPL>
 __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p) {
+  constexpr int NORM_ROWS_PER_WARP = NormRPW<CPL>::v;
   __shared__ float part[NORM_WARPS][CPL * 32];
   __shared__ bool is_last;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -52,30 +55,44 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
 #pragma unroll
   for (int k = 0; k < CPL; ++k) { const int c = lane + 32 * k; w[k] = c < p.C ? p.w[c] : 0.f; dw[k] = 0.f; }
   const int64_t r0 = ((int64_t)blockIdx.x * NORM_WARPS + warp) * NORM_ROWS_PER_WARP;
+  // all rows' loads first (one memory latency per warp, not one per row), then the math
+  float dyv[NORM_ROWS_PER_WARP][CPL], xv[NORM_ROWS_PER_WARP][CPL], rsv[NORM_ROWS_PER_WARP];
+#pragma unroll
   for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
     const int64_t row = r0 + i;
-    if (row >= p.rows) break;
-    const float rs = p.rstd[row];
+    const bool rok = row < p.rows;
+    rsv[i] = rok ? p.rstd[row] : 0.f;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int c = lane + 32 * k;
+      const bool ok = rok && c < p.C;
+      dyv[i][k] = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
+      xv[i][k] = ok ? p.x[row * p.C + c] : 0.f;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
+    const int64_t row = r0 + i;
+    const float rs = rsv[i];
     float xh[CPL], g[CPL];
     float dot = 0.f;
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
-      const int c = lane + 32 * k;
-      const bool ok = c < p.C;
-      const float dy = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
-      xh[k] = ok ? p.x[row * p.C + c] * rs : 0.f;
-      g[k] = dy * w[k];
+      xh[k] = xv[i][k] * rs;
+      g[k] = dyv[i][k] * w[k];
       dot = fmaf(g[k], xh[k], dot);
-      dw[k] = fmaf(dy, xh[k], dw[k]);
+      dw[k] = fmaf(dyv[i][k], xh[k], dw[k]);
     }
     dot = group_sum<32>(dot) / p.C;
+    if (row < p.rows) {
 #pragma unroll
-    for (int k = 0; k < CPL; ++k) {
-      const int c = lane + 32 * k;
-      if (c < p.C) {
-        float d = rs * (g[k] - xh[k] * dot);
-        if (p.dx_acc) d += p.dx_acc[row * p.C + c];
-        p.dx[row * p.C + c] = d;
+      for (int k = 0; k < CPL; ++k) {
+        const int c = lane + 32 * k;
+        if (c < p.C) {
+          float d = rs * (g[k] - xh[k] * dot);
+          if (p.dx_acc) d += p.dx_acc[row * p.C + c];
+          p.dx[row * p.C + c] = d;
+        }
       }
     }
   }
@@ -94,22 +111,35 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // last block: column sums over the block partials, rows split over NORM_WARPS groups, fixed order.
+  // last block: column sums over the block partials; warp w sums partial rows w, w + NW, ... (4 in flight),
+  // then a fixed-order sum over warps.
   const int nb = gridDim.x;
-  for (int c0 = 0; c0 < p.C; c0 += 32) {
-    const int c = c0 + lane;
-    float s = 0.f;
-    if (c < p.C)
-      for (int b = warp; b < nb; b += NORM_WARPS) s += __ldcg(p.ws + (int64_t)b * p.C + c);
-    part[warp][lane] = s;
-    __syncthreads();
-    if (warp == 0 && c < p.C) {
-      float t = 0.f;
+  float cs[CPL];
 #pragma unroll
-      for (int q = 0; q < NORM_WARPS; ++q) t += part[q][lane];
-      p.dw_acc[c] += t;
-    }
-    __syncthreads();
+  for (int k = 0; k < CPL; ++k) cs[k] = 0.f;
+  for (int b0 = warp; b0 < nb; b0 += 4 * NORM_WARPS) {
+    float v[4][CPL];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) {
+        const int bb = b0 + u * NORM_WARPS, c = lane + 32 * k;
+        v[u][k] = (bb < nb && c < p.C) ? __ldcg(p.ws + (int64_t)bb * p.C + c) : 0.f;
+      }
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) cs[k] += v[u][k];
+  }
+  __syncthreads();  // everyone is done reading part[] from the block-partial phase
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) part[warp][lane + 32 * k] = cs[k];
+  __syncthreads();
+  for (int c = threadIdx.x; c < p.C; c += NORM_THREADS) {
+    float t = 0.f;
+#pragma unroll
+    for (int q = 0; q < NORM_WARPS; ++q) t += part[q][c];
+    p.dw_acc[c] += t;
   }
   if (threadIdx.x == 0) *p.counter = 0u;
 }
@@ -128,7 +158,7 @@ static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
 }
 template <int CPL>
 static const char* norm_bwd_c(const NormBwdParams& p, cudaStream_t s) {
-  const unsigned nb = (unsigned)norm_bwd_blocks(p.rows);
+  const unsigned nb = (unsigned)norm_bwd_blocks(p.rows, p.C);
   switch (p.dy_dtype) {
     case kF32: norm_bwd_kernel<float, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
     case kBF16: norm_bwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
@@ -150,8 +180,7 @@ const char* norm_bwd(const NormBwdParams& p, cudaStream_t s) {
   if (p.C <= 128) return norm_bwd_c<4>(p, s);
   if (p.C <= 256) return norm_bwd_c<8>(p, s);
   if (p.C <= 512) return norm_bwd_c<16>(p, s);
-  if (p.C <= 1024) return norm_bwd_c<32>(p, s);
-  return "rms_norm: at most 1024 channels";
+  return "rms_norm backward: at most 512 channels";
 }
 
 }  // namespace mrl

@@ -146,10 +146,10 @@ struct NormBwdParams {
   float* dx;                             // [rows, C] = rstd * (g - xhat * mean(g * xhat)) (+ dx_acc), g = dy * w
   const float* dx_acc;                   // [rows, C] or nullptr (may alias dx)
   float* dw_acc;                         // [C]: += sum_rows dy * xhat
-  float* ws;                             // [norm_bwd_blocks(rows) * C]
+  float* ws;                             // [norm_bwd_blocks(rows, C) * C]
   unsigned int* counter;                 // self-resetting
 };
-int norm_bwd_blocks(int64_t rows);
+int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);
 const char* norm_bwd(const NormBwdParams& p, cudaStream_t s);
 }  // namespace mrl

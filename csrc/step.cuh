@@ -23,42 +23,28 @@ __device__ __forceinline__ void load16(const WT* p, float (&v)[Vec16<WT>::n]) {
   for (int i = 0; i < Vec16<WT>::n; ++i) v[i] = to_f(e[i]);
 }
 
-// Sum over aligned groups of g lanes (g a power of two <= 32, run-time).
-__device__ __forceinline__ float lane_group_sum(float v, int g) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1)
-    if (o < g) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // out[r][j] (+)= sum_k W[j][k] * in[r][k], j < rows, for R rows held in shared memory.
-// in: [R][in_ld] floats, out: [R][out_ld] floats. A group of lpr = min(32, cols / V) lanes covers one
-// weight row with 16-byte loads; each lane keeps RB rows' loads in flight before reducing.
+// in: [R][in_ld] floats, out: [R][out_ld] floats. Warp per output row, RB rows in flight.
 template <typename WT, int R, bool ADD>
 __device__ void gemv_smem(const WT* __restrict__ W, int rows, int cols, const float* in, int in_ld, float* out,
                           int out_ld) {
   constexpr int V = Vec16<WT>::n;
-  constexpr int RB0 = (V == 4 ? 16 : 8) / R;
-  constexpr int RB = RB0 < 1 ? 1 : RB0;
+  constexpr int RB = 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int chunks = cols / V;
-  const bool vec = ((reinterpret_cast<uintptr_t>(W) & 15) == 0) && (cols % V == 0) && ((chunks & (chunks - 1)) == 0);
-  if (vec) {
-    const int lpr = chunks < 32 ? chunks : 32;
-    const int rpw = 32 / lpr;                 // rows per warp slot
-    const int sub = lane / lpr, l = lane % lpr;
-    for (int j0 = warp * RB * rpw; j0 < rows; j0 += STEP_WARPS * RB * rpw) {
-      float acc[RB][R];
+  const bool vec = ((reinterpret_cast<uintptr_t>(W) & 15) == 0) && (cols % V == 0);
+  for (int j0 = warp * RB; j0 < rows; j0 += STEP_WARPS * RB) {
+    float acc[RB][R];
 #pragma unroll
-      for (int q = 0; q < RB; ++q)
+    for (int q = 0; q < RB; ++q)
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[q][r] = 0.f;
-      for (int c = l * V; c < cols; c += lpr * V) {
+      for (int r = 0; r < R; ++r) acc[q][r] = 0.f;
+    if (vec) {
+      for (int c = lane * V; c < cols; c += 32 * V) {
         float w[RB][V];
 #pragma unroll
         for (int q = 0; q < RB; ++q) {
-          const int jj = min(j0 + q * rpw + sub, rows - 1);
-          load16<WT>(W + (int64_t)jj * cols + c, w[q]);
+          const int j = min(j0 + q, rows - 1);
+          load16<WT>(W + (int64_t)j * cols + c, w[q]);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -71,34 +57,26 @@ __device__ void gemv_smem(const WT* __restrict__ W, int rows, int cols, const fl
             for (int i = 0; i < V; ++i) acc[q][r] = fmaf(w[q][i], xv[i], acc[q][r]);
         }
       }
+    } else {
+      for (int c = lane; c < cols; c += 32) {
 #pragma unroll
-      for (int q = 0; q < RB; ++q)
+        for (int q = 0; q < RB; ++q) {
+          const int j = min(j0 + q, rows - 1);
+          const float wv = to_f(W[(int64_t)j * cols + c]);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float v = lane_group_sum(acc[q][r], lpr);
-          const int jj = j0 + q * rpw + sub;
-          if (l == 0 && jj < rows) {
-            if (ADD) out[r * out_ld + jj] += v; else out[r * out_ld + jj] = v;
-          }
+          for (int r = 0; r < R; ++r) acc[q][r] = fmaf(wv, in[r * in_ld + c], acc[q][r]);
         }
-    }
-    return;
-  }
-  // scalar fallback (unaligned or odd widths): warp per row
-  for (int j = warp; j < rows; j += STEP_WARPS) {
-    float acc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int c = lane; c < cols; c += 32) {
-      const float wv = to_f(W[(int64_t)j * cols + c]);
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] = fmaf(wv, in[r * in_ld + c], acc[r]);
+      }
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const float v = group_sum<32>(acc[r]);
-      if (lane == 0) { if (ADD) out[r * out_ld + j] += v; else out[r * out_ld + j] = v; }
-    }
+    for (int q = 0; q < RB; ++q)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float v = group_sum<32>(acc[q][r]);
+        if (lane == 0 && j0 + q < rows) {
+          if (ADD) out[r * out_ld + j0 + q] += v; else out[r * out_ld + j0 + q] = v;
+        }
+      }
   }
 }
 

@@ -136,7 +136,7 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x, weight, eps=1e-5, out_dtype=None):
     """CUDA RMSNorm (see :func:`mamba_rl.ops.norm.rms_norm_ref`): float32 x, any activation out_dtype."""
     out_dtype = out_dtype or x.dtype
-    if x.dtype != torch.float32 or out_dtype not in _ACT or x.shape[-1] > 1024 or weight.dtype == torch.float64:
+    if x.dtype != torch.float32 or out_dtype not in _ACT or x.shape[-1] > 512 or weight.dtype == torch.float64:
         from .norm import rms_norm_ref
         return rms_norm_ref(x, weight, eps, out_dtype)
     return _RMSNorm.apply(x, weight, eps, out_dtype)
