@@ -11,7 +11,7 @@ const char* scan_bwd_f16(const ScanBwdParams&, cudaStream_t);
 
 int scan_chunk() { return SCAN_TC; }
 
-static int scan_tiles(int D, int N) { const int cpb = SCAN_THREADS / N; return (D + cpb - 1) / cpb; }
+static int scan_tiles(int D, int N) { const int cpb = SCAN_THREADS / (N / SCAN_NPT); return (D + cpb - 1) / cpb; }
 
 int64_t scan_bwd_workspace(int B, int T, int D, int N) {
   return (int64_t)scan_tiles(D, N) * B * T * 2 * N + (int64_t)B * D * N + 2 * (int64_t)B * D;
