@@ -113,24 +113,29 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p)
       float4* ck = reinterpret_cast<float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
       *ck = make_float4(s[0], s[1], s[2], s[3]);
     }
+    auto fstep = [&](const int i) {
+      const float xv = sx[i][cl], dl = sdl[i][cl];
+      const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
+      const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
+      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+      const bool st = sst[i];
+      const float dx_ = dl * xv;
+      float y = 0.f;
 #pragma unroll
-    for (int i = 0; i < TC; ++i) {
-      if (i < len) {
-        const float xv = sx[i][cl], dl = sdl[i][cl];
-        const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
-        const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
-        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-        const bool st = sst[i];
-        const float dx_ = dl * xv;
-        float y = 0.f;
-#pragma unroll
-        for (int j = 0; j < NP; ++j) {
-          s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
-          y = fmaf(s[j], cx[j], y);
-        }
-        y = group_sum<G>(y);
-        if (gi == 0) sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];
+      for (int j = 0; j < NP; ++j) {
+        s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);  // select: a reset clears even inf/NaN
+        y = fmaf(s[j], cx[j], y);
       }
+      y = group_sum<G>(y);
+      sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];  // every lane of the group writes the same value
+    };
+    if (len == TC) {
+#pragma unroll
+      for (int i = 0; i < TC; ++i) fstep(i);
+    } else {
+#pragma unroll
+      for (int i = 0; i < TC; ++i)
+        if (i < len) fstep(i);
     }
     __syncthreads();
     T* ob = reinterpret_cast<T*>(p.out) + (int64_t)b * T_ * D;
@@ -282,64 +287,75 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
     float S[TC][NP];
     {
       float s[NP] = {s_enter[0], s_enter[1], s_enter[2], s_enter[3]};
+      auto rstep = [&](const int i) {
+        const float dl = sm.dl[i][cl];
+        const float dx_ = dl * sm.x[i][cl];
+        const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
+        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
+        const bool st = sm.st[i];
 #pragma unroll
-      for (int i = 0; i < TC; ++i) {
-        if (i < len) {
-          const float dl = sm.dl[i][cl];
-          const float dx_ = dl * sm.x[i][cl];
-          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
-          const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
-          const bool st = sm.st[i];
+        for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
+      };
+      if (len == TC) {
 #pragma unroll
-          for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
+        for (int i = 0; i < TC; ++i) {
+          rstep(i);
+#pragma unroll
+          for (int j = 0; j < NP; ++j) S[i][j] = s[j];
         }
+      } else {
 #pragma unroll
-        for (int j = 0; j < NP; ++j) S[i][j] = s[j];
+        for (int i = 0; i < TC; ++i) {
+          if (i < len) rstep(i);
+#pragma unroll
+          for (int j = 0; j < NP; ++j) S[i][j] = s[j];
+        }
       }
     }
+    const float am = act ? 1.f : 0.f;
+    auto bstep = [&](const int i) {
+      const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
+      const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
+      const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP]);
+      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+      const bool st = sm.st[i];
+      const float g = sm.g[i][cl] * sm.sz[i][cl];            // d loss / d y_pre
+      float ys = 0.f, ddel = 0.f, dxp = 0.f;
+      float v8[8];
 #pragma unroll
-    for (int i = TC - 1; i >= 0; --i) {
-      if (i < len) {
-        const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
-        const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
-        const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP]);
-        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-        const bool st = sm.st[i];
-        const float g = sm.g[i][cl] * sm.sz[i][cl];          // d loss / d y_pre
-        float ys = 0.f, ddel = 0.f, dxp = 0.f;
-        float v8[8];
-#pragma unroll
-        for (int j = 0; j < NP; ++j) {
-          const float a = ex2f_(dl * A2[j]);
-          const float sp = st ? 0.f : (i > 0 ? S[i > 0 ? i - 1 : 0][j] : s_enter[j]);
-          const float h = fmaf(g, cx[j], hc[j]);             // d loss / d s_t
-          ys = fmaf(S[i][j], cx[j], ys);
-          v8[j] = h * dl * xv;                               // dB
-          v8[NP + j] = g * S[i][j];                          // dC
-          const float spa = sp * a;
-          ddel = fmaf(h, fmaf(spa, A[j], xv * bx[j]), ddel);
-          dxp = fmaf(h * dl, bx[j], dxp);
-          dAacc[j] = fmaf(h * spa, dl, dAacc[j]);
-          hc[j] = st ? 0.f : h * a;
-        }
-        ys = group_sum<G>(ys);
-        ddel = group_sum<G>(ddel);
-        dxp = group_sum<G>(dxp);
-        if (gi == 0) {
-          const float ddt = ddel * sm.sig[i][cl];
-          sm.odx[i][cl] = fmaf(g, Dd, dxp);
-          sm.oddt[i][cl] = ddt;
-          sm.oyp[i][cl] = fmaf(Dd, xv, ys);
-          if (act) { dDacc = fmaf(g, xv, dDacc); ddbacc += ddt; }
-        }
-        if (!act) {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) v8[k] = 0.f;
-        }
-        int idx; bool dup;
-        const float r = transpose_reduce8<G>(v8, lane, idx, dup);
-        if (!dup) sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = r;
+      for (int j = 0; j < NP; ++j) {
+        const float a = ex2f_(dl * A2[j]);
+        const float sp = st ? 0.f : (i > 0 ? S[i > 0 ? i - 1 : 0][j] : s_enter[j]);
+        const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
+        ys = fmaf(S[i][j], cx[j], ys);
+        v8[j] = am * h * dl * xv;                            // dB
+        v8[NP + j] = am * g * S[i][j];                       // dC
+        const float spa = sp * a;
+        ddel = fmaf(h, fmaf(spa, A[j], xv * bx[j]), ddel);
+        dxp = fmaf(h * dl, bx[j], dxp);
+        dAacc[j] = fmaf(h * spa, dl, dAacc[j]);
+        hc[j] = st ? 0.f : h * a;
       }
+      ys = group_sum<G>(ys);
+      ddel = group_sum<G>(ddel);
+      dxp = group_sum<G>(dxp);
+      const float ddt = ddel * sm.sig[i][cl];
+      sm.odx[i][cl] = fmaf(g, Dd, dxp);   // every lane of the group writes the same values
+      sm.oddt[i][cl] = ddt;
+      sm.oyp[i][cl] = fmaf(Dd, xv, ys);
+      dDacc = fmaf(g * am, xv, dDacc);
+      ddbacc = fmaf(ddt, am, ddbacc);
+      int idx; bool dup;
+      const float r = transpose_reduce8<G>(v8, lane, idx, dup);
+      sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = r;  // duplicates write equal values
+    };
+    if (len == TC) {
+#pragma unroll
+      for (int i = TC - 1; i >= 0; --i) bstep(i);
+    } else {
+#pragma unroll
+      for (int i = TC - 1; i >= 0; --i)
+        if (i < len) bstep(i);
     }
     __syncthreads();
     for (int idx = tid; idx < len * 2 * N; idx += SCAN_THREADS) {
