@@ -125,13 +125,13 @@ def bench_infer(B, iters):
     w = net.step_weights()
     cs, ss = st.state.conv.clone(), st.state.ssm.clone()
     starts = torch.zeros(B, dtype=torch.bool, device="cuda")
-    for R in (1, 2, 4, 8):
+    for R in (1, 2, 4, 8, -1, -2, -4, -8):
         gr = torch.cuda.CUDAGraph()
         backbone_step(x, w, cs, ss, starts, net.cfg, rows_per_block=R)
         torch.cuda.synchronize()
         with torch.cuda.graph(gr):
             backbone_step(x, w, cs, ss, starts, net.cfg, rows_per_block=R)
-        rows.append(dict(kind="infer_kernel", model=f"backbone_step_R{R}", B=B, T=1, graph=True,
+        rows.append(dict(kind="infer_kernel", model=(f"backbone_step_R{R}" if R > 0 else f"backbone_step_cluster_R{-R}"), B=B, T=1, graph=True,
                          us=timeit(gr.replay, iters)))
     return rows
 

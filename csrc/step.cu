@@ -4,8 +4,28 @@ namespace mrl {
 const char* backbone_step_f32(const StepParams&, int, cudaStream_t);
 const char* backbone_step_bf16(const StepParams&, int, cudaStream_t);
 const char* backbone_step_f16(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster_f32(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster_bf16(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster_f16(const StepParams&, int, cudaStream_t);
+bool backbone_step_cluster_ok(const StepParams& p);
+
+// rows_per_block R: > 0 the one-block-per-R-rows kernel; < 0 the cluster kernel with -R rows per cluster;
+// 0 = automatic (the cluster kernel where it applies).
 const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s) {
   if (p.L > STEP_MAX_LAYERS) return "backbone_step: at most 16 layers";
+  if (R == 0) {
+    if (backbone_step_cluster_ok(p)) R = p.B <= 16 ? -1 : (p.B <= 32 ? -2 : (p.B <= 64 ? -4 : -8));
+    else R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
+  }
+  if (R < 0) {
+    if (!backbone_step_cluster_ok(p)) return "backbone_step: the cluster kernel needs d_inner 256, d_conv 4, d_state 8/16";
+    switch (wdtype) {
+      case kF32: return backbone_step_cluster_f32(p, -R, s);
+      case kBF16: return backbone_step_cluster_bf16(p, -R, s);
+      case kF16: return backbone_step_cluster_f16(p, -R, s);
+    }
+    return "backbone_step: unsupported weight dtype";
+  }
   switch (wdtype) {
     case kF32: return backbone_step_f32(p, R, s);
     case kBF16: return backbone_step_bf16(p, R, s);

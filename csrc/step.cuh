@@ -25,14 +25,14 @@ __device__ __forceinline__ void load16(const WT* p, float (&v)[Vec16<WT>::n]) {
 
 // out[r][j] (+)= sum_k W[j][k] * in[r][k], j < rows, for R rows held in shared memory.
 // in: [R][in_ld] floats, out: [R][out_ld] floats. Warp per output row, RB rows in flight.
-template <typename WT, int R, bool ADD>
-__device__ void gemv_smem(const WT* __restrict__ W, int rows, int cols, const float* in, int in_ld, float* out,
+template <typename WT, int R, bool ADD, int NWARPS = STEP_WARPS>
+__device__ void gemv_rows(const WT* __restrict__ W, int rows, int cols, const float* in, int in_ld, float* out,
                           int out_ld) {
   constexpr int V = Vec16<WT>::n;
   constexpr int RB = 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const bool vec = ((reinterpret_cast<uintptr_t>(W) & 15) == 0) && (cols % V == 0);
-  for (int j0 = warp * RB; j0 < rows; j0 += STEP_WARPS * RB) {
+  for (int j0 = warp * RB; j0 < rows; j0 += NWARPS * RB) {
     float acc[RB][R];
 #pragma unroll
     for (int q = 0; q < RB; ++q)
@@ -78,6 +78,25 @@ __device__ void gemv_smem(const WT* __restrict__ W, int rows, int cols, const fl
         }
       }
   }
+}
+
+// u[r][:] = h[r][:] * rsqrt(mean(h^2) + eps) * w   (warp r handles row r), for a block of NWARPS warps
+template <int R, int NWARPS>
+__device__ void rms_rows_w(const float* h, float* u, int dm, const float* w, float eps) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < R; r += NWARPS) {
+    float ss = 0.f;
+    for (int c = lane; c < dm; c += 32) { const float v = h[r * dm + c]; ss = fmaf(v, v, ss); }
+    ss = group_sum<32>(ss);
+    const float rs = rsqrtf(ss / dm + eps);
+    for (int c = lane; c < dm; c += 32) u[r * dm + c] = h[r * dm + c] * rs * w[c];
+  }
+}
+
+template <typename WT, int R, bool ADD>
+__device__ __forceinline__ void gemv_smem(const WT* __restrict__ W, int rows, int cols, const float* in, int in_ld,
+                                          float* out, int out_ld) {
+  gemv_rows<WT, R, ADD, STEP_WARPS>(W, rows, cols, in, in_ld, out, out_ld);
 }
 
 // u[r][:] = h[r][:] * rsqrt(mean(h^2) + eps) * w   (warp r handles row r)
@@ -214,7 +233,7 @@ const char* step_launch_rn(const StepParams& p, cudaStream_t s) {
 
 template <typename WT>
 const char* step_launch_t(const StepParams& p, int R, cudaStream_t s) {
-  if (R <= 0) R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
+  if (R <= 0) R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);  // (callers pass R > 0 here; see step.cu)
 #define MRL_STEP_CASE(RR)                                                     \
   if (R == RR) {                                                              \
     if (p.N == 16) return step_launch_rn<WT, RR, 16>(p, s);                   \

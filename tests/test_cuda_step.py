@@ -103,7 +103,7 @@ def test_step_equals_forward_T1024(ext, B, gdt, tol):
     assert rel(ss, rsf) <= tol
 
 
-@pytest.mark.parametrize("R", [1, 2, 4, 8])
+@pytest.mark.parametrize("R", [1, 2, 4, 8, -1, -2, -4, -8])
 def test_rows_per_block_agree_and_match_ref(ext, R):
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
     B, L, in_dim = 37, 3, 4

@@ -69,7 +69,9 @@ def backbone_step(x_t, weights, conv_state, ssm_state, episode_starts, cfg, rows
     """CUDA one-token step through every layer in one launch (same contract as :func:`backbone_step_ref`).
 
     Falls back to the reference for inputs the kernel does not take (non-CUDA, float64, d_state not in
-    {8, 16}, d_conv != 4). ``rows_per_block`` (0 = auto) is a tuning knob for the benchmark.
+    {8, 16}, d_conv != 4). ``rows_per_block``: 0 = automatic; R > 0 runs one block per R rows (every
+    layer in one block); R < 0 runs the thread-block-cluster kernel (8 blocks split d_inner, partial sums
+    exchanged through distributed shared memory) with -R rows per cluster.
     """
     from ._dispatch import extension
     ext = extension() if x_t.is_cuda else None
