@@ -223,9 +223,11 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
   float* pPar = pBC + (int64_t)ntiles * B * T_ * 2 * N + (int64_t)b * (D * N + 2 * D);
 
   float px[EA], pdt[EA], pz[EA], pg[EA], pb[EB], pc[EB];
+  float4 pck;
   bool pst = false;
   auto prefetch = [&](int c) {
     const int t0 = c * TC;
+    pck = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
 #pragma unroll
     for (int k = 0; k < EA; ++k) {
       const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
@@ -280,9 +282,9 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
     const int t0 = c * TC;
     const int len = min(TC, T_ - t0);
     commit();
+    const float4 se4 = pck;  // this chunk's checkpoint, loaded with the chunk's inputs
     __syncthreads();
     if (c > 0) prefetch(c - 1);
-    const float4 se4 = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
     const float s_enter[NP] = {se4.x, se4.y, se4.z, se4.w};
     float S[TC][NP];
     {

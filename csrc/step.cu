@@ -14,7 +14,9 @@ bool backbone_step_cluster_ok(const StepParams& p);
 const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s) {
   if (p.L > STEP_MAX_LAYERS) return "backbone_step: at most 16 layers";
   if (R == 0) {
-    if (backbone_step_cluster_ok(p)) R = p.B <= 16 ? -1 : (p.B <= 32 ? -2 : (p.B <= 64 ? -4 : -8));
+    // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
+    // 1-2 rows for large ones
+    if (backbone_step_cluster_ok(p) && p.B <= 32) R = p.B <= 16 ? -1 : -2;
     else R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
   }
   if (R < 0) {
