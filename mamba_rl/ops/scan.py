@@ -69,12 +69,17 @@ def selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, epis
     dBx = (delta * xf).unsqueeze(-1) * Bm.to(cdt).unsqueeze(2)  # [B, T, D, N]
     Cf = Cm.to(cdt)
     s = x.new_zeros((Bsz, Di, N), dtype=cdt) if ssm_state is None else ssm_state.to(cdt)
+    # unbind once along T: indexing [:, t] in the loop would make autograd scatter each step's gradient
+    # into a full-size zero tensor (quadratic in T); unbind's backward stacks them once.
+    dA_t, dBx_t, C_t = dA.unbind(1), dBx.unbind(1), Cf.unbind(1)
+    starts_t = None if episode_starts is None else episode_starts[:, :, None, None].unbind(1)
+    zero = torch.zeros((), dtype=cdt, device=x.device)
     ys = []
     for t in range(T):
-        if episode_starts is not None:  # select, not multiply: a NaN of the old episode must not leak
-            s = torch.where(episode_starts[:, t, None, None], torch.zeros((), dtype=cdt, device=s.device), s)
-        s = dA[:, t] * s + dBx[:, t]
-        ys.append(torch.einsum("bdn,bn->bd", s, Cf[:, t]))
+        if starts_t is not None:  # select, not multiply: a NaN of the old episode must not leak
+            s = torch.where(starts_t[t], zero, s)
+        s = dA_t[t] * s + dBx_t[t]
+        ys.append((s * C_t[t].unsqueeze(1)).sum(-1))
     y = torch.stack(ys, dim=1) if T > 0 else xf.new_zeros(Bsz, 0, Di)
     y = (y + D.to(cdt) * xf) * F.silu(zf)
     return y.to(x.dtype), s
