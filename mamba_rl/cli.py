@@ -184,10 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``mamba-rl`` and ``python -m mamba_rl``; returns the exit code."""
+    import gymnasium as gym
+
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError) as err:
+    except (ValueError, FileNotFoundError, TypeError, ImportError, gym.error.DependencyNotInstalled) as err:
+        # DependencyNotInstalled: e.g. --video without moviepy (pip install "gymnasium[other]")
         print(f"mamba-rl {args.command}: error: {err}", file=sys.stderr)
         return 2
 
