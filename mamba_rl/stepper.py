@@ -29,8 +29,8 @@ class Stepper:
         self.batch = batch
         self.state = net.initial_state(batch)
         self._graph = None
-        self._x = None
-        self._starts = None
+        self.x_buf = None
+        self.starts_buf = None
         self._out = None
         self._graph_ptrs = None
 
@@ -48,11 +48,13 @@ class Stepper:
         return y[:, 0]
 
     @torch.no_grad()
-    def step(self, x_t: torch.Tensor, episode_starts: torch.Tensor | None = None) -> torch.Tensor:
+    def step(self, x_t: torch.Tensor | None, episode_starts: torch.Tensor | None = None) -> torch.Tensor:
         """Advance every env by one observation.
 
         Args:
-            x_t: [B, input_dim] float (cast to the master dtype), on the backbone's device.
+            x_t: [B, input_dim] float (cast to the master dtype), on the backbone's device; or None after
+                :meth:`capture_graph` when the caller wrote ``x_buf`` and ``starts_buf`` in place (zero-copy:
+                the replay then reads them as they are).
             episode_starts: [B] bool or None. Rows with True are reset (zero conv window and SSM state)
                 before x_t is consumed: x_t is the first observation of a new episode.
         Returns:
@@ -62,6 +64,13 @@ class Stepper:
             ValueError: wrong shape, dtype or device.
         """
         B, D = self.batch, self.net.input_dim
+        if x_t is None:
+            if self._graph is None or episode_starts is not None:
+                raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
+                                 "written into starts_buf rather than passed")
+            self._check_graph()
+            self._graph.replay()
+            return self._out
         check_tensor("Stepper.step: x_t", x_t, shape=(B, D), device=self.device, floating=True)
         if episode_starts is not None:
             check_tensor("Stepper.step: episode_starts", episode_starts, shape=(B,), dtype=torch.bool,
@@ -70,18 +79,21 @@ class Stepper:
         if self.state.ssm.dtype != self.net.arena.dtype and self._graph is None:  # the net changed dtype
             self.state = self.state.to(self.net.arena.dtype)
         if self._graph is not None:
-            if self._pointers() != self._graph_ptrs:
-                raise RuntimeError("Stepper: a buffer captured by the CUDA graph has moved (the backbone was moved, "
-                                   "its arena or compute copy replaced, or the state rebound after capture_graph); "
-                                   "call capture_graph() again")
-            self._x.copy_(x_t)
+            self._check_graph()
+            self.x_buf.copy_(x_t)
             if episode_starts is None:
-                self._starts.zero_()
+                self.starts_buf.zero_()
             else:
-                self._starts.copy_(episode_starts)
+                self.starts_buf.copy_(episode_starts)
             self._graph.replay()
             return self._out
         return self._step_impl(x_t, episode_starts)
+
+    def _check_graph(self):
+        if self._pointers() != self._graph_ptrs:
+            raise RuntimeError("Stepper: a buffer captured by the CUDA graph has moved (the backbone was moved, "
+                               "its arena or compute copy replaced, or the state rebound after capture_graph); "
+                               "call capture_graph() again")
 
     def _pointers(self):
         n = self.net
@@ -114,17 +126,17 @@ class Stepper:
             raise RuntimeError(f"Stepper.capture_graph needs a CUDA device, the backbone is on {self.device}")
         saved = self.state.clone()
         B = self.batch
-        self._x = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
-        self._starts = torch.zeros(B, dtype=torch.bool, device=self.device)
+        self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
+        self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.no_grad(), torch.cuda.stream(s):
             for _ in range(warmup):
-                self._step_impl(self._x, self._starts)
+                self._step_impl(self.x_buf, self.starts_buf)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(g):
-            self._out = self._step_impl(self._x, self._starts)
+            self._out = self._step_impl(self.x_buf, self.starts_buf)
         self._graph = g
         self._graph_ptrs = self._pointers()
         self.state.copy_(saved)

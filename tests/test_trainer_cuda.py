@@ -192,6 +192,10 @@ def test_stepper_graph_sees_trainer_updates_and_detects_moves():
     st.reset()
     ref = net.stepper(4)  # eager, same weights
     assert rel(b, ref.step(x)) <= 1e-6
+    st.reset()
+    st.x_buf.copy_(x)  # zero-copy: write the static buffers, replay without arguments
+    st.starts_buf.zero_()
+    assert torch.equal(st.step(None), b)
     net.set_compute_dtype(torch.bfloat16)  # a new compute copy: the captured pointers are stale
     with pytest.raises(RuntimeError, match="has moved"):
         st.step(x)
