@@ -193,6 +193,9 @@ class RecurrentPPO:
                                        dtype=torch.int64 if self.discrete_actions else torch.float32)
         self.prev_reward = torch.zeros(n, device=self.device)
         self._env_started = False
+        self._stage = torch.zeros(n, self.obs_dim + 3, dtype=torch.float32,
+                                  pin_memory=self.device.type == "cuda")
+        self._stage_np = self._stage.numpy()
         self.global_step = 0
         self.update = 0
         self.history: list[dict[str, float]] = []
@@ -291,9 +294,17 @@ class RecurrentPPO:
             buf.logprobs[:, t] = dist.log_prob(action)
             obs, reward, term, trunc, info = self.envs.step(self._to_env_action(action))
             self.global_step += c.num_envs
-            reward_t = torch.as_tensor(np.asarray(reward, dtype=np.float32)).to(self.device, non_blocking=True)
-            term_t = torch.as_tensor(np.asarray(term, dtype=bool)).to(self.device, non_blocking=True)
-            trunc_t = torch.as_tensor(np.asarray(trunc, dtype=bool)).to(self.device, non_blocking=True)
+            # one host->device copy per step: [obs | reward | terminated | truncated] through a
+            # (pinned on CUDA) staging buffer; the action copy of the next step syncs before reuse
+            stage = self._stage_np
+            stage[:, : self.obs_dim] = np.asarray(obs).reshape(c.num_envs, self.obs_dim)
+            stage[:, self.obs_dim] = reward
+            stage[:, self.obs_dim + 1] = term
+            stage[:, self.obs_dim + 2] = trunc
+            dev = self._stage.to(self.device, non_blocking=True)
+            reward_t = dev[:, self.obs_dim]
+            term_t = dev[:, self.obs_dim + 1] > 0.5
+            trunc_t = dev[:, self.obs_dim + 2] > 0.5
             buf.rewards[:, t] = reward_t
             buf.terminations[:, t] = term_t
             buf.truncations[:, t] = trunc_t
@@ -301,8 +312,8 @@ class RecurrentPPO:
             self.next_start = self.next_done.clone()
             self.next_done = term_t | trunc_t
             self.prev_action = action
-            self.prev_reward = reward_t
-            self.next_obs = torch.as_tensor(np.asarray(obs), dtype=torch.float32).to(self.device, non_blocking=True)
+            self.prev_reward = reward_t.clone()
+            self.next_obs = dev[:, : self.obs_dim].clone()
             if "_episode" in info:
                 mask = np.asarray(info["_episode"])
                 for i in np.nonzero(mask)[0]:
