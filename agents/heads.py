@@ -174,11 +174,24 @@ class ActorHead(nn.Module):
             self.log_std = nn.Parameter(torch.zeros(out))
         self.linear = _layer_init(nn.Linear(d_model, out), 0.01, generator)
 
-    def forward(self, features: torch.Tensor) -> ActionDist:
-        out = self.linear(features)
+    @property
+    def out_dim(self) -> int:
+        """Width of the raw output: logits (sum of them for MultiDiscrete) or the Gaussian mean."""
+        return self.linear.out_features
+
+    def dist(self, raw: torch.Tensor, log_std: Optional[torch.Tensor] = None) -> ActionDist:
+        """The distribution of raw outputs ``raw`` [..., out_dim] (from ``self.linear``), on raw's device.
+
+        ``log_std`` [action_dim] (Gaussian only) defaults to the parameter; pass a copy to build
+        the distribution on another device (the rollout samples on the CPU).
+        """
         if self.kind == "gaussian":
-            return ActionDist("gaussian", (out, self.log_std.expand_as(out)))
-        return ActionDist(self.kind, (out,), self.splits)
+            ls = self.log_std if log_std is None else log_std
+            return ActionDist("gaussian", (raw, ls.expand_as(raw)))
+        return ActionDist(self.kind, (raw,), self.splits)
+
+    def forward(self, features: torch.Tensor) -> ActionDist:
+        return self.dist(self.linear(features))
 
 
 class CriticHead(nn.Module):

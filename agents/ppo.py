@@ -29,6 +29,7 @@ import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Optional, Union
 
 import gymnasium as gym
@@ -180,22 +181,24 @@ class RecurrentPPO:
         self._predict_steppers: dict[int, Any] = {}
         self._warned_pickle = False
 
-        self.sample_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # actions are sampled on the CPU (see collect_rollout), with this generator
+        self.sample_generator = torch.Generator().manual_seed(config.seed)
         self.np_rng = np.random.default_rng(config.seed)
         self.buffer = RolloutBuffer(config.num_envs, config.num_steps, self.input_dim, self.obs_dim,
-                                    self.action_dim, self.discrete_actions, self.stepper.state, self.device)
-        # carried between rollouts
+                                    self.action_dim, self.discrete_actions, self.stepper.state, self.device,
+                                    storage_device=torch.device("cpu"))
+        # carried between rollouts (CPU: the per-step policy math runs on the host, see collect_rollout)
         n = config.num_envs
-        self.next_obs = torch.zeros(n, self.obs_dim, device=self.device)
-        self.next_start = torch.ones(n, dtype=torch.bool, device=self.device)
-        self.next_done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        self.prev_action = torch.zeros(n, self.action_dim, device=self.device,
+        self.next_obs = torch.zeros(n, self.obs_dim)
+        self.next_start = torch.ones(n, dtype=torch.bool)
+        self.next_done = torch.zeros(n, dtype=torch.bool)
+        self.prev_action = torch.zeros(n, self.action_dim,
                                        dtype=torch.int64 if self.discrete_actions else torch.float32)
-        self.prev_reward = torch.zeros(n, device=self.device)
+        self.prev_reward = torch.zeros(n)
         self._env_started = False
-        self._stage = torch.zeros(n, self.obs_dim + 3, dtype=torch.float32,
+        # host staging of [backbone input | episode_start] for one host->device copy per step
+        self._stage = torch.zeros(n, self.input_dim + 1, dtype=torch.float32,
                                   pin_memory=self.device.type == "cuda")
-        self._stage_np = self._stage.numpy()
         self.global_step = 0
         self.update = 0
         self.history: list[dict[str, float]] = []
@@ -203,9 +206,8 @@ class RecurrentPPO:
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
         self._act_low = self._act_high = None
         if isinstance(self.action_space, spaces.Box):
-            self._act_low = torch.as_tensor(self.action_space.low.reshape(-1), device=self.device, dtype=torch.float32)
-            self._act_high = torch.as_tensor(self.action_space.high.reshape(-1), device=self.device,
-                                             dtype=torch.float32)
+            self._act_low = torch.as_tensor(self.action_space.low.reshape(-1), dtype=torch.float32)
+            self._act_high = torch.as_tensor(self.action_space.high.reshape(-1), dtype=torch.float32)
 
     # ------------------------------------------------------------------ envs
     def _make_envs(self, capture_video: Optional[bool] = None) -> gym.vector.VectorEnv:
@@ -233,11 +235,12 @@ class RecurrentPPO:
 
     def _reset_envs(self) -> None:
         obs, _ = self.envs.reset(seed=self.config.seed)
-        self.next_obs.copy_(torch.as_tensor(np.asarray(obs), dtype=torch.float32))
-        self.next_start.fill_(True)
-        self.next_done.fill_(False)
-        self.prev_action.zero_()
-        self.prev_reward.zero_()
+        n = self.config.num_envs
+        self.next_obs = torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(n, self.obs_dim))
+        self.next_start = torch.ones(n, dtype=torch.bool)
+        self.next_done = torch.zeros(n, dtype=torch.bool)
+        self.prev_action = torch.zeros_like(self.prev_action)
+        self.prev_reward = torch.zeros_like(self.prev_reward)
         self.stepper.reset()
         self._env_started = True
 
@@ -279,41 +282,49 @@ class RecurrentPPO:
         episodes: list[tuple[int, float, int]] = []
         actor, critic = self.heads["actor"], self.heads["critic"]
         buf.initial_state.copy_(self.stepper.state)
+        # Per step, the device runs only: one host->device copy of [input | start], the stepper
+        # (a CUDA graph replay on GPU) and one GEMM for both heads; the head outputs come back in
+        # one device->host copy and sampling, log-probs and storage happen on the host. The head
+        # weights do not change during a rollout, so they are fused once here.
+        with torch.no_grad():
+            w = torch.cat([actor.linear.weight, critic.linear.weight]).t().contiguous()
+            bias = torch.cat([actor.linear.bias, critic.linear.bias])
+            log_std = actor.log_std.detach().cpu() if actor.kind == "gaussian" else None
+        p_dim = actor.out_dim
+
+        def act(x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            self._stage[:, : self.input_dim] = x
+            self._stage[:, self.input_dim] = start
+            dev = self._stage.to(self.device, non_blocking=True)
+            feat = self.stepper.step(dev[:, : self.input_dim], episode_starts=dev[:, self.input_dim] > 0.5)
+            return torch.addmm(bias, feat, w).cpu()  # [N, p_dim + 1]: actor raw outputs | value
+
         for t in range(c.num_steps):
             start = self.next_start | c.memoryless
             x = self.build_input(self.next_obs, self.prev_action, self.prev_reward, start)
-            feat = self.stepper.step(x, episode_starts=start)
-            dist = actor(feat)
-            value = critic(feat)
+            out = act(x, start)
+            dist = actor.dist(out[:, :p_dim], log_std)
             action = dist.sample(self.sample_generator)
             buf.inputs[:, t] = x
             buf.episode_starts[:, t] = start
             buf.valid[:, t] = ~self.next_done
-            buf.values[:, t] = value
+            buf.values[:, t] = out[:, p_dim]
             buf.actions[:, t] = action
             buf.logprobs[:, t] = dist.log_prob(action)
             obs, reward, term, trunc, info = self.envs.step(self._to_env_action(action))
             self.global_step += c.num_envs
-            # one host->device copy per step: [obs | reward | terminated | truncated] through a
-            # (pinned on CUDA) staging buffer; the action copy of the next step syncs before reuse
-            stage = self._stage_np
-            stage[:, : self.obs_dim] = np.asarray(obs).reshape(c.num_envs, self.obs_dim)
-            stage[:, self.obs_dim] = reward
-            stage[:, self.obs_dim + 1] = term
-            stage[:, self.obs_dim + 2] = trunc
-            dev = self._stage.to(self.device, non_blocking=True)
-            reward_t = dev[:, self.obs_dim]
-            term_t = dev[:, self.obs_dim + 1] > 0.5
-            trunc_t = dev[:, self.obs_dim + 2] > 0.5
+            reward_t = torch.as_tensor(np.asarray(reward, dtype=np.float32))
+            term_t = torch.as_tensor(np.asarray(term, dtype=bool))
+            trunc_t = torch.as_tensor(np.asarray(trunc, dtype=bool))
             buf.rewards[:, t] = reward_t
             buf.terminations[:, t] = term_t
             buf.truncations[:, t] = trunc_t
             # the obs after a reset step is the first obs of the next episode
-            self.next_start = self.next_done.clone()
+            self.next_start = self.next_done
             self.next_done = term_t | trunc_t
             self.prev_action = action
-            self.prev_reward = reward_t.clone()
-            self.next_obs = dev[:, : self.obs_dim].clone()
+            self.prev_reward = reward_t
+            self.next_obs = torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(c.num_envs, self.obs_dim))
             if "_episode" in info:
                 mask = np.asarray(info["_episode"])
                 for i in np.nonzero(mask)[0]:
@@ -323,11 +334,10 @@ class RecurrentPPO:
         # V(next obs) with the carried state, without advancing it (exact V(final obs) after a done)
         saved = self.stepper.get_state()
         start = self.next_start | c.memoryless
-        x = self.build_input(self.next_obs, self.prev_action, self.prev_reward, start)
-        next_value = critic(self.stepper.step(x, episode_starts=start)).clone()
+        next_value = act(self.build_input(self.next_obs, self.prev_action, self.prev_reward, start), start)[:, p_dim]
         self.stepper.load_state(saved)
         buf.advantages, buf.returns = compute_gae(buf.rewards, buf.values, buf.terminations, buf.truncations,
-                                                  buf.valid, next_value, c.gamma, c.gae_lambda)
+                                                  buf.valid, next_value.clone(), c.gamma, c.gae_lambda)
         return episodes, (time.perf_counter() - t0) * 1e3
 
     # ---------------------------------------------------------------- update
@@ -353,7 +363,9 @@ class RecurrentPPO:
 
     def update_policy(self) -> dict[str, float]:
         """PPO epochs over :attr:`buffer`; returns the update's metrics as floats (one sync)."""
-        c, buf = self.config, self.buffer
+        c = self.config
+        init_state = self.buffer.initial_state
+        buf = SimpleNamespace(**self.buffer.to_device(self.device))  # the rollout, moved once per update
         actor, critic = self.heads["actor"], self.heads["critic"]
         head_params = [p for p in self.heads.parameters()]
         clipfracs, grad_norms, overflows = [], [], []
@@ -363,7 +375,7 @@ class RecurrentPPO:
         for epoch in range(c.update_epochs):
             for k, rows in enumerate(self.minibatch_rows()):
                 starts = buf.episode_starts[rows]
-                y = self.trainer.forward(buf.inputs[rows], initial_state=buf.initial_state.index(rows),
+                y = self.trainer.forward(buf.inputs[rows], initial_state=init_state.index(rows),
                                          episode_starts=starts)
                 y = y.detach().float().requires_grad_()
                 dist = actor(y)
@@ -512,9 +524,9 @@ class RecurrentPPO:
     def initial_policy_state(self, batch: int) -> PolicyState:
         """Zero recurrent state and previous action/reward for ``batch`` envs."""
         return PolicyState(self.net.initial_state(batch),
-                           torch.zeros(batch, self.action_dim, device=self.device,
+                           torch.zeros(batch, self.action_dim,
                                        dtype=torch.int64 if self.discrete_actions else torch.float32),
-                           torch.zeros(batch, device=self.device))
+                           torch.zeros(batch))
 
     @torch.no_grad()
     def predict(self, obs: np.ndarray, state: Optional[PolicyState] = None,
@@ -539,7 +551,7 @@ class RecurrentPPO:
         Raises:
             ValueError: wrong obs width, or a missing reward when ``prev_reward`` is on.
         """
-        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=self.device)
+        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
         single = x.dim() == 1
         if single:
             x = x.unsqueeze(0)
@@ -548,11 +560,11 @@ class RecurrentPPO:
         b = x.shape[0]
         if state is None:
             state = self.initial_policy_state(b)
-            starts = torch.ones(b, dtype=torch.bool, device=self.device)
+            starts = torch.ones(b, dtype=torch.bool)
         else:
-            starts = torch.zeros(b, dtype=torch.bool, device=self.device)
+            starts = torch.zeros(b, dtype=torch.bool)
         if episode_start is not None:
-            starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(b), device=self.device)
+            starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(b))
         if self.config.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = state.prev_reward
@@ -560,14 +572,16 @@ class RecurrentPPO:
             if reward is None and not bool(starts.all()):
                 raise ValueError("predict: this agent uses prev_reward; pass reward= (the last reward, [B])")
             if reward is not None:
-                prev_reward = torch.as_tensor(np.asarray(reward, dtype=np.float32).reshape(b), device=self.device)
+                prev_reward = torch.as_tensor(np.asarray(reward, dtype=np.float32).reshape(b))
         stepper = self._predict_steppers.get(b)
         if stepper is None:
             stepper = self._predict_steppers[b] = self.net.stepper(batch=b)
         stepper.load_state(state.recurrent)
         inp = self.build_input(x, state.prev_action, prev_reward, starts)
-        feat = stepper.step(inp, episode_starts=starts)
-        dist = self.heads["actor"](feat)
+        feat = stepper.step(inp.to(self.device), episode_starts=starts.to(self.device))
+        actor = self.heads["actor"]
+        log_std = actor.log_std.detach().cpu() if actor.kind == "gaussian" else None
+        dist = actor.dist(actor.linear(feat).cpu(), log_std)  # sampled on the host, as in the rollout
         action = dist.mode() if deterministic else dist.sample(self.sample_generator)
         new_state = PolicyState(stepper.get_state(), action.clone(), prev_reward.clone())
         env_action = self._to_env_action(action)
@@ -577,16 +591,17 @@ class RecurrentPPO:
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
               reward: Optional[np.ndarray] = None) -> np.ndarray:
         """Critic value [B] of ``obs`` with ``state`` (the state is not advanced)."""
-        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=self.device).reshape(-1, self.obs_dim)
+        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32).reshape(-1, self.obs_dim)
         b = x.shape[0]
-        starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(b), device=self.device)
+        starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(b))
         if self.config.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = state.prev_reward if reward is None else torch.as_tensor(
-            np.asarray(reward, dtype=np.float32).reshape(b), device=self.device)
+            np.asarray(reward, dtype=np.float32).reshape(b))
         stepper = self._predict_steppers.get(b) or self._predict_steppers.setdefault(b, self.net.stepper(batch=b))
         stepper.load_state(state.recurrent)
-        feat = stepper.step(self.build_input(x, state.prev_action, prev_reward, starts), episode_starts=starts)
+        feat = stepper.step(self.build_input(x, state.prev_action, prev_reward, starts).to(self.device),
+                            episode_starts=starts.to(self.device))
         return self.heads["critic"](feat).cpu().numpy()
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: Optional[int] = None,
@@ -785,7 +800,7 @@ class RecurrentPPO:
             agent.stepper.state.conv.copy_(t["carry/stepper_conv"])
             agent.stepper.state.ssm.copy_(t["carry/stepper_ssm"])
             for name in ("next_obs", "next_start", "next_done", "prev_action", "prev_reward"):
-                setattr(agent, name, t[f"carry/{name}"].clone())
+                setattr(agent, name, t[f"carry/{name}"].cpu().clone())  # host-side, like the rollout
             agent._env_started = bool(extra["env_started"])
         else:  # fresh envs: restore the normalisation statistics
             for key, wrapper, attr in (("obs_rms", gym.wrappers.vector.NormalizeObservation, "obs_rms"),
