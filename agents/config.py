@@ -3,6 +3,8 @@
 Defaults follow CleanRL's ``ppo.py`` / ``ppo_atari_lstm.py`` (Huang et al. 2022, "CleanRL"):
 lr 2.5e-4 (linearly annealed), 8 envs x 128 steps, gamma 0.99, GAE lambda 0.95, 4 minibatches,
 4 epochs, clip 0.2 (also on the value), entropy 0.01, value 0.5, max grad norm 0.5, Adam eps 1e-5.
+One deliberate difference: rewards are scaled by gymnasium's NormalizeReward (``normalize_reward``)
+because actor and critic share the backbone (see that field).
 The backbone defaults are ARCHITECTURE.md's: d_model 128, 3 layers, d_state 16, d_conv 4, expand 2.
 """
 

@@ -5,6 +5,9 @@ Loop (ARCHITECTURE.md section 6), per update:
 1. Rollout: the stepper (graph-captured on CUDA) acts for ``num_steps`` steps in ``num_envs``
    gymnasium envs. Its state at the rollout start is stored as the update's initial state; it
    carries across rollouts and is reset only per env at episode starts, inside the kernel.
+   Per step the device does one host->device copy, the stepper and one fused head GEMM; the
+   head outputs come back in one copy and sampling / log-probs / storage run on the host
+   (the env needs the action on the host anyway), so no per-step small-kernel storm.
 2. Advantages: GAE under NextStep autoreset (:func:`mamba_rl.agents.gae.compute_gae`): the reset
    step after a done is never a transition; a truncation bootstraps with V(final obs) computed
    with the pre-reset state.
