@@ -299,7 +299,10 @@ class RecurrentPPO:
             self._stage[:, : self.input_dim] = x
             self._stage[:, self.input_dim] = start
             dev = self._stage.to(self.device, non_blocking=True)
-            feat = self.stepper.step(dev[:, : self.input_dim], episode_starts=dev[:, self.input_dim] > 0.5)
+            x_dev = dev[:, : self.input_dim]
+            if not self._graphs:  # a captured stepper copies into its own buffer; eager kernels get contiguous rows
+                x_dev = x_dev.contiguous()
+            feat = self.stepper.step(x_dev, episode_starts=dev[:, self.input_dim] > 0.5)
             return torch.addmm(bias, feat, w).cpu()  # [N, p_dim + 1]: actor raw outputs | value
 
         for t in range(c.num_steps):
