@@ -691,8 +691,9 @@ class RecurrentPPO:
             extra tensors; PPOConfig, counters, numpy RNG state and observation-normalisation
             statistics as JSON metadata.
             ``envs.pkl``: the vector env mid-episode (SyncVectorEnv stacks that pickle, no video),
-            so that a resumed run continues the very same trajectories. It is a pickle: only
-            resume from checkpoints you trust (``load(restore_envs=False)`` skips it).
+            so that a resumed run can continue the very same trajectories. It is a pickle, so it is
+            never read unless asked for: ``load(restore_envs=True)`` / ``mamba-rl train --resume PATH
+            --resume-envs``, for checkpoints you trust. Everything else is safetensors + JSON.
 
         Returns:
             ``path`` as a Path.
@@ -755,7 +756,7 @@ class RecurrentPPO:
 
     @classmethod
     def load(cls, path: Union[str, Path], env: Union[str, gym.vector.VectorEnv, None] = None,
-             restore_envs: bool = True, **overrides: Any) -> "RecurrentPPO":
+             restore_envs: bool = False, **overrides: Any) -> "RecurrentPPO":
         """Rebuild an agent from a :meth:`save` folder, ready to ``learn`` on (resume) or evaluate.
 
         Args:

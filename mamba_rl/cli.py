@@ -97,6 +97,9 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="PATH", default=None,
                    help="continue from a checkpoint folder (flags given here override its config)")
+    p.add_argument("--resume-envs", action="store_true",
+                   help="with --resume: also restore the envs mid-episode from the checkpoint's envs.pkl (a pickle: "
+                        "only for checkpoints you trust); by default the envs are rebuilt and reset")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_config_flags(p)
 
@@ -106,7 +109,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     overrides = _config_overrides(args)
     if args.resume:
-        agent = RecurrentPPO.load(args.resume, **overrides)
+        agent = RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides)
         print(f"resuming {agent.run_name} at update {agent.update}, step {agent.global_step}", file=sys.stderr)
     else:
         agent = RecurrentPPO(config=PPOConfig(**overrides))

@@ -51,7 +51,7 @@ def test_resume_continues_with_identical_losses(tmp_path):
     straight.learn()
     straight.close()
     ckpt = tmp_path / "ckpt" / straight.run_name / "update_000002"
-    resumed = RecurrentPPO.load(ckpt)
+    resumed = RecurrentPPO.load(ckpt, restore_envs=True)  # the env snapshot (a pickle) only on request
     assert resumed.update == 2 and resumed.global_step == 2 * 64
     resumed.learn()
     resumed.close()
@@ -156,3 +156,17 @@ def test_popgym_env_trains(tmp_path):
     agent.learn()
     assert np.isfinite(agent.history[-1]["losses/value_loss"])
     agent.close()
+
+
+def test_resume_never_reads_the_env_pickle_unless_asked(tmp_path):
+    cfg = _cfg(tmp_path, num_steps=16, total_timesteps=64)
+    agent = RecurrentPPO("CartPole-v1", config=cfg)
+    agent.learn()
+    agent.close()
+    ckpt = tmp_path / "ckpt" / agent.run_name / "final"
+    (ckpt / "envs.pkl").write_bytes(b"not a pickle")  # a tampered env snapshot
+    resumed = RecurrentPPO.load(ckpt)  # default: safetensors + JSON only, fresh envs
+    assert resumed.update == agent.update
+    resumed.close()
+    with pytest.raises(Exception):
+        RecurrentPPO.load(ckpt, restore_envs=True)
