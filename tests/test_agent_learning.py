@@ -39,6 +39,8 @@ def test_cartpole_reaches_195_within_50k_steps(tmp_path):
 
 @pytest.mark.slow
 def test_memory_beats_memoryless_on_cartpole_without_velocities(tmp_path):
-    with_memory = _best_rolling_mean("mamba_rl/CartPoleNoVel-v1", tmp_path, 50_000, seed=1)
-    memoryless = _best_rolling_mean("mamba_rl/CartPoleNoVel-v1", tmp_path, 50_000, seed=1, memoryless=True)
-    assert with_memory > 1.5 * memoryless, (with_memory, memoryless)
+    # 100k steps (lr annealed over 100k): with a 50k horizon the faster lr decay left seed 1 at a
+    # best of ~59 (memoryless ~55). benchmarks/learning: at 100k, memory 216-454 vs memoryless ~50-65.
+    with_memory = _best_rolling_mean("mamba_rl/CartPoleNoVel-v1", tmp_path, 100_000, seed=1)
+    memoryless = _best_rolling_mean("mamba_rl/CartPoleNoVel-v1", tmp_path, 100_000, seed=1, memoryless=True)
+    assert with_memory > 2.0 * memoryless, (with_memory, memoryless)
