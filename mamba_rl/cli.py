@@ -6,7 +6,9 @@
 ``checkpoints/{run name}/`` (periodically, at the end, and on Ctrl-C). Every PPOConfig field is a
 flag (``--num-envs 16``, ``--prev-action``, ``--no-anneal-lr``, ``--target-kl 0.02``, ...).
 ``--resume PATH`` continues a run from a checkpoint folder: backbone, heads, both optimizers,
-counters, RNG states and (when it was saved) the envs mid-episode.
+counters and RNG states; the envs are rebuilt and reset, unless ``--resume-envs`` also restores them
+mid-episode from the checkpoint's ``envs.pkl`` (a pickle: trusted checkpoints only), which makes the
+continuation identical to a run that never stopped.
 
 ``mamba-rl eval --checkpoint PATH --episodes N [--deterministic] [--video]`` runs N episodes,
 resetting the memory at each, and prints the mean and std of the return.
