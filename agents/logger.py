@@ -18,7 +18,7 @@ device-to-host copy per update, so logging never syncs the GPU by itself.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping
 
 __all__ = ["TensorBoardLogger", "SCALAR_TAGS", "hparams_markdown"]
 

@@ -23,8 +23,6 @@ Defaults and TensorBoard tags follow CleanRL (Huang et al. 2022). Device and dty
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import pickle
 import time

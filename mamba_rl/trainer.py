@@ -301,7 +301,6 @@ class MambaTrainer:
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"MambaTrainer.capture_graph needs a CUDA device, the trainer is on {self.device}")
-        net = self.net
         snap = self._snapshot()
         torch.cuda.synchronize()
         side = torch.cuda.Stream()

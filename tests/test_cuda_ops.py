@@ -14,16 +14,6 @@ BS = [1, 7, 64]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(scope="module")
-def ext():
-    from mamba_rl.ops._dispatch import extension, extension_error
-    e = extension()
-    assert e is not None, f"extension failed to load: {extension_error()!r}"
-    e.set_poison(True)
-    yield e
-    e.set_poison(False)
-
-
 def rel(a, b):
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite (unwritten?) elements"

@@ -13,16 +13,6 @@ class Cfg:
     rms_norm_eps = 1e-5
 
 
-@pytest.fixture(scope="module")
-def ext():
-    from mamba_rl.ops._dispatch import extension, extension_error
-    e = extension()
-    assert e is not None, f"extension failed to load: {extension_error()!r}"
-    e.set_poison(True)
-    yield e
-    e.set_poison(False)
-
-
 def make_weights(in_dim, dm=128, L=3, N=16, K=4, seed=0, gemm_dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(seed)
     di, r = 2 * dm, math.ceil(dm / 16)

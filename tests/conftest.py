@@ -1,0 +1,14 @@
+"""Shared fixtures."""
+import pytest
+
+
+@pytest.fixture(scope="module")
+def ext():
+    """The CUDA extension with output poisoning on: every output and workspace is NaN-filled on allocation,
+    so an element a kernel fails to write shows up as a non-finite value."""
+    from mamba_rl.ops._dispatch import extension, extension_error
+    e = extension()
+    assert e is not None, f"extension failed to load: {extension_error()!r}"
+    e.set_poison(True)
+    yield e
+    e.set_poison(False)
