@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <array>
 #include <optional>
 #include <sstream>
 #include <limits>
@@ -72,8 +73,9 @@ void raise_if(const char* err) { TORCH_CHECK(err == nullptr, "mamba_rl CUDA kern
 template <typename T> const T* ptr_or_null(const OptT& t) { return t ? t->data_ptr<T>() : nullptr; }
 
 // ---------------- causal conv1d ----------------
-std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
-                             const OptT& starts) {
+// The checks shared by the conv forward and backward; returns {B, T, D, K, dtype code}.
+std::array<int64_t, 5> conv_check(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                                  const OptT& starts) {
   TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
   TORCH_CHECK(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: empty x ", shape_str(x));
@@ -85,6 +87,12 @@ std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bia
   check_f32(bias, "causal_conv1d: bias", x, {D});
   if (init) check_f32(*init, "causal_conv1d: conv_state", x, {B, D, K - 1});
   check_starts(starts, x, B, T);
+  return {B, T, D, K, dt};
+}
+
+std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                             const OptT& starts) {
+  const auto [B, T, D, K, dt] = conv_check(x, w, bias, init, starts);
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = new_empty({B, T, D}, x.options());
   auto fin = new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
@@ -98,16 +106,7 @@ std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bia
 std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
                              const OptT& starts, const Tensor& dout, const OptT& dfinal, bool need_dinit,
                              const OptT& dx_out, const OptT& dw_acc, const OptT& db_acc) {
-  TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
-  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
-  const int dt = dtype_code(x, "causal_conv1d: x");
-  check_act(x, "causal_conv1d: x", x, B, T, D, x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == D, "causal_conv1d: weight must be [D, K], got ", shape_str(w));
-  const int64_t K = w.size(1);
-  check_f32(w, "causal_conv1d: weight", x, {D, K});
-  check_f32(bias, "causal_conv1d: bias", x, {D});
-  if (init) check_f32(*init, "causal_conv1d: conv_state", x, {B, D, K - 1});
-  check_starts(starts, x, B, T);
+  const auto [B, T, D, K, dt] = conv_check(x, w, bias, init, starts);
   check_act(dout, "causal_conv1d: grad_out", x, B, T, D, x.scalar_type());
   if (dfinal) check_f32(*dfinal, "causal_conv1d: grad_final_state", x, {B, D, K - 1});
   const c10::cuda::CUDAGuard guard(x.device());
