@@ -768,7 +768,7 @@ class RecurrentPPO:
             FileNotFoundError: no checkpoint there. ValueError / mamba_rl.checkpoint.CheckpointError:
             not a RecurrentPPO checkpoint, or one that does not fit.
         """
-        from mamba_rl.checkpoint import load_checkpoint, read_checkpoint
+        from mamba_rl import load_checkpoint, read_checkpoint
 
         ckpt = cls.checkpoint_file(path)
         meta, _ = read_checkpoint(ckpt)

@@ -1,24 +1,20 @@
-"""mamba_rl: a Mamba-1 (selective state-space) recurrent backbone with a fused CUDA trainer, for RL.
+"""mamba_rl: a Mamba-1 (selective state-space) recurrent backbone with a fused trainer, for RL.
 
-Public API (ARCHITECTURE.md section 4): :class:`MambaConfig`, :class:`MambaBackbone`,
-:class:`RecurrentState`, :class:`MambaTrainer`, :class:`StepMetrics`, :func:`save_checkpoint`,
-:func:`load_checkpoint`. The agent layer is :mod:`mamba_rl.agents`, the envs :mod:`mamba_rl.envs`.
+Layers (docs/architecture.md): :mod:`mamba_rl.ops` (kernels and their float64-capable references),
+:mod:`mamba_rl.model` (arena, block, backbone, stepper), :mod:`mamba_rl.train` (trainer, scaler,
+checkpoints), :mod:`mamba_rl.agents` (recurrent PPO) and :mod:`mamba_rl.envs` (gymnasium / POMDP tasks).
+
+Public API: :class:`MambaConfig`, :class:`MambaBackbone`, :class:`RecurrentState`, :class:`Stepper`,
+:class:`MambaTrainer`, :class:`StepMetrics`, :func:`save_checkpoint`, :func:`load_checkpoint`,
+:func:`read_checkpoint`, :class:`CheckpointError`.
 """
 from .config import MambaConfig
-from .state import RecurrentState
-from .backbone import MambaBackbone
+from .model import MambaBackbone, MambaBlock, RecurrentState, Stepper
+from .train import (CheckpointError, MambaTrainer, StepMetrics, load_checkpoint, read_checkpoint,
+                    save_checkpoint)
 
 __version__ = "0.1.0"
 
-__all__ = ["MambaConfig", "RecurrentState", "MambaBackbone", "MambaTrainer", "StepMetrics",
-           "save_checkpoint", "load_checkpoint", "__version__"]
-
-
-def __getattr__(name):  # lazy: keep `import mamba_rl` light
-    if name in ("MambaTrainer", "StepMetrics"):
-        from . import trainer
-        return getattr(trainer, name)
-    if name in ("save_checkpoint", "load_checkpoint"):
-        from . import checkpoint
-        return getattr(checkpoint, name)
-    raise AttributeError(f"module 'mamba_rl' has no attribute {name!r}")
+__all__ = ["MambaConfig", "RecurrentState", "MambaBackbone", "MambaBlock", "Stepper", "MambaTrainer",
+           "StepMetrics", "save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError",
+           "__version__"]

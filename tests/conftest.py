@@ -6,9 +6,9 @@ import pytest
 def ext():
     """The CUDA extension with output poisoning on: every output and workspace is NaN-filled on allocation,
     so an element a kernel fails to write shows up as a non-finite value."""
-    from mamba_rl.ops._dispatch import extension, extension_error
-    e = extension()
-    assert e is not None, f"extension failed to load: {extension_error()!r}"
+    from mamba_rl.ops.extension import extension, extension_error
+    e = extension("cuda")
+    assert e is not None, f"extension failed to load: {extension_error('cuda')!r}"
     e.set_poison(True)
     yield e
     e.set_poison(False)

@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 import pytest
-
 from mamba_rl.agents import PPOConfig, RecurrentPPO
+
 from mamba_rl.cli import build_parser, main
 
 TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1",

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from mamba_rl.agents import compute_gae
 
 G, L = 0.9, 0.8

@@ -8,7 +8,6 @@ from collections import deque
 
 import numpy as np
 import pytest
-
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 
 SMALL = dict(d_model=64, n_layers=2, device="cpu", track=False, checkpoint_every=0)

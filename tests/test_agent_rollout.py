@@ -5,13 +5,11 @@ ToyEnv(k): obs = [t / 10, noise], reward = 1 + action; env i terminates after 3 
 put resets at different columns of the rollout.
 """
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-
-import gymnasium as gym
 from gymnasium import spaces
-
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 
 

@@ -2,13 +2,11 @@
 
 import math
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-
-import gymnasium as gym
 from gymnasium import spaces
-
 from mamba_rl.agents import SCALAR_TAGS, PPOConfig, RecurrentPPO
 
 TINY = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,

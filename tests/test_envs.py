@@ -1,12 +1,16 @@
 """mamba_rl.envs: POMDP ids, make_vec_env's stack, flattening, and the NextStep autoreset it relies on."""
 
+import gymnasium as gym
 import numpy as np
 import pytest
-
-import gymnasium as gym
 from gymnasium import spaces
-
-from mamba_rl.envs import POMDP_ENV_IDS, MaskObservation, find_vector_wrapper, make_env, make_vec_env
+from mamba_rl.envs import (
+    POMDP_ENV_IDS,
+    MaskObservation,
+    find_vector_wrapper,
+    make_env,
+    make_vec_env,
+)
 
 
 @pytest.mark.parametrize("env_id", sorted(POMDP_ENV_IDS))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import cuda_op_available, check_tensor
+from .checks import act, bool_c, check_tensor, f32c
+from .extension import kernels_for
 
 __all__ = ["causal_conv1d", "causal_conv1d_ref"]
 
@@ -85,14 +86,41 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return out, final.transpose(1, 2).contiguous()
 
 
+class _CausalConv1dKernel(torch.autograd.Function):
+    """The extension's conv_fwd / conv_bwd (CUDA or CPU, the same contract) as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, ext, x, weight, bias, conv_state, episode_starts):
+        w, b, init = f32c(weight), f32c(bias), f32c(conv_state)
+        out, final = ext.conv_fwd(x, w, b, init, episode_starts)
+        ctx.save_for_backward(x, w, b, init, episode_starts)
+        ctx.ext = ext
+        ctx.wdtype, ctx.bdtype = weight.dtype, bias.dtype
+        ctx.sdtype = None if conv_state is None else conv_state.dtype
+        return out, final
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        x, w, b, init, starts = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(x)
+        dout = act(dout, x.dtype)
+        dfinal = None if dfinal is None else dfinal.to(torch.float32).contiguous()
+        need_dinit = init is not None and ctx.needs_input_grad[4]
+        dx, dw, db, dinit = ctx.ext.conv_bwd(x, w, b, init, starts, dout, dfinal, need_dinit)
+        return (None, dx, dw.to(ctx.wdtype), db.to(ctx.bdtype),
+                dinit.to(ctx.sdtype) if need_dinit else None, None)
+
+
 def causal_conv1d(x, weight, bias, conv_state=None, episode_starts=None):
-    """Causal depthwise conv1d + SiLU with resets; the CUDA kernel when available, else the reference.
+    """Causal depthwise conv1d + SiLU with resets: the CUDA or CPU kernel when one takes the inputs (see
+    :func:`~mamba_rl.ops.extension.kernels_for`), else :func:`causal_conv1d_ref`.
 
     Shapes, dtypes and semantics are those of :func:`causal_conv1d_ref`. Differentiable w.r.t. x,
     weight, bias and conv_state.
     """
-    if cuda_op_available(x):
-        from . import _cuda_autograd
-        _validate(x, weight, bias, conv_state, episode_starts)
-        return _cuda_autograd.causal_conv1d(x, weight, bias, conv_state, episode_starts)
-    return causal_conv1d_ref(x, weight, bias, conv_state, episode_starts)
+    ext = kernels_for(x, weight)
+    if ext is None:
+        return causal_conv1d_ref(x, weight, bias, conv_state, episode_starts)
+    _validate(x, weight, bias, conv_state, episode_starts)
+    return _CausalConv1dKernel.apply(ext, act(x, x.dtype), weight, bias, conv_state, bool_c(episode_starts))

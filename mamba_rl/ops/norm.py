@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ._dispatch import cuda_op_available
+from .checks import f32c
+from .extension import kernels_for
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -22,10 +23,34 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
     return y.to(out_dtype or x.dtype)
 
 
+class _RMSNormKernel(torch.autograd.Function):
+    """The extension's rmsnorm_fwd / rmsnorm_bwd as one autograd node (float32 x, any kernel out dtype)."""
+
+    @staticmethod
+    def forward(ctx, ext, x, weight, eps, out_dtype):
+        xc = x.contiguous()
+        w32 = f32c(weight)
+        out, rstd = ext.rmsnorm_fwd(xc, w32, float(eps), out_dtype)
+        ctx.save_for_backward(xc, rstd, w32)
+        ctx.ext, ctx.wdtype = ext, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, w32 = ctx.saved_tensors
+        if dy.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            dy = dy.float()
+        dw = torch.zeros_like(w32)
+        dx = ctx.ext.rmsnorm_bwd(dy.contiguous(), x, rstd, w32, dw, None)
+        return None, dx, dw.to(ctx.wdtype), None, None
+
+
 def rms_norm(x, weight, eps=1e-5, out_dtype=None):
-    """RMSNorm; the CUDA kernel when available, else :func:`rms_norm_ref` (same contract)."""
-    if cuda_op_available(x):
-        from . import _cuda_autograd
-        if hasattr(_cuda_autograd, "rms_norm"):
-            return _cuda_autograd.rms_norm(x, weight, eps, out_dtype)
-    return rms_norm_ref(x, weight, eps, out_dtype)
+    """RMSNorm: the CUDA or CPU kernel for float32 x with at most 512 channels, else :func:`rms_norm_ref`
+    (same contract)."""
+    out_dtype = out_dtype or x.dtype
+    ext = kernels_for(x, weight)
+    if ext is None or x.dtype != torch.float32 or x.shape[-1] > 512 or (
+            out_dtype not in (torch.float32, torch.bfloat16, torch.float16)) or (not x.is_cuda and out_dtype != x.dtype):
+        return rms_norm_ref(x, weight, eps, out_dtype)
+    return _RMSNormKernel.apply(ext, x, weight, eps, out_dtype)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._dispatch import cuda_op_available, check_tensor
+from .checks import act, bool_c, check_tensor, f32c
+from .extension import kernels_for
 
 __all__ = ["selective_scan", "selective_scan_ref"]
 
@@ -85,13 +86,47 @@ def selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, epis
     return y.to(x.dtype), s
 
 
+class _SelectiveScanKernel(torch.autograd.Function):
+    """The extension's scan_fwd / scan_bwd (CUDA or CPU, the same contract) as one autograd node."""
+
+    @staticmethod
+    def forward(ctx, ext, x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts):
+        ty = x.dtype
+        dt, Bm, Cm, z = act(dt, ty), act(Bm, ty), act(Cm, ty), act(z, ty)
+        A32, D32, db32, init = f32c(A_log), f32c(D), f32c(dt_bias), f32c(ssm_state)
+        need = any(ctx.needs_input_grad)  # grad mode is off inside forward; this says if bwd can run
+        y, final, ckpt = ext.scan_fwd(x, dt, A32, Bm, Cm, D32, z, db32, init, episode_starts, need)
+        ctx.save_for_backward(x, dt, A32, Bm, Cm, D32, z, db32, init, episode_starts)
+        ctx.ext, ctx.ckpt = ext, ckpt
+        ctx.dtypes = (dt.dtype, A_log.dtype, Bm.dtype, Cm.dtype, D.dtype, z.dtype, dt_bias.dtype,
+                      None if ssm_state is None else ssm_state.dtype)
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A32, Bm, Cm, D32, z, db32, init, starts = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(x)
+        dy = act(dy, x.dtype)
+        dfinal = None if dfinal is None else dfinal.to(torch.float32).contiguous()
+        need_dinit = init is not None and ctx.needs_input_grad[9]
+        dx, ddt, dA, dB, dC, dD, dz, ddb, dinit = ctx.ext.scan_bwd(
+            x, dt, A32, Bm, Cm, D32, z, db32, init, starts, ctx.ckpt, dy, dfinal, need_dinit)
+        ctx.ckpt = None
+        t = ctx.dtypes
+        return (None, dx, ddt, dA.to(t[1]), dB, dC, dD.to(t[4]), dz, ddb.to(t[6]),
+                dinit.to(t[7]) if need_dinit else None, None)
+
+
 def selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, episode_starts=None):
-    """Selective scan with resets; the CUDA kernel when available, else :func:`selective_scan_ref`.
+    """Selective scan with resets: the CUDA or CPU kernel when one takes the inputs (the CUDA kernel only
+    d_state 8 or 16), else :func:`selective_scan_ref`.
 
     Same arguments and returns as :func:`selective_scan_ref`; differentiable w.r.t. every float input.
     """
-    if cuda_op_available(x):
-        from . import _cuda_autograd
-        _validate(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
-        return _cuda_autograd.selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
-    return selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
+    ext = kernels_for(x, A_log)
+    if ext is None or (x.is_cuda and A_log.shape[-1] not in (8, 16)):
+        return selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
+    _validate(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
+    return _SelectiveScanKernel.apply(ext, act(x, x.dtype), dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state,
+                                      bool_c(episode_starts))

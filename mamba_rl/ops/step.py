@@ -1,92 +1,122 @@
-"""One-token backbone step for acting: ``backbone_step`` (CUDA, one launch for every layer) and its
-pure-torch twin ``backbone_step_ref`` (the sequence references with T = 1: same semantics as forward).
+"""One-token step of the backbone for acting: the kernel call (CUDA or CPU, one launch / call for every
+layer) and its pure-torch twin, a dedicated one-token recurrence (no sequence machinery).
 
 Contract (both): ``backbone_step(x_t, weights, conv_state, ssm_state, episode_starts, cfg) -> feat``
-    x_t [B, input_dim] float32; weights: name -> tensor with the HF / mamba_ssm names (GEMM weights
-    ``input_proj.weight/bias``, ``in_proj``, ``x_proj``, ``dt_proj``, ``out_proj`` may be in the compute
-    dtype, everything else float32; ``conv1d.weight`` is [d_inner, 1, d_conv]); conv_state
-    [L, B, d_inner, d_conv-1] and ssm_state [L, B, d_inner, d_state] float32, updated in place;
-    episode_starts [B] bool or None (rows with True are zeroed before consuming x_t).
-    Returns feat [B, d_model] float32.
+    x_t [B, input_dim] float32 (float64 for the reference); weights: name -> tensor with the HF /
+    mamba_ssm names (the GEMM weights ``input_proj.weight/bias``, ``in_proj``, ``x_proj``, ``dt_proj``,
+    ``out_proj`` may be in the compute dtype, everything else float32; ``conv1d.weight`` is
+    [d_inner, 1, d_conv]); conv_state [L, B, d_inner, d_conv-1] and ssm_state [L, B, d_inner, d_state]
+    float32, updated in place; episode_starts [B] bool or None (rows with True are zeroed before
+    consuming x_t). Returns feat [B, d_model] float32.
 
-The CUDA path allocates only its output (torch's caching allocator), launches one kernel on the current
-stream and never syncs, so it can be captured in a CUDA graph; it reads the weights in place, so optimizer
-updates of the shared (compute) weights are seen at the next step without recapture.
+One layer, for a row whose window ``w = [conv_state, xi]`` (oldest first) and state ``s`` (Gu & Dao 2023,
+Algorithm 2 with T = 1, as mamba_ssm's ``Mamba.step``)::
+
+    u = RMSNorm(h);  xi, z = split(u @ in_proj.T);  xc = SiLU(sum_k w[:, k] * conv_w[:, k] + conv_b)
+    dt_r, B, C = split(xc @ x_proj.T);  dt = softplus(dt_r @ dt_proj.T + dt_bias);  A = -exp(A_log)
+    s = exp(dt * A) * s + (dt * xc) B;  y = (s C + D * xc) * SiLU(z);  h = h + y @ out_proj.T
+
+The kernel path allocates only its output, runs on the current stream and never syncs (CUDA graphs can
+capture it); it reads the weights in place, so optimizer updates are seen at the next step.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["backbone_step", "backbone_step_ref"]
+from .norm import rms_norm_ref
 
-_LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
-               "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias", "mixer.A_log", "mixer.D",
-               "mixer.out_proj.weight")
+__all__ = ["backbone_step", "backbone_step_ref", "layer_step_ref", "LAYER_KEYS"]
+
+LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
+              "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias", "mixer.A_log", "mixer.D",
+              "mixer.out_proj.weight")
 
 
-def _eps(cfg):
-    return float(getattr(cfg, "rms_norm_eps", 1e-5))
+def layer_step_ref(h: torch.Tensor, w, conv_state: torch.Tensor, ssm_state: torch.Tensor,
+                   episode_starts: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """One token through one residual Mamba block (the module docstring's math); states in place.
+
+    Args:
+        h: [B, d_model] residual stream (float32 or float64).
+        w: callable, ``w(key)`` -> the layer's tensor for a key of :data:`LAYER_KEYS`.
+        conv_state: [B, d_inner, d_conv-1], ssm_state: [B, d_inner, d_state]; written in place.
+        episode_starts: [B] bool or None; True rows start from a zero window and state.
+        eps: RMSNorm epsilon.
+    Returns:
+        the new residual stream [B, d_model] in h's dtype.
+    """
+    rdt = h.dtype
+    cdt = w("mixer.in_proj.weight").dtype
+    di, n = ssm_state.shape[1], ssm_state.shape[2]
+    if episode_starts is not None:  # select, not multiply: a NaN of the old episode must not leak
+        keep = ~episode_starts.view(-1, 1, 1)
+        conv_state.copy_(torch.where(keep, conv_state, torch.zeros((), dtype=conv_state.dtype, device=h.device)))
+        ssm_state.copy_(torch.where(keep, ssm_state, torch.zeros((), dtype=ssm_state.dtype, device=h.device)))
+    sdt = torch.promote_types(ssm_state.dtype, torch.promote_types(rdt, torch.float32))
+    u = rms_norm_ref(h, w("norm.weight"), eps, cdt)
+    xz = F.linear(u, w("mixer.in_proj.weight"))
+    xi, z = xz[:, :di].to(sdt), xz[:, di:].to(sdt)
+    win = torch.cat([conv_state.to(sdt), xi.unsqueeze(-1)], dim=-1)  # [B, di, K]
+    cw = w("mixer.conv1d.weight").reshape(di, -1).to(sdt)
+    xc = F.silu((win * cw).sum(-1) + w("mixer.conv1d.bias").to(sdt))
+    if conv_state.shape[-1] > 0:
+        conv_state.copy_(win[:, :, 1:])
+    r = w("mixer.dt_proj.weight").shape[1]
+    dbc = F.linear(xc.to(cdt), w("mixer.x_proj.weight"))
+    dt = F.softplus(F.linear(dbc[:, :r], w("mixer.dt_proj.weight")).to(sdt) + w("mixer.dt_proj.bias").to(sdt))
+    Bm, Cm = dbc[:, r:r + n].to(sdt), dbc[:, r + n:].to(sdt)
+    A = -torch.exp(w("mixer.A_log").to(sdt))  # [di, n]
+    s = torch.exp(dt.unsqueeze(-1) * A) * ssm_state.to(sdt) + (dt * xc).unsqueeze(-1) * Bm.unsqueeze(1)
+    ssm_state.copy_(s)
+    y = ((s * Cm.unsqueeze(1)).sum(-1) + w("mixer.D").to(sdt) * xc) * F.silu(z)
+    return h + F.linear(y.to(cdt), w("mixer.out_proj.weight")).to(rdt)
 
 
 def backbone_step_ref(x_t, weights, conv_state, ssm_state, episode_starts, cfg):
-    """Pure-torch one-token step (composes the lead's sequence refs with T = 1); states updated in place."""
-    from .conv import causal_conv1d_ref
-    from .norm import rms_norm_ref
-    from .scan import selective_scan_ref
-    L = conv_state.shape[0]
-    di, n = conv_state.shape[2], ssm_state.shape[3]
-    eps = _eps(cfg)
-    starts = None if episode_starts is None else episode_starts.reshape(-1, 1)
+    """Pure-torch one-token step through every layer (float32 or float64); states updated in place."""
+    eps = float(cfg.rms_norm_eps)
     wi = weights["input_proj.weight"]
     rdt = torch.promote_types(x_t.dtype, torch.float32)
-    h = F.linear(x_t.to(wi.dtype), wi, weights["input_proj.bias"]).to(rdt).unsqueeze(1)  # [B, 1, dm]
-    for i in range(L):
-        w = lambda k: weights[f"layers.{i}.{k}"]
-        cdt = w("mixer.in_proj.weight").dtype
-        u = rms_norm_ref(h, w("norm.weight"), eps, cdt)
-        xz = F.linear(u, w("mixer.in_proj.weight"))
-        xi, z = xz.split(di, dim=-1)
-        xc, cf = causal_conv1d_ref(xi, w("mixer.conv1d.weight").reshape(di, -1), w("mixer.conv1d.bias"),
-                                   conv_state[i], starts)
-        r = w("mixer.dt_proj.weight").shape[1]
-        dbc = F.linear(xc.to(cdt), w("mixer.x_proj.weight"))
-        dt_r, Bm, Cm = dbc.split([r, n, n], dim=-1)
-        dt = F.linear(dt_r, w("mixer.dt_proj.weight"))
-        y, sf = selective_scan_ref(xc, dt, w("mixer.A_log"), Bm, Cm, w("mixer.D"), z, w("mixer.dt_proj.bias"),
-                                   ssm_state[i], starts)
-        h = h + F.linear(y.to(cdt), w("mixer.out_proj.weight")).to(rdt)
-        conv_state[i].copy_(cf)
-        ssm_state[i].copy_(sf)
-    return rms_norm_ref(h, weights["norm_f.weight"], eps, rdt)[:, 0]
+    h = F.linear(x_t.to(wi.dtype), wi, weights["input_proj.bias"]).to(rdt)
+    for i in range(conv_state.shape[0]):
+        h = layer_step_ref(h, lambda k: weights[f"layers.{i}.{k}"], conv_state[i], ssm_state[i],
+                           episode_starts, eps)
+    return rms_norm_ref(h, weights["norm_f.weight"], eps, rdt)
 
 
 def _f32(t):
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
-def backbone_step(x_t, weights, conv_state, ssm_state, episode_starts, cfg, rows_per_block: int = 0):
-    """CUDA one-token step through every layer in one launch (same contract as :func:`backbone_step_ref`).
+def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg, kernel: str = "auto",
+                  rows_per_block: int = 0):
+    """The extension's one-call step through every layer (same contract as :func:`backbone_step_ref`).
 
-    Falls back to the reference for inputs the kernel does not take (non-CUDA, float64, d_state not in
-    {8, 16}, d_conv != 4). ``rows_per_block``: 0 = automatic; R > 0 runs one block per R rows (every
-    layer in one block); R < 0 runs the thread-block-cluster kernel (8 blocks split d_inner, partial sums
-    exchanged through distributed shared memory) with -R rows per cluster.
+    Args:
+        ext: the CUDA or CPU extension (:func:`mamba_rl.ops.extension.kernels_for`); the CUDA kernel takes
+            d_state 8 or 16 and d_conv 4.
+        kernel: CUDA only. "auto" (measured choice), "rows" (one block per ``rows_per_block`` rows, every
+            layer in one block) or "cluster" (a thread-block cluster of 8 blocks splits d_inner, partial
+            sums exchanged through distributed shared memory, ``rows_per_block`` rows per cluster).
+    Raises:
+        ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
     """
-    from ._dispatch import extension
-    ext = extension() if x_t.is_cuda else None
-    if (ext is None or x_t.dtype == torch.float64 or conv_state.dtype != torch.float32
-            or ssm_state.shape[3] not in (8, 16) or conv_state.shape[3] != 3):
-        return backbone_step_ref(x_t, weights, conv_state, ssm_state, episode_starts, cfg)
+    if kernel not in ("auto", "rows", "cluster"):
+        raise ValueError(f"backbone_step: kernel must be 'auto', 'rows' or 'cluster', got {kernel!r}")
+    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or rows_per_block < 0:
+        raise ValueError(f"backbone_step: rows_per_block must be an int >= 0, got {rows_per_block!r}")
     L, di = conv_state.shape[0], conv_state.shape[2]
     wdt = weights["input_proj.weight"].dtype
     gemm = lambda t: t if t.dtype == wdt and t.is_contiguous() else t.to(wdt).contiguous()
     layers = []
     for i in range(L):
-        t = [weights[f"layers.{i}.{k}"] for k in _LAYER_KEYS]
+        t = [weights[f"layers.{i}.{k}"] for k in LAYER_KEYS]
         layers.append([_f32(t[0]), gemm(t[1]), _f32(t[2]).reshape(di, -1), _f32(t[3]), gemm(t[4]), gemm(t[5]),
                        _f32(t[6]), _f32(t[7]), _f32(t[8]), gemm(t[9])])
     starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
+    # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows.
+    code = 0 if kernel == "auto" else (-max(rows_per_block, 1) if kernel == "cluster" else max(rows_per_block, 1))
     return ext.backbone_step(_f32(x_t), weights["input_proj.weight"].contiguous(), gemm(weights["input_proj.bias"]),
-                             _f32(weights["norm_f.weight"]), layers, conv_state, ssm_state, starts, _eps(cfg),
-                             int(rows_per_block))
+                             _f32(weights["norm_f.weight"]), layers, conv_state, ssm_state, starts,
+                             float(cfg.rms_norm_eps), int(code))

@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "FORMAT_VERSION", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "validate_trainer_state", "FORMAT_VERSION",
+           "CheckpointError"]
 
 FORMAT_VERSION = 1
 _KEY = "mamba_rl"
@@ -116,3 +118,70 @@ def load_checkpoint(path, trainer=None) -> dict:
     meta = dict(meta)
     meta["extra_tensors"] = {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}
     return meta
+
+
+@dataclass
+class TrainerLoadPlan:
+    """What :func:`validate_trainer_state` found valid in a trainer state dict (nothing written yet)."""
+
+    step: int
+    bias_correction1: float
+    bias_correction2: float
+    lr: float
+    scaler: dict
+    load_state: bool  # the carried state fits this trainer's batch (another batch: weights load, state stays)
+
+
+def validate_trainer_state(trainer, sd: dict) -> TrainerLoadPlan:
+    """Check a :meth:`MambaTrainer.state_dict` against ``trainer`` without writing anything.
+
+    Raises:
+        ValueError: naming what does not fit (config, input_dim, a tensor's shape or dtype, a bad counter,
+            the scaler) with the expected and the received value.
+    """
+    where = "MambaTrainer.load_state_dict"
+    if not isinstance(sd, dict) or not isinstance(sd.get("meta"), dict) or not isinstance(sd.get("tensors"), dict):
+        raise ValueError(f"{where}: expected {{'meta': dict, 'tensors': dict}}, got {type(sd).__name__}")
+    meta, tens = sd["meta"], sd["tensors"]
+    need = ("config", "input_dim", "step", "bias_correction1", "bias_correction2", "lr", "scaler")
+    missing = [k for k in need if k not in meta]
+    if missing:
+        raise ValueError(f"{where}: metadata lacks {missing}")
+    mine = trainer.net.cfg.to_dict()
+    if meta["config"] != mine or meta["input_dim"] != trainer.net.input_dim:
+        raise ValueError(f"{where}: checkpoint is for config {meta['config']} with input_dim "
+                         f"{meta['input_dim']}, this trainer has {mine} with input_dim {trainer.net.input_dim}")
+    step, bc1, bc2, lr, sc = (meta[k] for k in ("step", "bias_correction1", "bias_correction2", "lr", "scaler"))
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{where}: step must be an int >= 0, got {step!r}")
+    for k, v in (("bias_correction1", bc1), ("bias_correction2", bc2), ("lr", lr)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
+            raise ValueError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
+    sc_keys = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval")
+    if not isinstance(sc, dict) or any(k not in sc or isinstance(sc[k], bool) or not isinstance(sc[k], (int, float))
+                                       for k in sc_keys):
+        raise ValueError(f"{where}: scaler must be a dict with numeric {list(sc_keys)}, got {sc!r}")
+    want = {"master": trainer.net.arena, "exp_avg": trainer.exp_avg, "exp_avg_sq": trainer.exp_avg_sq}
+    for k, t in want.items():
+        v = tens.get(k)
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != torch.float32:
+            got = "nothing" if v is None else f"shape {list(v.shape)} dtype {v.dtype}" \
+                if isinstance(v, torch.Tensor) else type(v).__name__
+            raise ValueError(f"{where}: tensor {k!r} expected shape {list(t.shape)} dtype torch.float32, got {got}")
+    has_state = [k in tens for k in ("state_conv", "state_ssm")]
+    if has_state[0] != has_state[1]:
+        raise ValueError(f"{where}: the carried state needs both 'state_conv' and 'state_ssm', got only one")
+    load_state = False
+    if all(has_state):
+        sc_, ss_ = tens["state_conv"], tens["state_ssm"]
+        c = trainer.net.cfg
+        ok = (isinstance(sc_, torch.Tensor) and isinstance(ss_, torch.Tensor) and sc_.dim() == 4 and ss_.dim() == 4
+              and sc_.shape[1] == ss_.shape[1]
+              and tuple(sc_.shape[::2]) + (sc_.shape[3],) == (c.n_layers, c.d_inner, c.d_conv - 1)
+              and tuple(ss_.shape[::2]) + (ss_.shape[3],) == (c.n_layers, c.d_inner, c.d_state))
+        if not ok:
+            raise ValueError(f"{where}: carried state of shapes {list(getattr(sc_, 'shape', []))} / "
+                             f"{list(getattr(ss_, 'shape', []))} does not fit conv [L, B, d_inner, d_conv-1] / "
+                             f"ssm [L, B, d_inner, d_state] of this config")
+        load_state = sc_.shape[1] == trainer.batch  # another batch size: the weights load, our state stays
+    return TrainerLoadPlan(step, float(bc1), float(bc2), float(lr), sc, load_state)

@@ -12,7 +12,14 @@
 import pytest
 import torch
 
-from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState, load_checkpoint, save_checkpoint
+from mamba_rl import (
+    MambaBackbone,
+    MambaConfig,
+    MambaTrainer,
+    RecurrentState,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():

@@ -1,8 +1,13 @@
 """Sequence == steps: T stepper calls equal one forward over T, for any reset pattern and any chunking."""
+
 import pytest
 import torch
 
-from mamba_rl import MambaBackbone, MambaConfig
+from mamba_rl import (
+    MambaBackbone,
+    MambaConfig,
+)
+from tests.helpers import F64, IN, make_net
 
 
 def make(dtype=torch.float64):
@@ -70,3 +75,17 @@ def test_stepper_state_copy_and_load():
     a = st.step(x).clone()
     st.load_state(saved)
     torch.testing.assert_close(st.step(x), a, rtol=0, atol=0)
+
+
+# ---- edge cases: bad inputs, resets, numerics, interplay with plain torch
+
+
+
+
+def test_stepper_follows_net_double():
+    net = make_net()
+    st = net.stepper(2)
+    net.double()
+    x = torch.randn(2, 6, IN, dtype=F64)
+    ys = torch.stack([st.step(x[:, t]).clone() for t in range(6)], 1)
+    torch.testing.assert_close(ys, net(x)[0], rtol=1e-12, atol=1e-12)

@@ -1,6 +1,4 @@
-"""CUDA AdamW / grad_stats / unscale kernels vs mamba_rl.optim's references and torch.optim.AdamW."""
-import math
-
+"""CUDA AdamW / grad_stats / unscale kernels vs the references in mamba_rl.ops.optim and torch.optim.AdamW."""
 import pytest
 import torch
 
@@ -10,10 +8,10 @@ pytestmark = [pytest.mark.cuda,
 
 @pytest.fixture(scope="module")
 def oc():
-    from mamba_rl.ops._dispatch import extension, extension_error
-    assert extension() is not None, f"extension failed to load: {extension_error()!r}"
-    from mamba_rl.ops import optim_cuda
-    return optim_cuda
+    from mamba_rl.ops.extension import extension, extension_error
+    assert extension("cuda") is not None, f"extension failed to load: {extension_error('cuda')!r}"
+    from mamba_rl.ops import optim
+    return optim
 
 
 def rel(a, b):
@@ -30,7 +28,7 @@ def make(P, seed):
 @pytest.mark.parametrize("P,n_decay,cdtype", [(1, 1, None), (1000, 300, torch.bfloat16),
                                               (350_001, 200_000, torch.float16), (2_000_000, 0, None)])
 def test_kernels_vs_ref(oc, P, n_decay, cdtype):
-    from mamba_rl import optim as O
+    from mamba_rl.ops import optim as O
     hyper = O.make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.05, 1.0, False, "cuda")
     p, _, m, v = make(P, P)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
@@ -54,7 +52,7 @@ def test_kernels_vs_ref(oc, P, n_decay, cdtype):
 
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_vs_torch_adamw_100_steps(oc, clip):
-    from mamba_rl import optim as O
+    from mamba_rl.ops import optim as O
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(64, 33), (129,), (7, 5)]
     n_decay = 64 * 33
@@ -83,7 +81,7 @@ def test_vs_torch_adamw_100_steps(oc, clip):
 
 
 def test_f16_overflow_skips(oc):
-    from mamba_rl import optim as O
+    from mamba_rl.ops import optim as O
     P = 10_000
     hyper = O.make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.01, 1.0, True, "cuda")
     p, grad, m, v = make(P, 3)
@@ -115,7 +113,7 @@ def test_f16_overflow_skips(oc):
 
 
 def test_graph_replay_follows_lr(oc):
-    from mamba_rl import optim as O
+    from mamba_rl.ops import optim as O
     P = 50_000
     hyper = O.make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.01, 1.0, False, "cuda")
     p, grad, m, v = make(P, 9)

@@ -37,8 +37,8 @@ def dims(T):
 @pytest.mark.parametrize("B", BS)
 @pytest.mark.parametrize("T", TS)
 def test_conv1d(ext, T, B, dtype):
+    from mamba_rl.ops import causal_conv1d
     from mamba_rl.ops import conv as convmod
-    from mamba_rl.ops._cuda_autograd import causal_conv1d
     g = torch.Generator(device="cuda").manual_seed(1000 * T + B)
     D, K = dims(T), 4
     big = torch.randn(B, T, 2 * D, device="cuda", generator=g).to(dtype)
@@ -70,7 +70,7 @@ def test_conv1d(ext, T, B, dtype):
 @pytest.mark.parametrize("T", TS)
 def test_selective_scan(ext, T, B, dtype):
     from mamba_rl.ops import scan as scanmod
-    from mamba_rl.ops._cuda_autograd import selective_scan
+    from mamba_rl.ops import selective_scan
     g = torch.Generator(device="cuda").manual_seed(7 + 1000 * T + B)
     D, N, R = dims(T), 16, 8
     xz = torch.randn(B, T, 2 * D, device="cuda", generator=g).to(dtype)
@@ -107,7 +107,7 @@ def test_selective_scan(ext, T, B, dtype):
 def test_scan_default_width_no_state(ext):
     """d_inner 256 (full tiles), no initial state, no resets, y-only loss; eager twice is bit-identical."""
     from mamba_rl.ops import scan as scanmod
-    from mamba_rl.ops._cuda_autograd import selective_scan
+    from mamba_rl.ops import selective_scan
     g = torch.Generator(device="cuda").manual_seed(3)
     B, T, D, N = 16, 64, 256, 16
     mk = lambda *s: torch.randn(*s, device="cuda", generator=g)
@@ -131,7 +131,7 @@ def test_scan_default_width_no_state(ext):
 
 def test_graph_capture_conv_scan(ext):
     """fwd+bwd of conv and scan captured in a CUDA graph; replay == eager, bit for bit."""
-    from mamba_rl.ops._cuda_autograd import causal_conv1d, selective_scan
+    from mamba_rl.ops import causal_conv1d, selective_scan
     g = torch.Generator(device="cuda").manual_seed(5)
     B, T, D, N = 8, 50, 64, 16
     mk = lambda *s: torch.randn(*s, device="cuda", generator=g)
@@ -165,7 +165,7 @@ def test_graph_capture_conv_scan(ext):
 @pytest.mark.parametrize("odt", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("rows,C", [(1, 128), (7, 128), (1000, 128), (4099, 128), (33, 256), (5, 40)])
 def test_rms_norm(ext, rows, C, odt):
-    from mamba_rl.ops._cuda_autograd import rms_norm
+    from mamba_rl.ops import rms_norm
     from mamba_rl.ops.norm import rms_norm_ref
     g = torch.Generator(device="cuda").manual_seed(rows * 7 + C)
     x = torch.randn(rows, C, device="cuda", generator=g) * 3

@@ -1,9 +1,10 @@
-"""Input checks shared by the ops, and the switch between CUDA kernels and pure-torch references."""
+"""Input checks shared by the ops, the model and the trainer (one error format: expected vs received), and
+the argument conversions every kernel wrapper applies."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["check_tensor", "cuda_op_available", "extension"]
+__all__ = ["check_tensor", "f32c", "act", "bool_c"]
 
 
 def check_tensor(name: str, t, *, shape=None, dtype=None, device=None, floating: bool | None = None):
@@ -27,31 +28,20 @@ def check_tensor(name: str, t, *, shape=None, dtype=None, device=None, floating:
     return t
 
 
-_EXT = None
-_EXT_ERR = None
+def f32c(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as contiguous float32 (the kernels' parameter and state dtype), None stays None."""
+    return None if t is None else t.to(torch.float32).contiguous()
 
 
-def extension():
-    """The compiled CUDA extension (built on first use), or None when CUDA or the build is unavailable."""
-    global _EXT, _EXT_ERR
-    if _EXT is None and _EXT_ERR is None:
-        if not torch.cuda.is_available():
-            _EXT_ERR = RuntimeError("CUDA is not available")
-        else:
-            try:
-                from .._build import load_extension
-                _EXT = load_extension()
-            except Exception as e:  # surfaced by backend="cuda"
-                _EXT_ERR = e
-    return _EXT
+def act(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An activation in the kernel's dtype with unit last-dim stride (row and time strides are kept)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    if t.size(-1) > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
 
 
-def extension_error():
-    """The exception that prevented loading the extension, or None."""
-    extension()
-    return _EXT_ERR
-
-
-def cuda_op_available(x: torch.Tensor) -> bool:
-    """True when ``x`` is a CUDA tensor and the extension is loaded."""
-    return x.is_cuda and extension() is not None
+def bool_c(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``episode_starts`` as a contiguous bool tensor, None stays None."""
+    return None if t is None else t.to(torch.bool).contiguous()

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
+from mamba_rl import (
+    MambaBackbone,
+    MambaConfig,
+    MambaTrainer,
+    RecurrentState,
+)
+from tests.helpers import IN, make_net, make_trainer, rand_state
 
 CFG = MambaConfig(d_model=16, n_layers=2, d_state=4)
 
@@ -37,7 +43,7 @@ def test_adamw_matches_torch_over_100_steps(weight_decay, no_decay):
     gen = torch.Generator().manual_seed(0)
     net, tr = make(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay, no_decay=no_decay)
     ref = {n: torch.nn.Parameter(p.detach().clone()) for n, p in net.named_parameters()}
-    from mamba_rl.backbone import is_no_decay
+    from mamba_rl.model.init import is_no_decay
     groups = [{"params": [p for n, p in ref.items() if not (no_decay and is_no_decay(n))], "weight_decay": weight_decay},
               {"params": [p for n, p in ref.items() if no_decay and is_no_decay(n)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
@@ -188,3 +194,124 @@ def test_zero_copy_buffers_equal_copying():
     assert torch.equal(net_a.arena, net_b.arena)
     with pytest.raises(ValueError, match="starts_buf"):
         b.step(None, None, episode_starts=s)
+
+
+# ---- edge cases: bad inputs, resets, numerics, interplay with plain torch
+
+
+
+
+def test_trainer_carried_state_equals_forward_handoff():
+    tr = make_trainer(lr=0.0)  # lr 0: weights stay, only the state moves
+    net = tr.net
+    g = torch.Generator().manual_seed(12)
+    xs = [torch.randn(2, 4, IN, generator=g) for _ in range(3)]
+    ss = [torch.rand(2, 4, generator=g) < 0.3 for _ in range(3)]
+    st = None
+    for x, s in zip(xs, ss):
+        tr.step(x, torch.randn(2, 4, 8, generator=g), episode_starts=s)
+        _, st = net(x, st, s)
+        assert torch.equal(tr.state.ssm, st.ssm.detach()) and torch.equal(tr.state.conv, st.conv.detach())
+    tr.reset_state(torch.tensor([False, True]))
+    assert torch.count_nonzero(tr.state.ssm[:, 1]) == 0 and torch.equal(tr.state.ssm[:, 0], st.ssm[:, 0].detach())
+    feat = tr.forward(xs[0])  # continues from the carried state with row 1 zeroed
+    mask = torch.tensor([1.0, 0.0]).view(1, 2, 1, 1)
+    y, _ = net(xs[0], RecurrentState(st.conv.detach() * mask, st.ssm.detach() * mask))
+    assert torch.equal(feat, y.detach())
+
+
+def test_trainer_initial_state_overrides_carried():
+    tr = make_trainer(lr=0.0)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(2, 4, IN, generator=g)
+    tr.forward(torch.randn(2, 4, IN, generator=g))  # moves the carried state
+    init = rand_state(tr.net, 2, g)
+    feat = tr.forward(x, initial_state=init)
+    y, fin = tr.net(x, init)
+    assert torch.equal(feat, y.detach()) and torch.equal(tr.state.ssm, fin.ssm.detach())
+
+
+def test_trainer_step_matches_torch_adamw_autograd():
+    """Fused step == autograd grads of <feat, d> + torch.optim.AdamW with clip, on an independent copy."""
+    g = torch.Generator().manual_seed(14)
+    tr = make_trainer(lr=1e-2, weight_decay=0.1, max_grad_norm=0.5, no_decay=None)
+    ref = make_net()
+    params = {n: p.detach().clone().requires_grad_() for n, p in ref.named_parameters()}
+    opt = torch.optim.AdamW(params.values(), lr=1e-2, weight_decay=0.1)
+    st = None
+    for _ in range(4):
+        x, d = torch.randn(2, 4, IN, generator=g), torch.randn(2, 4, 8, generator=g)
+        s = torch.rand(2, 4, generator=g) < 0.3
+        tr.step(x, d, episode_starts=s)
+        opt.zero_grad()
+        y, st2 = torch.func.functional_call(ref, params, (x, st, s))
+        (y * d).sum().backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), 0.5)
+        opt.step()
+        st = st2.detach()
+    for n, p in tr.net.named_parameters():
+        torch.testing.assert_close(p, params[n], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_equals_sum():
+    g = torch.Generator().manual_seed(15)
+    data = [(torch.randn(2, 4, IN, generator=g), torch.randn(2, 4, 8, generator=g)) for _ in range(2)]
+    a = make_trainer(lr=1e-2, betas=(0.0, 0.999))
+    init = a.net.initial_state(2)
+    for i, (x, d) in enumerate(data):
+        a.forward(x, initial_state=init)
+        m = a.backward_step(d, accumulate=(i == 0))
+    assert int(m.step) == 1
+    ref = make_net()
+    for x, d in data:
+        (ref(x)[0] * d).sum().backward()
+    torch.testing.assert_close(m.grad_norm.float(), ref.grad_arena.norm(), rtol=1e-5, atol=1e-6)
+    assert torch.count_nonzero(a.net.grad_arena) == 0  # cleared after the step
+
+
+def test_f16_overflow_skip_keeps_everything():
+    tr = make_trainer("f16", lr=1e-2)
+    snap = [t.clone() for t in (tr.net.arena, tr.exp_avg, tr.exp_avg_sq, tr.net.compute_arena)]
+    m = tr.step(torch.randn(2, 4, IN), torch.full((2, 4, 8), 1e6))
+    assert bool(m.overflow_skipped) and int(m.step) == 0 and float(m.loss_scale) == 2.0 ** 15
+    assert all(torch.equal(a, b) for a, b in zip(snap, (tr.net.arena, tr.exp_avg, tr.exp_avg_sq, tr.net.compute_arena)))
+    m = tr.step(torch.randn(2, 4, IN), torch.randn(2, 4, 8) * 1e-4)
+    assert not bool(m.overflow_skipped) and int(m.step) == 1 and not torch.equal(tr.net.arena, snap[0])
+
+
+def test_bf16_trainer_close_to_f32():
+    g = torch.Generator().manual_seed(16)
+    x, d = torch.randn(2, 4, IN, generator=g), torch.randn(2, 4, 8, generator=g)
+    a, b = make_trainer("f32", lr=1e-3), make_trainer("bf16", lr=1e-3)
+    fa, fb = a.forward(x), b.forward(x)
+    assert fb.dtype == torch.float32
+    torch.testing.assert_close(fb, fa, rtol=0.05, atol=0.05)
+    ma, mb = a.backward_step(d), b.backward_step(d)
+    assert abs(float(ma.grad_norm) - float(mb.grad_norm)) < 0.05 * float(ma.grad_norm)
+    assert torch.equal(b.net.compute_arena, b.net.arena.to(torch.bfloat16))
+
+
+def test_accumulate_then_fused_step_sums_grads():
+    a = make_trainer(lr=1e-2)
+    b = make_net()
+    g = torch.Generator().manual_seed(21)
+    x1, d1, x2, d2 = (torch.randn(2, 4, n, generator=g) for n in (IN, 8, IN, 8))
+    a.forward(x1)
+    assert a.backward_step(d1, accumulate=True) is None
+    m = a.step(x2, d2, initial_state=a.net.initial_state(2))
+    (b(x1)[0] * d1).sum().backward()
+    (b(x2)[0] * d2).sum().backward()
+    torch.testing.assert_close(m.grad_norm.float(), b.grad_arena.norm(), rtol=1e-5, atol=1e-6)
+
+
+def test_returned_features_are_safe_to_modify_and_metrics_frozen():
+    a, b = make_trainer(), make_trainer()
+    x, d = torch.randn(2, 4, IN), torch.randn(2, 4, 8)
+    fa = a.forward(x)
+    fa.mul_(0).add_(float("nan"))  # the caller scribbles on the returned features
+    b.forward(x)
+    ma, mb = a.backward_step(d), b.backward_step(d)
+    assert torch.equal(ma.grad_norm, mb.grad_norm) and torch.equal(a.net.arena, b.net.arena)
+    frozen = ma.to_dict()
+    a.step(x, d)
+    assert ma.to_dict() == frozen and frozen["step"] == 1

@@ -1,4 +1,4 @@
-"""RecurrentState: the carried conv window and SSM state of every layer (ARCHITECTURE.md section 3)."""
+"""RecurrentState: the carried conv window and SSM state of every layer (docs/architecture.md, "Reset semantics")."""
 from __future__ import annotations
 
 from dataclasses import dataclass

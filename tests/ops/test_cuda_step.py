@@ -86,15 +86,16 @@ def test_step_equals_forward_T1024(ext, B, gdt, tol):
     ssm0 = torch.randn(L, B, 2 * dm, 16, device="cuda", generator=g)
     ref, rcf, rsf = seq_forward_ref(x, w, L, starts, conv0, ssm0)
     cs, ss = conv0.clone(), ssm0.clone()
-    feats = torch.stack([backbone_step(x[:, t], w, cs, ss, starts[:, t], Cfg()) for t in range(T)], 1)
+    feats = torch.stack([backbone_step(ext, x[:, t], w, cs, ss, starts[:, t], Cfg()) for t in range(T)], 1)
     assert feats.dtype == torch.float32 and feats.shape == (B, T, dm)
     assert rel(feats, ref) <= tol
     assert rel(cs, rcf) <= tol
     assert rel(ss, rsf) <= tol
 
 
-@pytest.mark.parametrize("R", [1, 2, 4, 8, -1, -2, -4, -8])
-def test_rows_per_block_agree_and_match_ref(ext, R):
+@pytest.mark.parametrize("kernel,R", [("rows", 1), ("rows", 2), ("rows", 4), ("rows", 8), ("cluster", 1),
+                                      ("cluster", 2), ("cluster", 4), ("cluster", 8)])
+def test_rows_per_block_agree_and_match_ref(ext, kernel, R):
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
     B, L, in_dim = 37, 3, 4
     w = make_weights(in_dim, 128, L, seed=3)
@@ -104,7 +105,7 @@ def test_rows_per_block_agree_and_match_ref(ext, R):
     cs = torch.randn(L, B, 256, 3, device="cuda", generator=g)
     ss = torch.randn(L, B, 256, 16, device="cuda", generator=g)
     rcs, rss = cs.double(), ss.double()
-    out = backbone_step(x, w, cs, ss, st, Cfg(), rows_per_block=R)
+    out = backbone_step(ext, x, w, cs, ss, st, Cfg(), kernel=kernel, rows_per_block=R)
     ref = backbone_step_ref(x.double(), {k: v.double() for k, v in w.items()}, rcs, rss, st, Cfg())
     assert rel(out, ref) <= 1e-4 and rel(cs, rcs) <= 1e-4 and rel(ss, rss) <= 1e-4
 
@@ -118,17 +119,17 @@ def test_step_graph_capture(ext):
     cs0 = torch.randn(L, B, 256, 3, device="cuda")
     ss0 = torch.randn(L, B, 256, 16, device="cuda")
     cs_e, ss_e = cs0.clone(), ss0.clone()
-    eager = [backbone_step(xs[t], w, cs_e, ss_e, sts[t], Cfg()).clone() for t in range(6)]
+    eager = [backbone_step(ext, xs[t], w, cs_e, ss_e, sts[t], Cfg()).clone() for t in range(6)]
     cs, ss = cs0.clone(), ss0.clone()
     x_buf, st_buf = xs[0].clone(), sts[0].clone()
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        backbone_step(x_buf, w, cs.clone(), ss.clone(), st_buf, Cfg())
+        backbone_step(ext, x_buf, w, cs.clone(), ss.clone(), st_buf, Cfg())
     torch.cuda.current_stream().wait_stream(s)
     gr = torch.cuda.CUDAGraph()
     with torch.cuda.graph(gr):
-        out = backbone_step(x_buf, w, cs, ss, st_buf, Cfg())
+        out = backbone_step(ext, x_buf, w, cs, ss, st_buf, Cfg())
     for t in range(6):
         x_buf.copy_(xs[t]); st_buf.copy_(sts[t])
         gr.replay()

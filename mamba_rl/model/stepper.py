@@ -1,25 +1,32 @@
 """Stepper: the one-token inference engine used for acting in envs.
 
 T calls of :meth:`Stepper.step` equal one :meth:`MambaBackbone.forward` over T steps (same features, same
-final state) for any reset pattern (ARCHITECTURE.md section 3). The stepper reads the backbone's weights in
-place (its compute copy under bf16/f16 training), so optimizer updates are seen at the next step.
+final state) for any reset pattern (docs/architecture.md, "Reset semantics"). The stepper reads the
+backbone's weights in place (its compute copy under bf16/f16 training), so optimizer updates are seen at
+the next step.
 """
 from __future__ import annotations
 
 import torch
 
-from .ops._dispatch import check_tensor
+from ..graphs import GraphSet, warm_up
+from ..ops.checks import check_tensor
 from .state import RecurrentState
 
 __all__ = ["Stepper"]
 
 
 class Stepper:
-    """Acting engine for ``batch`` envs over a :class:`~mamba_rl.MambaBackbone`.
+    """Acting engine for ``batch`` envs over a :class:`~mamba_rl.MambaBackbone` (``net.step`` per token).
 
     Attributes:
-        state: the live :class:`RecurrentState` (float32 buffers owned by the stepper; a captured graph
+        state: the live :class:`RecurrentState` (master-dtype buffers owned by the stepper; a captured graph
             reads and writes these exact buffers, so use :meth:`load_state` / :meth:`reset`, never rebind).
+        x_buf, starts_buf: after :meth:`capture_graph`, the static inputs [B, input_dim] / [B] bool that a
+            zero-copy ``step(None)`` replays from.
+
+    Raises:
+        ValueError: ``batch`` is not an int >= 1.
     """
 
     def __init__(self, net, batch: int):
@@ -28,24 +35,14 @@ class Stepper:
         self.net = net
         self.batch = batch
         self.state = net.initial_state(batch)
-        self._graph = None
         self.x_buf = None
         self.starts_buf = None
         self._out = None
-        self._graph_ptrs = None
+        self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm))
 
     @property
     def device(self) -> torch.device:
         return self.net.device
-
-    def _step_impl(self, x: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
-        net = self.net
-        if net.backend == "cuda":
-            from .ops.step import backbone_step
-            return backbone_step(x, net.step_weights(), self.state.conv, self.state.ssm, starts, net.cfg)
-        y, final = net(x.unsqueeze(1), self.state, None if starts is None else starts.unsqueeze(1))
-        self.state.copy_(final)
-        return y[:, 0]
 
     @torch.no_grad()
     def step(self, x_t: torch.Tensor | None, episode_starts: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,43 +59,32 @@ class Stepper:
             output buffer, overwritten by the next step: clone it to keep it.
         Raises:
             ValueError: wrong shape, dtype or device.
+            RuntimeError: a graph-captured buffer moved since :meth:`capture_graph`.
         """
         B, D = self.batch, self.net.input_dim
         if x_t is None:
-            if self._graph is None or episode_starts is not None:
+            if not self._graphs or episode_starts is not None:
                 raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
                                  "written into starts_buf rather than passed")
-            self._check_graph()
-            self._graph.replay()
+            self._graphs.replay("step")
             return self._out
         check_tensor("Stepper.step: x_t", x_t, shape=(B, D), device=self.device, floating=True)
         if episode_starts is not None:
             check_tensor("Stepper.step: episode_starts", episode_starts, shape=(B,), dtype=torch.bool,
                          device=self.device)
         x_t = x_t.to(self.net.arena.dtype)
-        if self.state.ssm.dtype != self.net.arena.dtype and self._graph is None:  # the net changed dtype
-            self.state = self.state.to(self.net.arena.dtype)
-        if self._graph is not None:
-            self._check_graph()
+        if self._graphs:
+            self._graphs.check()
             self.x_buf.copy_(x_t)
             if episode_starts is None:
                 self.starts_buf.zero_()
             else:
                 self.starts_buf.copy_(episode_starts)
-            self._graph.replay()
+            self._graphs.replay("step")
             return self._out
-        return self._step_impl(x_t, episode_starts)
-
-    def _check_graph(self):
-        if self._pointers() != self._graph_ptrs:
-            raise RuntimeError("Stepper: a buffer captured by the CUDA graph has moved (the backbone was moved, "
-                               "its arena or compute copy replaced, or the state rebound after capture_graph); "
-                               "call capture_graph() again")
-
-    def _pointers(self):
-        n = self.net
-        bufs = (n.arena, n.compute_arena, self.state.conv, self.state.ssm)
-        return tuple(None if b is None else b.data_ptr() for b in bufs)
+        if self.state.ssm.dtype != self.net.arena.dtype:  # the net changed dtype
+            self.state = self.state.to(self.net.arena.dtype)
+        return self.net.step(x_t, self.state, episode_starts)
 
     def reset(self, mask: torch.Tensor | None = None):
         """Zero the state of every env, or of the envs where ``mask`` ([B] bool) is True."""
@@ -128,16 +114,11 @@ class Stepper:
         B = self.batch
         self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
         self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), torch.cuda.stream(s):
-            for _ in range(warmup):
-                self._step_impl(self.x_buf, self.starts_buf)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(g):
-            self._out = self._step_impl(self.x_buf, self.starts_buf)
-        self._graph = g
-        self._graph_ptrs = self._pointers()
+        body = lambda: self.net.step(self.x_buf, self.state, self.starts_buf)  # noqa: E731
+        with torch.no_grad():
+            warm_up(body, warmup)
+            self._graphs.clear()
+            self._out = self._graphs.capture("step", body)
+        self._graphs.seal()
         self.state.copy_(saved)
         return self

@@ -1,4 +1,4 @@
-"""Flat-arena AdamW, global-norm clipping and the dynamic loss scaler, all driven from device buffers.
+"""Flat-arena AdamW and global-norm clipping driven from device buffers (the scaler is in mamba_rl.train).
 
 Semantics:
 - AdamW is ``torch.optim.AdamW`` (Loshchilov & Hutter 2019, decoupled weight decay), in its single-tensor
@@ -18,7 +18,12 @@ steps.
 ``hyper``   float64 [8] = [lr, beta1, beta2, eps, weight_decay, max_grad_norm (inf: none),
                           skip_on_overflow (1.0 with the f16 scaler), 0]
 ``scalars`` float64 [8] = [step, bias_correction1, bias_correction2, grad_norm, clip_coef, found_inf,
-                          inv_scale, 0]
+                          inv_scale, loss_scale]   (loss_scale: the scale after the last step, 1 outside
+                          f16; written by the trainer for its metrics, read by no kernel)
+
+On CUDA each of :func:`grad_stats` / :func:`adamw_step` / :func:`unscale_grad` is one launch; the
+``grad_stats`` reduction finishes in the last block to finish (a self-resetting counter per device), in a
+fixed order: bit-reproducible. Elsewhere the ``*_ref`` twins run (a handful of vectorised torch ops).
 """
 from __future__ import annotations
 
@@ -26,10 +31,13 @@ import math
 
 import torch
 
-__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "make_hyper", "LossScaler",
-           "STEP", "BC1", "BC2", "GRAD_NORM", "CLIP_COEF", "FOUND_INF", "INV_SCALE", "MAX_STEP_EXPONENT"]
+from .extension import extension
 
-STEP, BC1, BC2, GRAD_NORM, CLIP_COEF, FOUND_INF, INV_SCALE = range(7)
+__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "unscale_grad", "make_hyper",
+           "STEP", "BC1", "BC2", "GRAD_NORM", "CLIP_COEF", "FOUND_INF", "INV_SCALE", "LOSS_SCALE",
+           "MAX_STEP_EXPONENT"]
+
+STEP, BC1, BC2, GRAD_NORM, CLIP_COEF, FOUND_INF, INV_SCALE, LOSS_SCALE = range(8)
 MAX_STEP_EXPONENT = 2 ** 30
 
 
@@ -113,73 +121,48 @@ def adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, co
         compute.copy_(param)
 
 
-def _use_cuda(t: torch.Tensor) -> bool:
-    from .ops._dispatch import cuda_op_available
-    return cuda_op_available(t)
+def _cuda_ext(t: torch.Tensor):
+    return extension("cuda") if t.is_cuda else None
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device) -> torch.Tensor:
+    key = torch.device(device)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=key)
+    return c
 
 
 def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars):
-    """:func:`grad_stats_ref` semantics; one fused reduction kernel on CUDA."""
-    if _use_cuda(grad):
-        from .ops import optim_cuda
-        return optim_cuda.grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars)
-    return grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars)
+    """:func:`grad_stats_ref` semantics; one fused reduction kernel on CUDA. Writes ``scalars``, no sync."""
+    ext = _cuda_ext(grad)
+    if ext is None:
+        return grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars)
+    extra = None
+    if extra_grad_sq is not None:
+        extra = extra_grad_sq.reshape(1)
+        if extra.dtype != torch.float32:
+            extra = extra.float()
+    ext.grad_stats(grad, extra, loss_scale.reshape(1), hyper, scalars, _counter(grad.device))
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None):
-    """:func:`adamw_step_ref` semantics; one fused kernel on CUDA."""
-    if _use_cuda(param):
-        from .ops import optim_cuda
-        return optim_cuda.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
-    return adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
+    """:func:`adamw_step_ref` semantics; one fused kernel on CUDA (param, moments, compute in place)."""
+    ext = _cuda_ext(param)
+    if ext is None:
+        return adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
+    ext.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute)
 
 
-class LossScaler:
-    """Dynamic loss scale with ``torch.amp.GradScaler`` semantics, held in device tensors.
-
-    Args:
-        enabled: False keeps the scale at 1 and never skips (f32 / bf16).
-        init_scale: 2**16; growth_factor 2.0; backoff_factor 0.5; growth_interval 2000 clean steps.
-    """
-
-    def __init__(self, device, enabled: bool, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000):
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int):
-            raise ValueError(f"LossScaler: growth_interval must be an int >= 1, got {growth_interval!r}")
-        if growth_interval < 1 or not growth_factor > 1 or not 0 < backoff_factor < 1 or not init_scale > 0:
-            raise ValueError(f"LossScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
-                             f"growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, "
-                             f"{growth_interval}")
-        self.enabled = enabled
-        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
-        self.scale = torch.full((1,), init_scale if enabled else 1.0, dtype=torch.float32, device=device)
-        self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
-        self._found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-
-    def update(self, found_inf64: torch.Tensor):
-        """Advance the scale from the step's overflow flag (a device scalar); no host sync."""
-        if not self.enabled:
-            return
-        self._found_inf.copy_(found_inf64.reshape(1))
-        torch._amp_update_scale_(self.scale, self.growth_tracker, self._found_inf, self.growth_factor,
-                                 self.backoff_factor, self.growth_interval)
-
-    def state_dict(self) -> dict:
-        return {"enabled": self.enabled, "scale": float(self.scale.item()),
-                "growth_tracker": int(self.growth_tracker.item()), "growth_factor": self.growth_factor,
-                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval}
-
-    def load_state_dict(self, sd: dict):
-        """Adopt a saved scaler. A disabled scaler (f32/bf16) keeps scale 1 whatever was saved; an f16
-        scaler loading a checkpoint of a run without one starts from the initial scale."""
-        self.growth_factor, self.backoff_factor = float(sd["growth_factor"]), float(sd["backoff_factor"])
-        self.growth_interval = int(sd["growth_interval"])
-        if not self.enabled:
-            self.scale.fill_(1.0)
-            self.growth_tracker.zero_()
-        elif sd.get("enabled", True):
-            self.scale.fill_(float(sd["scale"]))
-            self.growth_tracker.fill_(int(sd["growth_tracker"]))
-        else:
-            self.scale.fill_(2.0 ** 16)
-            self.growth_tracker.zero_()
+def unscale_grad(grad, scalars):
+    """``grad = 0 if found_inf else grad * inv_scale`` in place (a select: inf never becomes NaN)."""
+    ext = _cuda_ext(grad)
+    if ext is None:
+        found = scalars[FOUND_INF] > 0
+        grad.copy_(torch.where(found, torch.zeros((), dtype=grad.dtype, device=grad.device),
+                               grad * scalars[INV_SCALE].to(grad.dtype)))
+        return
+    ext.unscale_grad(grad, scalars)

@@ -1,17 +1,17 @@
-"""The cuda backend's whole-backbone forward and hand-written backward (one autograd node).
+"""The kernel backends' whole-backbone forward and hand-written backward (one autograd node).
 
 Same math as :meth:`MambaBackbone.forward` on the reference backend, but the backward is explicit: weight
 gradients are accumulated straight into the flat gradient arena (GEMMs with beta=1 into arena views, the
 kernels' small reductions added in place), with no per-parameter AccumulateGrad, no split/cat of gradients
 in autograd and no cast nodes. That is what keeps a captured training step near the kernel-count floor.
 
-Used only on CUDA with the extension loaded; the parity tests compare it with the float64 reference.
+Used by the "cuda" and "cpu" backends (``net.kernels`` is the CUDA or the CPU extension: the same
+functions and contracts); the parity tests compare it with the float64 reference.
 """
 from __future__ import annotations
 
 import torch
 
-from .ops._dispatch import extension
 
 __all__ = ["fused_backbone"]
 
@@ -38,32 +38,10 @@ def _acc_mm(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
         dst.add_(torch.mm(a, b))
 
 
-def _rms_fwd(h, w, eps, out_dtype):
-    """(u = h * rstd * w in out_dtype, rstd [N, 1] float32) for h [N, C] float32."""
-    ext = extension()
-    if hasattr(ext, "rmsnorm_fwd"):
-        return ext.rmsnorm_fwd(h, w, eps, out_dtype)
-    rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
-    return (h * rstd * w).to(out_dtype), rstd
-
-
-def _rms_bwd(du, h, rstd, w, dw_acc, dh_acc=None):
-    """Backward of :func:`_rms_fwd`: adds dL/dw into ``dw_acc``; returns dL/dh (+ ``dh_acc`` when given)."""
-    ext = extension()
-    if hasattr(ext, "rmsnorm_bwd"):
-        return ext.rmsnorm_bwd(du, h, rstd, w, dw_acc, dh_acc)
-    du = du.float()
-    xhat = h * rstd
-    dw_acc.add_((du * xhat).sum(0))
-    g = du * w
-    dh = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
-    return dh if dh_acc is None else dh_acc + dh
-
-
 class _Backbone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, net, conv0, ssm0, starts):
-        ext = extension()
+        ext = net.kernels
         c = net.cfg
         B, T, _ = x.shape
         BT, di, n, r, eps = B * T, c.d_inner, c.d_state, c.dt_rank_value, c.rms_norm_eps
@@ -80,7 +58,7 @@ class _Backbone(torch.autograd.Function):
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            u, rstd = _rms_fwd(h, w(p + "norm.weight", M), eps, cdt)
+            u, rstd = ext.rmsnorm_fwd(h, w(p + "norm.weight", M), eps, cdt)
             xz = torch.mm(u, w(p + "mixer.in_proj.weight").t())  # [BT, 2di]
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
@@ -101,7 +79,7 @@ class _Backbone(torch.autograd.Function):
             saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
             conv_f.append(cf)
             ssm_f.append(sf)
-        feat, rstd_f = _rms_fwd(h, w("norm_f.weight", M), eps, torch.float32)
+        feat, rstd_f = ext.rmsnorm_fwd(h, w("norm_f.weight", M), eps, torch.float32)
         ctx.net, ctx.saved, ctx.shape = net, saved, (B, T)
         ctx.h_last, ctx.rstd_f, ctx.x2 = h, rstd_f, x2
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
@@ -110,8 +88,8 @@ class _Backbone(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dfeat, dconv_final, dssm_final):
-        ext = extension()
         net = ctx.net
+        ext = net.kernels
         c = net.cfg
         B, T = ctx.shape
         BT, di, n, r = B * T, c.d_inner, c.d_state, c.dt_rank_value
@@ -122,7 +100,8 @@ class _Backbone(torch.autograd.Function):
         def w(name, src=W):
             return net.arena_view(src, name)
 
-        dh = _rms_bwd(dfeat.reshape(BT, -1), ctx.h_last, ctx.rstd_f, w("norm_f.weight", M), w("norm_f.weight", G))
+        dh = ext.rmsnorm_bwd(dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f, w("norm_f.weight", M),
+                             w("norm_f.weight", G), None)
         for i in reversed(range(c.n_layers)):
             p = f"layers.{i}."
             h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
@@ -155,7 +134,7 @@ class _Backbone(torch.autograd.Function):
                          w(p + "mixer.conv1d.bias", G))
             _acc_mm(w(p + "mixer.in_proj.weight", G), dxz.t(), u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
-            dh = _rms_bwd(du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh_acc=dh)
+            dh = ext.rmsnorm_bwd(du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh)
         dh_c = dh.to(cdt)
         _acc_mm(w("input_proj.weight", G), dh_c.t(), ctx.x2)
         w("input_proj.bias", G).add_(dh.sum(0))

@@ -3,7 +3,7 @@
 It holds the float32 master arena (the backbone's), the flat gradient arena, AdamW's moments, the
 bf16/f16 compute copy, the dynamic loss scaler, the carried recurrent state, static input buffers and,
 after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``forward`` and of
-``backward_step``, all replayed from these same buffers (ARCHITECTURE.md section 4).
+``backward_step``, all replayed from these same buffers (docs/architecture.md, "Trainer").
 """
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .backbone import MambaBackbone
-from .ops._dispatch import check_tensor
-from .optim import (BC1, BC2, CLIP_COEF, FOUND_INF, GRAD_NORM, STEP, LossScaler, adamw_step, grad_stats,
-                    make_hyper)
-
-LOSS_SCALE = 7  # scalars[7]: the loss scale after the last step (1 outside f16)
-from .state import RecurrentState
+from ..graphs import GraphSet, warm_up
+from ..model.backbone import MambaBackbone
+from ..model.state import RecurrentState
+from ..ops.checks import check_tensor
+from ..ops.optim import (BC1, BC2, CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE, STEP, adamw_step, grad_stats,
+                         make_hyper)
+from .checkpoint import validate_trainer_state
+from .scaler import LossScaler
 
 __all__ = ["MambaTrainer", "StepMetrics", "DTYPES"]
 
@@ -115,8 +116,7 @@ class MambaTrainer:
         self.state = net.initial_state(batch)  # the carried state (input of the next call)
         self._state_used = net.initial_state(batch)  # what the current forward started from (saved by autograd)
         self._feat = None
-        self._graphs = {}
-        self._graph_ptrs = None
+        self._graphs = GraphSet("MambaTrainer", self._graph_buffers)
 
     # ------------------------------------------------------------------------------------ inputs
     def _load(self, x, initial_state, episode_starts, where):
@@ -193,23 +193,10 @@ class MambaTrainer:
         return StepMetrics(step=s[STEP], grad_norm=s[GRAD_NORM], clip_coef=s[CLIP_COEF], loss_scale=s[LOSS_SCALE],
                            overflow_skipped=skipped, graph_replayed=replayed)
 
-    def _replay(self, name) -> bool:
-        g = self._graphs.get(name)
-        if g is None:
-            return False
-        if self._graph_ptrs != self._pointers():
-            raise RuntimeError("MambaTrainer: a buffer captured by the CUDA graph has moved (the backbone was "
-                               "moved or its arena replaced after capture_graph); call capture_graph() again")
-        g.replay()
-        return True
-
-    def _pointers(self):
+    def _graph_buffers(self):
         n = self.net
-        bufs = [n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                self.scaler.scale, self.x_buf, self.d_buf, self.starts_buf, self.state.conv, self.state.ssm]
-        if n.compute_arena is not None:
-            bufs.append(n.compute_arena)
-        return tuple(b.data_ptr() for b in bufs)
+        return (n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars, self.scaler.scale,
+                self.x_buf, self.d_buf, self.starts_buf, self.state.conv, self.state.ssm, n.compute_arena)
 
     # ---------------------------------------------------------------------------------------- API
     def step(self, x, d_temporal, initial_state: RecurrentState | None = None, episode_starts=None) -> StepMetrics:
@@ -227,7 +214,7 @@ class MambaTrainer:
         """
         self._load(x, initial_state, episode_starts, "MambaTrainer.step")
         self._load_grad(d_temporal, None, "MambaTrainer.step")
-        if not self._replay("step"):
+        if not self._graphs.replay("step"):
             self._forward_body()
             self._backward_body(True)
             self._feat = None
@@ -243,7 +230,7 @@ class MambaTrainer:
             :meth:`backward_step`). Under graphs it is a fresh copy of the static output.
         """
         self._load(x, initial_state, episode_starts, "MambaTrainer.forward")
-        if self._replay("forward"):
+        if self._graphs.replay("forward"):
             return self._graph_feat.detach().clone()
         return self._forward_body().detach()
 
@@ -264,7 +251,7 @@ class MambaTrainer:
             raise RuntimeError("MambaTrainer.backward_step: call forward() first")
         self._load_grad(d_temporal, extra_grad_sq, "MambaTrainer.backward_step")
         name = "accumulate" if accumulate else "backward_step"
-        if self._replay(name):
+        if self._graphs.replay(name):
             return None if accumulate else self._metrics(True)
         if self._feat is None:
             raise RuntimeError("MambaTrainer.backward_step: call forward() first")
@@ -303,36 +290,23 @@ class MambaTrainer:
             raise RuntimeError(f"MambaTrainer.capture_graph needs a CUDA device, the trainer is on {self.device}")
         snap = self._snapshot()
         torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._forward_body()
-                self._backward_body(True)
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up(lambda: (self._forward_body(), self._backward_body(True)), warmup)
         self._feat = None
         self._restore(snap)
-        graphs = {}
-        g = torch.cuda.CUDAGraph()  # the fused step gets its own pool: it may run between forward and backward
-        with torch.cuda.graph(g):
-            self._forward_body()
-            self._backward_body(True)
-        graphs["step"] = g
+        self._graphs.clear()
+        # the fused step gets its own pool: it may run between forward and backward_step
+        self._graphs.capture("step", lambda: (self._forward_body(), self._backward_body(True)))
         pool = torch.cuda.graph_pool_handle()
         for name, body in (("forward", self._forward_body),
                            ("backward_step", lambda: self._backward_body(True, retain_graph=True)),
                            ("accumulate", lambda: self._backward_body(False, retain_graph=True))):
-            graphs[name] = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graphs[name], pool=pool):
-                body()
+            self._graphs.capture(name, body, pool=pool)
         # Both backward graphs read the activations that the forward graph saved; keep them alive.
         self._graph_feat = self._feat
         # Capturing ran nothing, but restore once more to be exact about every buffer.
         torch.cuda.synchronize()
         self._restore(snap)
-        self._graphs = graphs
-        self._graph_ptrs = self._pointers()
+        self._graphs.seal()
         self._feat = None
         return self
 
@@ -374,62 +348,18 @@ class MambaTrainer:
         Raises:
             ValueError: when the config, input_dim or a tensor shape differs; nothing is changed then.
         """
-        where = "MambaTrainer.load_state_dict"
-        if not isinstance(sd, dict) or not isinstance(sd.get("meta"), dict) or not isinstance(sd.get("tensors"), dict):
-            raise ValueError(f"{where}: expected {{'meta': dict, 'tensors': dict}}, got {type(sd).__name__}")
-        meta, tens = sd["meta"], sd["tensors"]
-        need = ("config", "input_dim", "step", "bias_correction1", "bias_correction2", "lr", "scaler")
-        missing = [k for k in need if k not in meta]
-        if missing:
-            raise ValueError(f"{where}: metadata lacks {missing}")
-        mine = self.net.cfg.to_dict()
-        if meta["config"] != mine or meta["input_dim"] != self.net.input_dim:
-            raise ValueError(f"{where}: checkpoint is for config {meta['config']} with input_dim "
-                             f"{meta['input_dim']}, this trainer has {mine} with input_dim {self.net.input_dim}")
-        step, bc1, bc2, lr, sc = (meta[k] for k in ("step", "bias_correction1", "bias_correction2", "lr", "scaler"))
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{where}: step must be an int >= 0, got {step!r}")
-        for k, v in (("bias_correction1", bc1), ("bias_correction2", bc2), ("lr", lr)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
-                raise ValueError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
-        sc_keys = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval")
-        if not isinstance(sc, dict) or any(k not in sc or isinstance(sc[k], bool) or not isinstance(sc[k], (int, float))
-                                           for k in sc_keys):
-            raise ValueError(f"{where}: scaler must be a dict with numeric {list(sc_keys)}, got {sc!r}")
-        want = {"master": self.net.arena, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        for k, t in want.items():
-            v = tens.get(k)
-            if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(t.shape) or v.dtype != torch.float32:
-                got = "nothing" if v is None else f"shape {list(v.shape)} dtype {v.dtype}" \
-                    if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"{where}: tensor {k!r} expected shape {list(t.shape)} dtype torch.float32, got {got}")
-        has_state = [k in tens for k in ("state_conv", "state_ssm")]
-        if has_state[0] != has_state[1]:
-            raise ValueError(f"{where}: the carried state needs both 'state_conv' and 'state_ssm', got only one")
-        load_state = False
-        if all(has_state):
-            sc_, ss_ = tens["state_conv"], tens["state_ssm"]
-            c = self.net.cfg
-            ok = (isinstance(sc_, torch.Tensor) and isinstance(ss_, torch.Tensor) and sc_.dim() == 4 and ss_.dim() == 4
-                  and sc_.shape[1] == ss_.shape[1]
-                  and tuple(sc_.shape[::2]) + (sc_.shape[3],) == (c.n_layers, c.d_inner, c.d_conv - 1)
-                  and tuple(ss_.shape[::2]) + (ss_.shape[3],) == (c.n_layers, c.d_inner, c.d_state))
-            if not ok:
-                raise ValueError(f"{where}: carried state of shapes {list(getattr(sc_, 'shape', []))} / "
-                                 f"{list(getattr(ss_, 'shape', []))} does not fit conv [L, B, d_inner, d_conv-1] / "
-                                 f"ssm [L, B, d_inner, d_state] of this config")
-            load_state = sc_.shape[1] == self.batch  # another batch size: the weights load, our state stays
-        # Everything is checked: now write.
+        plan = validate_trainer_state(self, sd)  # everything is checked before anything is written
+        tens = sd["tensors"]
         with torch.no_grad():
-            for k, t in want.items():
+            for k, t in (("master", self.net.arena), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
                 t.copy_(tens[k])
-            if load_state:
+            if plan.load_state:
                 self.state.conv.copy_(tens["state_conv"])
                 self.state.ssm.copy_(tens["state_ssm"])
             self.net.refresh_compute()
-            self.scalars[STEP] = float(step)
-            self.scalars[BC1] = float(bc1)
-            self.scalars[BC2] = float(bc2)
-            self.scaler.load_state_dict(sc)
+            self.scalars[STEP] = float(plan.step)
+            self.scalars[BC1] = float(plan.bias_correction1)
+            self.scalars[BC2] = float(plan.bias_correction2)
+            self.scaler.load_state_dict(plan.scaler)
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]
-        self.set_lr(float(lr))
+        self.set_lr(float(plan.lr))

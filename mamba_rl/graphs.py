@@ -1,0 +1,90 @@
+"""CUDA graphs of fixed-shape work, with the pointer guard that the trainer and the stepper share.
+
+A captured graph replays kernels on the exact buffers it saw at capture. :class:`GraphSet` captures named
+bodies after a warm-up on a side stream, records the data pointers of the buffers the owner lists, and
+refuses to replay once any of them moved (a ``.to()``, a replaced arena, a rebound state): replaying then
+would read freed memory, so it raises instead (docs/architecture.md, "CUDA graphs").
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+__all__ = ["GraphSet", "warm_up"]
+
+
+def warm_up(body: Callable[[], object], iterations: int) -> None:
+    """Run ``body`` ``iterations`` times on a side stream (what torch.cuda.graph asks before a capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iterations):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
+class GraphSet:
+    """Named CUDA graphs of one owner, guarded by the data pointers of the owner's buffers.
+
+    Args:
+        owner: the name used in error messages (e.g. "MambaTrainer").
+        buffers: callable returning the tensors (or None) whose storage the graphs read or write.
+    """
+
+    def __init__(self, owner: str, buffers: Callable[[], tuple]):
+        self.owner = owner
+        self._buffers = buffers
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._ptrs: tuple | None = None
+
+    def _pointers(self) -> tuple:
+        return tuple(None if b is None else b.data_ptr() for b in self._buffers())
+
+    def capture(self, name: str, body: Callable[[], object], pool=None):
+        """Capture ``body`` as graph ``name`` (in memory pool ``pool`` when given) and return its result
+        (the graph's static outputs). Call :meth:`seal` once every graph is captured."""
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            out = body()
+        self._graphs[name] = g
+        return out
+
+    def seal(self) -> None:
+        """Record the buffer pointers the graphs were captured on."""
+        self._ptrs = self._pointers()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._graphs
+
+    def __getitem__(self, name: str) -> torch.cuda.CUDAGraph:
+        """The raw graph ``name`` (for profiling: its ``replay`` skips the pointer guard)."""
+        return self._graphs[name]
+
+    def __bool__(self) -> bool:
+        return bool(self._graphs)
+
+    def check(self) -> None:
+        """Raise RuntimeError when a captured buffer has moved since :meth:`seal`."""
+        if self._ptrs != self._pointers():
+            raise RuntimeError(f"{self.owner}: a buffer captured by the CUDA graph has moved (the backbone was "
+                               f"moved, its arena or compute copy replaced, or a state rebound after "
+                               f"capture_graph); call capture_graph() again")
+
+    def replay(self, name: str) -> bool:
+        """Replay graph ``name``; False when there is none (the caller runs eagerly).
+
+        Raises:
+            RuntimeError: a captured buffer moved (see :meth:`check`).
+        """
+        g = self._graphs.get(name)
+        if g is None:
+            return False
+        self.check()
+        g.replay()
+        return True
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._ptrs = None

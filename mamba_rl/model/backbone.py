@@ -1,0 +1,230 @@
+"""MambaBackbone: input projection, N residual Mamba-1 blocks and a final RMSNorm over one flat arena.
+
+The model is Gu & Dao 2023 (arXiv:2312.00752) as built by mamba_ssm's ``Mamba`` mixer inside pre-norm
+residual blocks (docs/architecture.md, "Model"). Parameter names follow HF / mamba_ssm, so a familiar
+state dict maps one to one; the parameters live in one flat arena (:class:`~mamba_rl.model.arena.ArenaModule`).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import MambaConfig
+from ..ops import causal_conv1d, causal_conv1d_ref, rms_norm, rms_norm_ref, selective_scan, selective_scan_ref
+from ..ops.checks import check_tensor
+from ..ops.extension import extension, extension_error
+from ..ops.step import backbone_step
+from .arena import ArenaModule
+from .block import MambaBlock
+from .fused import fused_backbone
+from .init import GEMM_PARAMS, init_values, is_no_decay, param_layout
+from .state import RecurrentState
+from .stepper import Stepper
+
+__all__ = ["MambaBackbone", "BACKENDS"]
+
+BACKENDS = ("auto", "cuda", "cpu", "reference")
+_WARNED: set[str] = set()
+
+
+class MambaBackbone(ArenaModule):
+    """Mamba-1 backbone ``x [B, T, input_dim] -> features [B, T, d_model]`` with RL reset semantics.
+
+    Args:
+        cfg: a :class:`MambaConfig`.
+        input_dim: size of the last dim of x (>= 1).
+        device: where the arena lives ("cpu", "cuda", torch.device).
+        seed: seed of the initialisation (a CPU torch.Generator, so equal on every device).
+        backend: "reference" (pure torch: CPU or GPU, float32 or float64), "cuda" (the CUDA kernels),
+            "cpu" (the C++/OpenMP kernels), or "auto": cuda on a CUDA device, cpu on the CPU, for float32
+            masters when the kernels load, else the reference (on the CPU with one warning naming the cause).
+        dtype: master dtype, torch.float32 (default) or torch.float64 (reference backend only; for
+            gradient checks).
+
+    Raises:
+        ValueError: bad input_dim, dtype, backend, or an input of the wrong shape/dtype/device in forward.
+        RuntimeError: backend "cuda" or "cpu" asked for but its kernels cannot load (the message says why).
+    """
+
+    def __init__(self, cfg: MambaConfig, input_dim: int, device=None, seed: int | None = 0,
+                 backend: str = "auto", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if not isinstance(cfg, MambaConfig):
+            raise ValueError(f"MambaBackbone: cfg must be a MambaConfig, got {type(cfg).__name__}")
+        if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
+            raise ValueError(f"MambaBackbone: input_dim must be an int >= 1, got {input_dim!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"MambaBackbone: dtype must be torch.float32 or torch.float64, got {dtype}")
+        if backend not in BACKENDS:
+            raise ValueError(f"MambaBackbone: backend must be one of {BACKENDS}, got {backend!r}")
+        self.cfg = cfg
+        self.input_dim = input_dim
+        self._requested_backend = backend
+        self.input_proj = nn.Module()
+        self.layers = nn.ModuleList([MambaBlock() for _ in range(cfg.n_layers)])
+        self.norm_f = nn.Module()
+        layout = param_layout(cfg, input_dim)
+        self._init_arena(layout, init_values(cfg, input_dim, 0 if seed is None else seed), is_no_decay, device, dtype)
+        self.backend = self._resolve_backend(backend)
+
+    # --------------------------------------------------------------------------------------- backend
+    def _arena_moved(self):
+        self.backend = self._resolve_backend(self._requested_backend)
+
+    def _resolve_backend(self, backend: str) -> str:
+        dev, dt = self.arena.device, self.arena.dtype
+        if backend == "reference":
+            return "reference"
+        if backend in ("cuda", "cpu"):
+            if dev.type != backend:
+                raise ValueError(f"MambaBackbone: backend={backend!r} needs a {backend.upper()} device, got {dev}")
+            if dt != torch.float32:
+                raise ValueError(f"MambaBackbone: backend={backend!r} needs float32 masters, got {dt}")
+            if extension(backend) is None:
+                raise RuntimeError(f"MambaBackbone: the {backend} kernels could not load: {extension_error(backend)!r}")
+            return backend
+        if dev.type in ("cuda", "cpu") and dt == torch.float32:
+            if extension(dev.type) is not None:
+                return dev.type
+            if dev.type == "cpu" and "cpu" not in _WARNED:
+                _WARNED.add("cpu")
+                warnings.warn(f"mamba_rl: the CPU kernels are unavailable ({extension_error('cpu')}); running the "
+                              f"much slower pure-PyTorch reference. Fix: install a C++ compiler with OpenMP "
+                              f"(e.g. `apt-get install g++`) and `pip install ninja`.", RuntimeWarning, stacklevel=3)
+        return "reference"
+
+    @property
+    def kernels(self):
+        """The extension module of the backend ("cuda" / "cpu"), or None on the reference backend."""
+        return None if self.backend == "reference" else extension(self.backend)
+
+    def _ops(self):
+        if self.backend == "reference":
+            return causal_conv1d_ref, selective_scan_ref, rms_norm_ref
+        return causal_conv1d, selective_scan, rms_norm
+
+    def step_weights(self) -> dict:
+        """name -> tensor for the one-token engine: GEMM weights in the compute dtype, the rest master."""
+        out = {}
+        for name, _ in self._layout:
+            gemm = name.endswith(GEMM_PARAMS) or name.startswith("input_proj.")
+            if gemm and self.compute_arena is not None:
+                out[name] = self.arena_view(self.compute_arena, name)
+            else:
+                out[name] = self.get_parameter(name).detach()
+        return out
+
+    # --------------------------------------------------------------------------------------- forward
+    @property
+    def device(self) -> torch.device:
+        return self.arena.device
+
+    def initial_state(self, batch: int) -> RecurrentState:
+        """All-zero :class:`RecurrentState` for ``batch`` rows, in the master dtype, on the arena's device."""
+        c = self.cfg
+        return RecurrentState.zeros(c.n_layers, batch, c.d_inner, c.d_conv, c.d_state, device=self.device,
+                                    dtype=self.arena.dtype)
+
+    def check_inputs(self, x, initial_state=None, episode_starts=None, *, where="MambaBackbone.forward"):
+        """Validate forward inputs; raise ValueError naming the expected and received shape/dtype/device."""
+        check_tensor(f"{where}: x", x, shape=(None, None, self.input_dim), device=self.device, floating=True)
+        B, T = x.shape[:2]
+        if T < 1:
+            raise ValueError(f"{where}: x must hold at least one step, got T = {T} (shape {list(x.shape)})")
+        if episode_starts is not None:
+            check_tensor(f"{where}: episode_starts", episode_starts, shape=(B, T), dtype=torch.bool,
+                         device=self.device)
+        if initial_state is not None:
+            if not isinstance(initial_state, RecurrentState):
+                raise ValueError(f"{where}: initial_state must be a RecurrentState, got "
+                                 f"{type(initial_state).__name__}")
+            c = self.cfg
+            check_tensor(f"{where}: initial_state.conv", initial_state.conv,
+                         shape=(c.n_layers, B, c.d_inner, c.d_conv - 1), device=self.device, floating=True)
+            check_tensor(f"{where}: initial_state.ssm", initial_state.ssm,
+                         shape=(c.n_layers, B, c.d_inner, c.d_state), device=self.device, floating=True)
+
+    def forward(self, x: torch.Tensor, initial_state: RecurrentState | None = None,
+                episode_starts: torch.Tensor | None = None):
+        """Run the backbone over a sequence.
+
+        Args:
+            x: [B, T, input_dim] float tensor on the arena's device (float32, or float64 in float64 mode).
+            initial_state: a :class:`RecurrentState` for B rows, or None for zeros. Gradients flow into it
+                only if its tensors require grad (truncated BPTT otherwise).
+            episode_starts: [B, T] bool or None. True at (b, t): x[b, t] is the first observation of a new
+                episode, so row b's conv window and SSM state are zero before step t.
+        Returns:
+            (features [B, T, d_model] in the master dtype, final_state :class:`RecurrentState`).
+        Raises:
+            ValueError: on a wrong shape, dtype or device (message gives expected vs received).
+        """
+        self.check_inputs(x, initial_state, episode_starts)
+        if self._use_fused(initial_state):
+            return self._forward_fused(x, initial_state, episode_starts)
+        c = self.cfg
+        ops = self._ops()
+        rdt, cdt = self.arena.dtype, self.compute_dtype
+        h = F.linear(x.to(cdt), self.weight("input_proj.weight"), self.weight("input_proj.bias")).to(rdt)
+        conv_f, ssm_f = [], []
+        for i, block in enumerate(self.layers):
+            cs = None if initial_state is None else initial_state.conv[i]
+            ss = None if initial_state is None else initial_state.ssm[i]
+            h, cf, sf = block(h, cs, ss, episode_starts, lambda k, i=i: self.weight(f"layers.{i}.{k}"), ops,
+                              c.rms_norm_eps, cdt)
+            conv_f.append(cf)
+            ssm_f.append(sf)
+        feat = ops[2](h, self.norm_f.weight, c.rms_norm_eps, rdt)
+        return feat, RecurrentState(torch.stack(conv_f), torch.stack(ssm_f))
+
+    def _use_fused(self, initial_state) -> bool:
+        """The kernel backends run the whole backbone as one node with a hand-written backward
+        (:mod:`mamba_rl.model.fused`), unless a gradient into the initial state is asked for (then the
+        per-op autograd path serves), the CUDA scan cannot take d_state, or CPU kernels meet a bf16/f16
+        compute copy (they are float32 only)."""
+        if self.backend == "reference":
+            return False
+        if self.backend == "cuda" and self.cfg.d_state not in (8, 16):
+            return False
+        if self.backend == "cpu" and self.compute_dtype != torch.float32:
+            return False
+        return initial_state is None or not (initial_state.conv.requires_grad or initial_state.ssm.requires_grad)
+
+    def _forward_fused(self, x, initial_state, episode_starts):
+        B, T = x.shape[:2]
+        if initial_state is None:
+            initial_state = self.initial_state(B)
+        conv0 = initial_state.conv.to(torch.float32).contiguous()
+        ssm0 = initial_state.ssm.to(torch.float32).contiguous()
+        if episode_starts is None:
+            episode_starts = torch.zeros(B, T, dtype=torch.bool, device=x.device)
+        feat, conv_f, ssm_f = fused_backbone(self, x, conv0, ssm0, episode_starts.contiguous())
+        return feat, RecurrentState(conv_f, ssm_f)
+
+    @torch.no_grad()
+    def step(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None = None):
+        """One token through every layer: x_t [B, input_dim] -> features [B, d_model] (master dtype), with
+        ``state`` advanced in place. The kernel backends make one extension call; the reference runs each
+        block's :meth:`MambaBlock.step`. Inputs are not validated here (see :class:`Stepper`)."""
+        c = self.cfg
+        ext = self.kernels
+        if ext is not None and (self.backend == "cpu" or (c.d_state in (8, 16) and c.d_conv == 4)) \
+                and state.ssm.dtype == torch.float32 and (self.backend == "cuda" or self.compute_dtype == torch.float32):
+            return backbone_step(ext, x_t, self.step_weights(), state.conv, state.ssm, episode_starts, c)
+        rdt, cdt = self.arena.dtype, self.compute_dtype
+        w = self.step_weights()
+        h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).to(rdt)
+        for i, block in enumerate(self.layers):
+            h = block.step(h, state.conv[i], state.ssm[i], episode_starts, lambda k, i=i: w[f"layers.{i}.{k}"],
+                           c.rms_norm_eps)
+        return rms_norm_ref(h, w["norm_f.weight"], c.rms_norm_eps, rdt)
+
+    def stepper(self, batch: int):
+        """A one-token inference engine for ``batch`` envs that shares this module's weights (no copy)."""
+        return Stepper(self, batch)
+
+    def extra_repr(self) -> str:
+        return f"cfg={self.cfg}, input_dim={self.input_dim}, backend={self.backend!r}, params={self.numel_total}"

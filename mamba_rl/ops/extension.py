@@ -1,0 +1,188 @@
+"""The one place that compiles and loads the kernel extensions, and says which one serves a tensor.
+
+Two extensions, both built with ``torch.utils.cpp_extension`` (ninja) on first use and cached:
+
+- ``cuda``: ``csrc/*.cu`` + ``csrc/binding.cpp``; sm_90 machine code plus compute_90 PTX (newer GPUs JIT
+  the PTX), override with ``MAMBA_RL_CUDA_ARCH`` (e.g. ``"80;90"``). Each .cu file is torch-free and each
+  dtype its own file, so ninja compiles them in parallel (``MAX_JOBS`` caps the jobs).
+- ``cpu``: ``csrc/cpu/*.cpp`` (ATen + OpenMP), the same Python functions as the CUDA binding.
+
+A build is keyed by a hash of its sources and headers, the torch / CUDA / Python versions, the flags and
+(for CUDA) the archs: a changed kernel or a new torch rebuilds, anything else reuses the cached module.
+Build directory: ``$MAMBA_RL_BUILD_DIR`` if set, else ``<repo>/.build`` when the package sits in a
+writable checkout (git-ignored), else ``~/.cache/mamba_rl``; inside it one folder per key.
+Ahead of time: ``python -m mamba_rl.build``. Installing the package compiles nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["kernels_for", "extension", "load_extension", "extension_error", "source_files", "build_dir", "build_key"]
+
+_PKG = Path(__file__).resolve().parent.parent
+_CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-O3"]
+_LOADED: dict[str, object] = {}
+_ERRORS: dict[str, BaseException] = {}
+
+
+def _csrc_dir() -> Path:
+    for cand in (_PKG.parent / "csrc", _PKG / "csrc"):
+        if (cand / "binding.cpp").exists():
+            return cand
+    raise FileNotFoundError("mamba_rl: kernel sources (csrc/binding.cpp) not found next to the package")
+
+
+def _archs() -> list[str]:
+    spec = os.environ.get("MAMBA_RL_CUDA_ARCH", "90")
+    return [a.strip().replace(".", "") for a in spec.replace(",", ";").split(";") if a.strip()]
+
+
+def _arch_flags() -> list[str]:
+    archs = _archs()
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
+    return flags
+
+
+def _cpu_flags() -> list[str]:
+    return ["-O3", "-std=c++17", "-fopenmp"]
+
+
+def source_files(kind: str = "cuda") -> list[Path]:
+    """The compiled sources of extension ``kind`` ("cuda" or "cpu"); headers enter the hash only."""
+    d = _csrc_dir()
+    if kind == "cuda":
+        return sorted(d.glob("*.cu")) + [d / "binding.cpp"]
+    if kind == "cpu":
+        return sorted((d / "cpu").glob("*.cpp"))
+    raise ValueError(f"source_files: kind must be 'cuda' or 'cpu', got {kind!r}")
+
+
+def _hashed_files(kind: str) -> list[Path]:
+    d = _csrc_dir()
+    if kind == "cuda":
+        return sorted(list(d.glob("*.cu")) + list(d.glob("*.cuh")) + list(d.glob("*.h")) + [d / "binding.cpp"])
+    return sorted(list((d / "cpu").glob("*.cpp")) + list((d / "cpu").glob("*.h")))
+
+
+def build_key(kind: str = "cuda") -> str:
+    """Hash of the sources and headers, torch / CUDA / Python versions, archs and flags."""
+    h = hashlib.sha256(kind.encode())
+    for f in _hashed_files(kind):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.split()[0].encode())
+    if kind == "cuda":
+        h.update(str(torch.version.cuda).encode())
+        h.update(" ".join(_arch_flags() + _CUDA_FLAGS).encode())
+    else:
+        h.update(" ".join(_cpu_flags()).encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir(kind: str = "cuda") -> Path:
+    """The cache folder of extension ``kind`` for the current sources (see the module docstring)."""
+    env = os.environ.get("MAMBA_RL_BUILD_DIR")
+    if env:
+        root = Path(env)
+    else:
+        repo = _PKG.parent
+        root = repo / ".build" if (repo / ".git").exists() and os.access(repo, os.W_OK) else \
+            Path.home() / ".cache" / "mamba_rl"
+    return root / build_key(kind)
+
+
+def load_extension(kind: str = "cuda", verbose: bool = False):
+    """Build (first use; tens of seconds) or load the cached extension ``kind``.
+
+    Raises:
+        RuntimeError: CUDA is unavailable (kind "cuda"), or the compiler / build failed (the message names
+            the cause; for "cpu" the fix is a C++ compiler with OpenMP, e.g. ``apt-get install g++``).
+    """
+    if kind in _LOADED:
+        return _LOADED[kind]
+    from torch.utils.cpp_extension import load
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("mamba_rl CUDA extension: CUDA is not available")
+    srcs = source_files(kind)
+    if not srcs:
+        raise RuntimeError(f"mamba_rl {kind} extension: no sources found under {_csrc_dir()}")
+    key = build_key(kind)
+    bdir = build_dir(kind)
+    bdir.mkdir(parents=True, exist_ok=True)
+    name = f"mamba_rl_{kind}_{key}"
+    cached = any(bdir.glob(f"{name}*.so"))
+    t0 = time.time()
+    if not cached:
+        print(f"mamba_rl: building the {kind.upper()} kernels in {bdir} (one time, ~30-60 s) ...",
+              file=sys.stderr, flush=True)
+    try:
+        if kind == "cuda":
+            mod = load(name=name, sources=[str(s) for s in srcs], build_directory=str(bdir),
+                       extra_cuda_cflags=_CUDA_FLAGS + _arch_flags(), extra_cflags=["-O2"],
+                       extra_include_paths=[str(_csrc_dir())], verbose=verbose)
+        else:
+            mod = load(name=name, sources=[str(s) for s in srcs], build_directory=str(bdir),
+                       extra_cflags=_cpu_flags(), extra_ldflags=["-fopenmp"],
+                       extra_include_paths=[str(_csrc_dir() / "cpu")], verbose=verbose)
+    except Exception as e:
+        fix = ("install a C++ compiler with OpenMP (e.g. `apt-get install g++` or build-essential) and ninja "
+               "(`pip install ninja`)" if kind == "cpu" else "check nvcc and the CUDA toolkit version")
+        raise RuntimeError(f"mamba_rl {kind} extension failed to build ({type(e).__name__}: {e}); fix: {fix}") from e
+    if not cached:
+        print(f"mamba_rl: {kind.upper()} kernels built in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+    _LOADED[kind] = mod
+    return mod
+
+
+def _try(kind: str):
+    if kind in _LOADED:
+        return _LOADED[kind]
+    if kind in _ERRORS:
+        return None
+    if os.environ.get(f"MAMBA_RL_DISABLE_{kind.upper()}") == "1":
+        _ERRORS[kind] = RuntimeError(f"disabled by MAMBA_RL_DISABLE_{kind.upper()}=1")
+        return None
+    try:
+        return load_extension(kind)
+    except Exception as e:  # surfaced by backend="cuda"/"cpu" and by extension_error()
+        _ERRORS[kind] = e
+        return None
+
+
+def extension_error(kind: str = "cuda") -> BaseException | None:
+    """The exception that kept extension ``kind`` from loading, or None (loads it if not tried yet)."""
+    _try(kind)
+    return _ERRORS.get(kind)
+
+
+def extension(kind: str = "cuda"):
+    """The loaded extension ``kind`` ("cuda" or "cpu"), or None when it cannot be built or loaded."""
+    if kind == "cuda" and not torch.cuda.is_available():
+        _ERRORS.setdefault("cuda", RuntimeError("CUDA is not available"))
+        return None
+    return _try(kind)
+
+
+_ACT_DTYPES = {"cuda": (torch.float32, torch.bfloat16, torch.float16), "cpu": (torch.float32,)}
+
+
+def kernels_for(x: torch.Tensor, *params: torch.Tensor | None):
+    """The extension whose kernels take ``x`` (CUDA or CPU), or None: then the caller runs the reference.
+
+    None when the extension is unavailable, when ``x``'s dtype is not a kernel activation dtype (CUDA:
+    float32 / bfloat16 / float16; CPU: float32), or when any of ``params`` is float64 (the oracle path).
+    """
+    kind = "cuda" if x.is_cuda else "cpu" if x.device.type == "cpu" else None
+    if kind is None or x.dtype not in _ACT_DTYPES[kind]:
+        return None
+    if any(p is not None and p.dtype == torch.float64 for p in params):
+        return None
+    return extension(kind)

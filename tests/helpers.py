@@ -1,0 +1,42 @@
+"""Shared helpers of the core tests: tiny float64-capable reference models and an oracle that runs each
+episode on its own."""
+import torch
+
+from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
+
+F64 = torch.float64
+SMALL_CFG = MambaConfig(d_model=8, n_layers=2, d_state=4, d_conv=3, expand=2)
+IN = 3
+
+
+def make_net(cfg=SMALL_CFG, seed=0, dtype=torch.float32, input_dim=IN):
+    return MambaBackbone(cfg, input_dim, seed=seed, backend="reference", dtype=dtype)
+
+
+def make_trainer(dtype="f32", seed=0, batch=2, seq_len=4, cfg=SMALL_CFG, **kw):
+    net = make_net(cfg, seed=seed)
+    return MambaTrainer(net, batch=batch, seq_len=seq_len, dtype=dtype, **kw)
+
+
+def rand_state(net, B, gen, scale=0.5):
+    s = net.initial_state(B)
+    return RecurrentState(torch.randn(s.conv.shape, generator=gen, dtype=s.conv.dtype) * scale,
+                          torch.randn(s.ssm.shape, generator=gen, dtype=s.ssm.dtype) * scale)
+
+
+def per_episode_oracle(net, x, starts, init):
+    """Run each row's episodes independently (row by row, segment by segment)."""
+    B, T = x.shape[:2]
+    feats = torch.zeros(B, T, net.cfg.d_model, dtype=net.arena.dtype)
+    finals_c, finals_s = [], []
+    for b in range(B):
+        cuts = [t for t in range(T) if starts[b, t]]
+        bounds = sorted(set([0] + cuts + [T]))
+        st = init.index(slice(b, b + 1))
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            st0 = None if starts[b, s] else st
+            y, st = net(x[b:b + 1, s:e], initial_state=st0)
+            feats[b, s:e] = y[0]
+        finals_c.append(st.conv)
+        finals_s.append(st.ssm)
+    return feats, RecurrentState(torch.cat(finals_c, 1), torch.cat(finals_s, 1))

@@ -1,0 +1,127 @@
+"""Bad inputs to the trainer: every one raises a ValueError naming the expected and received value,
+and leaves the trainer unchanged."""
+import pytest
+import torch
+
+from mamba_rl import MambaTrainer
+from tests.helpers import F64, IN, make_net, make_trainer
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch=0), "batch"), (dict(batch=True), "batch"), (dict(batch=2.0), "batch"), (dict(seq_len=-1), "seq_len"),
+    (dict(seq_len=0), "seq_len"), (dict(lr=float("nan")), "lr"), (dict(lr=float("inf")), "lr"), (dict(lr=-1e-3), "lr"),
+    (dict(betas=(1.0, 0.999)), "beta1"), (dict(betas=(-0.1, 0.999)), "beta1"), (dict(betas=(0.9, 1.0)), "beta2"),
+    (dict(betas=(0.9, float("nan"))), "beta2"), (dict(eps=0.0), "eps"), (dict(eps=-1e-8), "eps"),
+    (dict(eps=float("inf")), "eps"), (dict(weight_decay=-0.1), "weight_decay"),
+    (dict(weight_decay=float("nan")), "weight_decay"), (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(max_grad_norm=-1.0), "max_grad_norm"), (dict(max_grad_norm=float("nan")), "max_grad_norm"),
+    (dict(dtype="fp16"), "dtype"), (dict(dtype=torch.float16), "dtype"), (dict(dtype="F32"), "dtype"),
+    (dict(no_decay="all"), "no_decay"), (dict(growth_interval=0), "growth_interval"),
+])
+def test_trainer_bad_args(kw, match):
+    args = dict(batch=2, seq_len=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        MambaTrainer(make_net(), **args)
+
+
+def test_trainer_refuses_float64_backbone_and_non_backbone():
+    with pytest.raises(ValueError, match="float32"):
+        MambaTrainer(make_net(dtype=F64), batch=2, seq_len=4)
+    with pytest.raises(ValueError, match="MambaBackbone"):
+        MambaTrainer(torch.nn.Linear(2, 2), batch=2, seq_len=4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(lr=None), "lr"), (dict(lr="1e-3"), "lr"), (dict(eps=None), "eps"), (dict(weight_decay=None), "weight_decay"),
+    (dict(betas=0.9), "betas"), (dict(growth_interval="x"), "growth_interval"),
+])
+def test_trainer_non_numeric_args_raise_valueerror(kw, match):
+    args = dict(batch=2, seq_len=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        MambaTrainer(make_net(), **args)
+
+
+def test_trainer_betas_wrong_length_message():
+    with pytest.raises(ValueError, match="betas"):
+        MambaTrainer(make_net(), batch=2, seq_len=4, betas=(0.9,))
+
+
+def test_trainer_float_growth_interval_rejected():
+    with pytest.raises(ValueError, match="growth_interval"):
+        MambaTrainer(make_net(), batch=2, seq_len=4, dtype="f16", growth_interval=1.5)
+
+
+def test_trainer_bool_hyperparameters_rejected():
+    with pytest.raises(ValueError, match="lr"):
+        MambaTrainer(make_net(), batch=2, seq_len=4, lr=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        MambaTrainer(make_net(), batch=2, seq_len=4, max_grad_norm=True)
+
+
+def test_trainer_bad_call_inputs_leave_state_unchanged():
+    tr = make_trainer()
+    gen = torch.Generator().manual_seed(0)
+    tr.step(torch.randn(2, 4, IN, generator=gen), torch.randn(2, 4, 8, generator=gen))
+    snap = [t.clone() for t in (tr.net.arena, tr.exp_avg, tr.scalars, tr.state.ssm, tr.state.conv)]
+    x, d = torch.randn(2, 4, IN), torch.randn(2, 4, 8)
+    bad_calls = [
+        lambda: tr.step(torch.randn(2, 5, IN), d), lambda: tr.step(torch.randn(3, 4, IN), d),
+        lambda: tr.step(x, torch.randn(2, 4, 7)), lambda: tr.step(x, torch.randn(2, 5, 8)),
+        lambda: tr.step(x, d.long()), lambda: tr.step(x.long(), d), lambda: tr.step(x, d, episode_starts=torch.zeros(2, 4)),
+        lambda: tr.step(x, d, initial_state=tr.net.initial_state(3)),
+        lambda: tr.step(None, d, episode_starts=torch.zeros(2, 4, dtype=torch.bool)),
+        lambda: tr.forward(torch.randn(2, 4, IN + 1)),
+        lambda: tr.set_lr(float("nan")), lambda: tr.set_lr(float("inf")), lambda: tr.set_lr(-1.0), lambda: tr.set_lr("1"),
+        lambda: tr.set_lr(None), lambda: tr.reset_state(torch.ones(2)), lambda: tr.reset_state(torch.ones(3, dtype=torch.bool)),
+        lambda: tr.reset_state([True, False]),
+    ]
+    for i, call in enumerate(bad_calls):
+        with pytest.raises(ValueError):
+            call()
+    after = (tr.net.arena, tr.exp_avg, tr.scalars, tr.state.ssm, tr.state.conv)
+    assert all(torch.equal(a, b) for a, b in zip(snap, after))
+    assert tr.lr == 3e-4 and tr.hyper[0].item() == 3e-4
+
+
+def test_backward_step_call_order():
+    tr = make_trainer()
+    d = torch.randn(2, 4, 8)
+    with pytest.raises(RuntimeError, match="forward"):
+        tr.backward_step(d)
+    tr.forward(torch.randn(2, 4, IN))
+    tr.backward_step(d)
+    with pytest.raises(RuntimeError, match="forward"):  # the graph is consumed
+        tr.backward_step(d)
+    tr.forward(torch.randn(2, 4, IN))
+    tr.step(torch.randn(2, 4, IN), d)  # a fused step in between consumes the pending forward
+    with pytest.raises(RuntimeError, match="forward"):
+        tr.backward_step(d)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        tr.capture_graph()
+
+
+def test_extra_grad_sq_wrong_shape():
+    tr = make_trainer()
+    tr.forward(torch.randn(2, 4, IN))
+    with pytest.raises(ValueError, match=r"scalar.*\[2\]"):
+        tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=torch.ones(2))
+    tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=torch.ones(1, 1))  # numel 1 is accepted
+
+
+def test_extra_grad_sq_list_is_valueerror():
+    tr = make_trainer()
+    tr.forward(torch.randn(2, 4, IN))
+    with pytest.raises(ValueError, match="extra_grad_sq"):
+        tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=[1.0])
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_extra_grad_sq_bad_value_rejected(bad):
+    tr = make_trainer(max_grad_norm=1.0)
+    before = tr.net.arena.clone()
+    tr.forward(torch.randn(2, 4, IN))
+    with pytest.raises(ValueError, match="extra_grad_sq"):
+        tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=bad)
+    assert torch.equal(tr.net.arena, before)
