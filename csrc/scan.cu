@@ -1,5 +1,5 @@
 // selective_scan: dtype dispatch and the fixed-order reductions of the backward.
-#include "scan.cuh"
+#include "scan_common.cuh"
 
 namespace mrl {
 const char* scan_fwd_f32(const ScanFwdParams&, cudaStream_t);

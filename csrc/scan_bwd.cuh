@@ -1,155 +1,8 @@
-// Selective scan (Mamba-1 S6) with fused softplus(dt + bias), D skip, SiLU(z) gate and per-row resets.
-// Thread layout: G = N / 4 consecutive lanes own one (b, d) channel, 4 states each (float4 loads of B and
-// C, few shuffles per state); a block holds CPB = 128 / G channels of one row b. Time advances in chunks of
-// SCAN_TC steps: the block stages a chunk's inputs in shared memory with coalesced loads (the next chunk's
-// loads are issued before the current chunk is computed, so memory latency is paid once per chunk), and
-// per-(t, channel) terms (softplus, SiLU, sigmoid) are computed once by the staging thread.
-// The forward stores the state entering every chunk (ckpt); the backward walks the chunks in reverse,
-// recomputes the chunk's states into registers from its checkpoint, then runs the adjoint recurrence.
-// dB/dC (sums over channels) are reduced in the warp (transpose-reduce), then over warps in shared memory,
-// then over channel tiles by a second, fixed-order kernel, as are dA_log, dD and ddt_bias (sums over
-// rows): no float atomics, so results are bit-reproducible.
+// Selective scan backward: see scan_common.cuh for the layout.
 #pragma once
-#include "common.cuh"
+#include "scan_common.cuh"
 
 namespace mrl {
-
-constexpr int SCAN_THREADS = 128;
-constexpr int SCAN_TC = 16;
-constexpr int SCAN_NPT = 4;  // states per thread
-
-template <typename T>
-__device__ __forceinline__ float ldf(const void* base, int64_t off) {
-  return to_f(__ldg(reinterpret_cast<const T*>(base) + off));
-}
-
-__device__ __forceinline__ float ex2f_(float v) {
-  float r;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
-  return r;
-}
-
-template <int N>
-struct ScanGeom {
-  static constexpr int G = N / SCAN_NPT;                       // lanes per channel
-  static constexpr int CPB = SCAN_THREADS / G;                 // channels per block
-  static constexpr int EA = SCAN_TC * CPB / SCAN_THREADS;      // staged [TC][CPB] elements per thread
-  static constexpr int EB = SCAN_TC * N / SCAN_THREADS;        // staged [TC][N] elements per thread (per array)
-  static constexpr int NW = SCAN_THREADS / 32;
-  static_assert(EA >= 1 && EB >= 1, "scan geometry");
-};
-
-template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p) {
-  using Gm = ScanGeom<N>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
-  __shared__ float sx[TC][CPB], sdl[TC][CPB], sz[TC][CPB], sy[TC][CPB];
-  __shared__ __align__(16) float sB[TC][N], sC[TC][N];
-  __shared__ bool sst[TC];
-  const int tid = threadIdx.x;
-  const int gi = tid % G, cl = tid / G;
-  const int d0 = blockIdx.x * CPB;
-  const int b = blockIdx.y;
-  const int T_ = p.T, D = p.D;
-  const bool act = d0 + cl < D;
-  const int d = act ? d0 + cl : D - 1;
-  float A2[NP], s[NP];
-  const int64_t bd = (int64_t)b * D + d;
-#pragma unroll
-  for (int j = 0; j < NP; ++j) {
-    A2[j] = -expf(p.A_log[d * N + gi * NP + j]) * 1.4426950408889634f;  // A * log2(e)
-    s[j] = (p.init && act) ? p.init[bd * N + gi * NP + j] : 0.f;
-  }
-  const float Dd = p.Dskip[d];
-  const int nC = (T_ + TC - 1) / TC;
-
-  float px[EA], pdt[EA], pz[EA], pb[EB], pc[EB];
-  bool pst = false;
-  auto prefetch = [&](int c) {
-    const int t0 = c * TC;
-#pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int t = t0 + i, dd = min(d0 + ch, D - 1);
-      const bool ok = t < T_;
-      px[k] = ok ? ldf<T>(p.x, b * p.x_sb + (int64_t)t * p.x_st + dd) : 0.f;
-      pdt[k] = ok ? ldf<T>(p.dt, b * p.dt_sb + (int64_t)t * p.dt_st + dd) : 0.f;
-      pz[k] = ok ? ldf<T>(p.z, b * p.z_sb + (int64_t)t * p.z_st + dd) : 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < EB; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / N, nn = e % N, t = t0 + i;
-      const bool ok = t < T_;
-      pb[k] = ok ? ldf<T>(p.Bm, b * p.B_sb + (int64_t)t * p.B_st + nn) : 0.f;
-      pc[k] = ok ? ldf<T>(p.Cm, b * p.C_sb + (int64_t)t * p.C_st + nn) : 0.f;
-    }
-    if (tid < TC) pst = (p.starts && t0 + tid < T_) ? p.starts[(int64_t)b * T_ + t0 + tid] : false;
-  };
-  auto commit = [&]() {
-#pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int dd = min(d0 + ch, D - 1);
-      sx[i][ch] = px[k];
-      sdl[i][ch] = softplusf_(pdt[k] + p.dt_bias[dd]);
-      sz[i][ch] = siluf_(pz[k]);
-    }
-#pragma unroll
-    for (int k = 0; k < EB; ++k) {
-      const int e = tid + k * SCAN_THREADS;
-      sB[e / N][e % N] = pb[k];
-      sC[e / N][e % N] = pc[k];
-    }
-    if (tid < TC) sst[tid] = pst;
-  };
-
-  prefetch(0);
-  for (int c = 0; c < nC; ++c) {
-    const int t0 = c * TC, len = min(TC, T_ - t0);
-    commit();
-    __syncthreads();
-    if (c + 1 < nC) prefetch(c + 1);
-    if (p.ckpt && act) {
-      float4* ck = reinterpret_cast<float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
-      *ck = make_float4(s[0], s[1], s[2], s[3]);
-    }
-    auto fstep = [&](const int i) {
-      const float xv = sx[i][cl], dl = sdl[i][cl];
-      const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
-      const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
-      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-      const bool st = sst[i];
-      const float dx_ = dl * xv;
-      float y = 0.f;
-#pragma unroll
-      for (int j = 0; j < NP; ++j) {
-        s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);  // select: a reset clears even inf/NaN
-        y = fmaf(s[j], cx[j], y);
-      }
-      y = group_sum<G>(y);
-      sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];  // every lane of the group writes the same value
-    };
-    if (len == TC) {
-#pragma unroll
-      for (int i = 0; i < TC; ++i) fstep(i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < TC; ++i)
-        if (i < len) fstep(i);
-    }
-    __syncthreads();
-    T* ob = reinterpret_cast<T*>(p.out) + (int64_t)b * T_ * D;
-#pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      if (i < len && d0 + ch < D) ob[(int64_t)(t0 + i) * D + d0 + ch] = from_f<T>(sy[i][ch]);
-    }
-  }
-  if (act) {
-#pragma unroll
-    for (int j = 0; j < NP; ++j) p.final_state[bd * N + gi * NP + j] = s[j];
-  }
-}
 
 // Sum 8 values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
 // each lane ends with ONE sum; *idx says which of the 8 it is. Lanes whose bits 1..G-1 in the "plain add"
@@ -222,52 +75,33 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
   float* pBC = q.ws;
   float* pPar = pBC + (int64_t)ntiles * B * T_ * 2 * N + (int64_t)b * (D * N + 2 * D);
 
-  float px[EA], pdt[EA], pz[EA], pg[EA], pb[EB], pc[EB];
+  ScanChunkRegs<T, N, true> r;
   float4 pck;
-  bool pst = false;
   auto prefetch = [&](int c) {
-    const int t0 = c * TC;
     pck = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
-#pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int t = t0 + i, dd = min(d0 + ch, D - 1);
-      const bool ok = t < T_;
-      px[k] = ok ? ldf<T>(p.x, b * p.x_sb + (int64_t)t * p.x_st + dd) : 0.f;
-      pdt[k] = ok ? ldf<T>(p.dt, b * p.dt_sb + (int64_t)t * p.dt_st + dd) : 0.f;
-      pz[k] = ok ? ldf<T>(p.z, b * p.z_sb + (int64_t)t * p.z_st + dd) : 0.f;
-      pg[k] = ok ? ldf<T>(q.dout, b * q.g_sb + (int64_t)t * q.g_st + dd) : 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < EB; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / N, nn = e % N, t = t0 + i;
-      const bool ok = t < T_;
-      pb[k] = ok ? ldf<T>(p.Bm, b * p.B_sb + (int64_t)t * p.B_st + nn) : 0.f;
-      pc[k] = ok ? ldf<T>(p.Cm, b * p.C_sb + (int64_t)t * p.C_st + nn) : 0.f;
-    }
-    if (tid < TC) pst = (p.starts && t0 + tid < T_) ? p.starts[(int64_t)b * T_ + t0 + tid] : false;
+    r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
   };
   auto commit = [&]() {
 #pragma unroll
     for (int k = 0; k < EA; ++k) {
       const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      const float dr = pdt[k] + p.dt_bias[dd];
-      const float sgz = sigmoidf_(pz[k]);
-      sm.x[i][ch] = px[k];
+      const float dr = r.dt[k] + p.dt_bias[dd];
+      const float sgz = sigmoidf_(r.z[k]);
+      sm.x[i][ch] = r.x[k];
       sm.dl[i][ch] = softplusf_(dr);
       sm.sig[i][ch] = dsoftplusf_(dr);
-      sm.sz[i][ch] = pz[k] * sgz;
-      sm.dsz[i][ch] = sgz * (1.f + pz[k] * (1.f - sgz));
-      sm.g[i][ch] = pg[k];
+      sm.sz[i][ch] = r.z[k] * sgz;
+      sm.dsz[i][ch] = sgz * (1.f + r.z[k] * (1.f - sgz));
+      sm.g[i][ch] = r.g[k];
     }
 #pragma unroll
     for (int k = 0; k < EB; ++k) {
       const int e = tid + k * SCAN_THREADS;
-      sm.Bv[e / N][e % N] = pb[k];
-      sm.Cv[e / N][e % N] = pc[k];
+      sm.Bv[e / N][e % N] = r.Bv[k];
+      sm.Cv[e / N][e % N] = r.Cv[k];
     }
-    if (tid < TC) sm.st[tid] = pst;
+    if (tid < TC) sm.st[tid] = r.st;
   };
 
   float hc[NP], dAacc[NP];
@@ -395,28 +229,12 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
 }
 
 template <typename T, int N>
-const char* scan_fwd_tn(const ScanFwdParams& p, cudaStream_t s) {
-  constexpr int CPB = ScanGeom<N>::CPB;
-  dim3 grid((p.D + CPB - 1) / CPB, p.B);
-  scan_fwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(p);
-  MRL_LAUNCH_CHECK();
-  return nullptr;
-}
-template <typename T, int N>
 const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
   constexpr int CPB = ScanGeom<N>::CPB;
   dim3 grid((q.f.D + CPB - 1) / CPB, q.f.B);
   scan_bwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(q);
   MRL_LAUNCH_CHECK();
   return nullptr;
-}
-template <typename T>
-const char* scan_fwd_t(const ScanFwdParams& p, cudaStream_t s) {
-  switch (p.N) {
-    case 8: return scan_fwd_tn<T, 8>(p, s);
-    case 16: return scan_fwd_tn<T, 16>(p, s);
-  }
-  return "selective_scan: d_state must be 8 or 16";
 }
 template <typename T>
 const char* scan_bwd_t(const ScanBwdParams& q, cudaStream_t s) {
