@@ -11,7 +11,7 @@ and ``RecordVideo``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -66,7 +66,7 @@ def make_env(
     capture_video: bool = False,
     video_dir: str = "videos",
     flatten_obs: bool = True,
-    env_kwargs: Optional[dict[str, Any]] = None,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> gym.Env:
     """Build one (non-vector) env: ``gym.make`` plus optional video and flattening.
 
@@ -104,13 +104,13 @@ def make_env(
 def make_vec_env(
     env_id: str,
     num_envs: int = 8,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     async_: bool = False,
     capture_video: bool = False,
     video_dir: str = "videos",
     normalize_obs: bool = False,
     flatten_obs: bool = True,
-    env_kwargs: Optional[dict[str, Any]] = None,
+    env_kwargs: dict[str, Any] | None = None,
     normalize_reward: bool = False,
     gamma: float = 0.99,
 ) -> gym.vector.VectorEnv:
@@ -172,7 +172,7 @@ def make_vec_env(
     return envs
 
 
-def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type):
+def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type) -> gym.vector.VectorEnv | None:
     """Return the outermost wrapper of type ``wrapper_type`` in a vector-env stack, or None."""
     while True:
         if isinstance(env, wrapper_type):
