@@ -12,7 +12,7 @@ from .config import PPOConfig
 from .evaluate import EvalResult, evaluate_policy
 from .gae import compute_gae
 from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim, encode_prev_action
-from .logger import SCALAR_TAGS, TensorBoardLogger, hparams_markdown
+from .logger import SCALAR_TAGS, TensorBoardLogger, hparams_markdown, run_name_for
 from .policy import Policy, PolicyState
 from .ppo import RecurrentPPO
 from .rollout import RolloutBuffer
@@ -20,5 +20,5 @@ from .rollout import RolloutBuffer
 __all__ = [
     "PPOConfig", "RecurrentPPO", "Policy", "PolicyState", "EvalResult", "evaluate_policy", "compute_gae",
     "RolloutBuffer", "ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim",
-    "encode_prev_action", "SCALAR_TAGS", "TensorBoardLogger", "hparams_markdown",
+    "encode_prev_action", "SCALAR_TAGS", "TensorBoardLogger", "hparams_markdown", "run_name_for",
 ]

@@ -36,25 +36,19 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from mamba_rl import MambaConfig, MambaTrainer
+from mamba_rl import MambaTrainer
 from mamba_rl.envs import adopt_vec_env, finished_episodes, make_vec_env
 
 from .checkpoint import checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
 from .config import PPOConfig
 from .evaluate import EvalResult, evaluate_policy
 from .gae import compute_gae
-from .logger import TensorBoardLogger
+from .logger import TensorBoardLogger, run_name_for
 from .loss import explained_variance, ppo_loss
 from .policy import Policy, PolicyState, resolve_device
 from .rollout import RolloutBuffer
 
-__all__ = ["RecurrentPPO", "run_name_for"]
-
-
-def run_name_for(config: PPOConfig, unix_time: int | None = None) -> str:
-    """CleanRL's run name ``{env}__{exp_name}__{seed}__{unix_time}`` ('/' in ids becomes '_')."""
-    t = int(time.time()) if unix_time is None else int(unix_time)
-    return f"{config.env_id.replace('/', '_')}__{config.exp_name}__{config.seed}__{t}"
+__all__ = ["RecurrentPPO"]
 
 
 class RecurrentPPO:
@@ -94,9 +88,7 @@ class RecurrentPPO:
         self.envs = self._make_envs() if env is None or isinstance(env, str) else adopt_vec_env(env, config.num_envs)
 
         torch.manual_seed(config.seed)
-        backbone = MambaConfig(d_model=config.d_model, n_layers=config.n_layers, d_state=config.d_state,
-                               d_conv=config.d_conv, expand=config.expand)
-        self.policy = Policy(backbone, int(np.prod(self.envs.single_observation_space.shape)),
+        self.policy = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                              self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                              prev_action=config.prev_action, prev_reward=config.prev_reward,
                              memoryless=config.memoryless)
@@ -309,7 +301,9 @@ class RecurrentPPO:
         if self._logger is None:
             c = self.config
             self._logger = TensorBoardLogger(os.path.join(c.runs_dir, self.run_name), enabled=c.track)
-            self._logger.hparams(c.to_dict())
+            hparams = c.to_dict()
+            hparams.update(hparams.pop("backbone"))  # one flat table, as CleanRL's
+            self._logger.hparams(hparams)
         return self._logger
 
     @property
@@ -440,7 +434,11 @@ class RecurrentPPO:
             agent = cls(load_envs(env_file), config=config)
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
-        restore_agent(agent, ckpt, restore_carry=restore)
+        try:
+            restore_agent(agent, ckpt, restore_carry=restore)
+        except BaseException:
+            agent.close()  # a checkpoint that does not fit: do not leak the envs just built
+            raise
         return agent
 
     def close(self) -> None:
