@@ -5,17 +5,23 @@ lr 2.5e-4 (linearly annealed), 8 envs x 128 steps, gamma 0.99, GAE lambda 0.95, 
 4 epochs, clip 0.2 (also on the value), entropy 0.01, value 0.5, max grad norm 0.5, Adam eps 1e-5.
 One deliberate difference: rewards are scaled by gymnasium's NormalizeReward (``normalize_reward``)
 because actor and critic share the backbone (see that field).
-The backbone defaults are ARCHITECTURE.md's: d_model 128, 3 layers, d_state 16, d_conv 4, expand 2.
+The backbone is a :class:`mamba_rl.MambaConfig` (field ``backbone``), with its defaults:
+d_model 128, 3 layers, d_state 16, d_conv 4, expand 2, dt_rank "auto", rms_norm_eps 1e-5.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
-__all__ = ["PPOConfig"]
+from mamba_rl import MambaConfig
+
+__all__ = ["PPOConfig", "BACKBONE_FIELDS"]
+
+# MambaConfig's constructor fields; PPOConfig(...), replace(...) and from_dict(...) also take them flat
+BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
@@ -50,7 +56,9 @@ class PPOConfig:
         ent_coef: entropy bonus. vf_coef: value-loss weight.
         max_grad_norm: one global clip over heads + backbone (None: no clip).
         target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
-        d_model, n_layers, d_state, d_conv, expand: backbone shape (MambaConfig).
+        backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
+            rms_norm_eps included, reaches the backbone). Its fields may also be given flat:
+            ``PPOConfig(d_model=64)`` / ``replace(d_state=8)`` set them inside ``backbone``.
         prev_action: append the previous action (one-hot when discrete) to the input.
         prev_reward: append the previous reward to the input.
         normalize_obs: gymnasium NormalizeObservation on the vector env.
@@ -92,13 +100,9 @@ class PPOConfig:
     clip_vloss: bool = True
     ent_coef: float = 0.01
     vf_coef: float = 0.5
-    max_grad_norm: Optional[float] = 0.5
-    target_kl: Optional[float] = None
-    d_model: int = 128
-    n_layers: int = 3
-    d_state: int = 16
-    d_conv: int = 4
-    expand: int = 2
+    max_grad_norm: float | None = 0.5
+    target_kl: float | None = None
+    backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool = False
     prev_reward: bool = False
     normalize_obs: bool = False
@@ -109,8 +113,22 @@ class PPOConfig:
     track: bool = True
     checkpoint_dir: str = "checkpoints"
     checkpoint_every: int = 50
+    # flat backbone fields (None: keep backbone's); init-only, folded into ``backbone``
+    d_model: InitVar[int | None] = None
+    n_layers: InitVar[int | None] = None
+    d_state: InitVar[int | None] = None
+    d_conv: InitVar[int | None] = None
+    expand: InitVar[int | None] = None
+    dt_rank: InitVar[int | str | None] = None
+    rms_norm_eps: InitVar[float | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, *flat: Any) -> None:
+        if not isinstance(self.backbone, MambaConfig):
+            raise ValueError(f"PPOConfig.backbone must be a MambaConfig, got {type(self.backbone).__name__}")
+        given = {name: v for name, v in zip(BACKBONE_FIELDS, flat) if v is not None}
+        if given:
+            self.backbone = dataclasses.replace(self.backbone, **given)
+
         def pos_int(name: str, allow_zero: bool = False) -> None:
             v = getattr(self, name)
             lo = 0 if allow_zero else 1
@@ -127,8 +145,7 @@ class PPOConfig:
                 rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
                 raise ValueError(f"PPOConfig.{name} must be in {rng}, got {v!r}")
 
-        for name in ("seed", "total_timesteps", "num_envs", "num_steps", "num_minibatches",
-                     "update_epochs", "d_model", "n_layers", "d_state", "d_conv", "expand"):
+        for name in ("seed", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
             pos_int(name, allow_zero=(name == "seed"))
         pos_int("checkpoint_every", allow_zero=True)
         if not isinstance(self.env_id, str) or not self.env_id:
@@ -176,18 +193,36 @@ class PPOConfig:
         return self.total_timesteps // self.batch_size
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict of all fields."""
-        return dataclasses.asdict(self)
+        """JSON-able dict of all fields; ``backbone`` is a nested dict (MambaConfig.to_dict)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["backbone"] = self.backbone.to_dict()
+        return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "PPOConfig":
-        """Inverse of :meth:`to_dict`. Raises ValueError on unknown keys."""
-        known = {f.name for f in dataclasses.fields(cls)}
+    def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
+        """Inverse of :meth:`to_dict`. Also reads the flat backbone fields of older checkpoints
+        (``d_model``, ``n_layers``, ...). Raises ValueError on unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)} | set(BACKBONE_FIELDS)
         extra = set(d) - known
         if extra:
             raise ValueError(f"PPOConfig: unknown fields {sorted(extra)}; expected a subset of {sorted(known)}")
+        d = dict(d)
+        if isinstance(d.get("backbone"), dict):
+            d["backbone"] = MambaConfig.from_dict(d["backbone"])
         return cls(**d)
 
-    def replace(self, **changes: Any) -> "PPOConfig":
-        """A validated copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes: Any) -> PPOConfig:
+        """A validated copy with ``changes`` applied; flat backbone fields change ``backbone``."""
+        flat = {name: changes.pop(name, None) for name in BACKBONE_FIELDS}
+        return dataclasses.replace(self, **changes, **flat)
+
+
+def _backbone_reader(name: str) -> property:
+    return property(lambda self: getattr(self.backbone, name),
+                    doc=f"``backbone.{name}`` (read-only here; set it with ``replace({name}=...)``).")
+
+
+# reading a flat backbone field gives the backbone's value (the init-only defaults would read None)
+for _name in BACKBONE_FIELDS:
+    setattr(PPOConfig, _name, _backbone_reader(_name))
+del _name

@@ -16,7 +16,6 @@ Sampling uses an explicit ``torch.Generator`` so that runs and resumed runs are 
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import torch
@@ -80,7 +79,7 @@ def encode_prev_action(space: spaces.Space, actions: torch.Tensor) -> torch.Tens
     return torch.maximum(torch.minimum(actions.float(), high), low)
 
 
-def _layer_init(layer: nn.Linear, gain: float, generator: Optional[torch.Generator]) -> nn.Linear:
+def _layer_init(layer: nn.Linear, gain: float, generator: torch.Generator | None) -> nn.Linear:
     nn.init.orthogonal_(layer.weight, gain, generator=generator)
     nn.init.zeros_(layer.bias)
     return layer
@@ -126,7 +125,7 @@ class ActionDist:
             out = out - (logp.exp() * logp).sum(-1)
         return out
 
-    def sample(self, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
         """One action [S, action_dim] per distribution (Gumbel-max for categoricals)."""
         if self.kind == "gaussian":
             mean, log_std = self.params
@@ -159,7 +158,7 @@ class ActorHead(nn.Module):
         TypeError: any other action space.
     """
 
-    def __init__(self, d_model: int, action_space: spaces.Space, generator: Optional[torch.Generator] = None):
+    def __init__(self, d_model: int, action_space: spaces.Space, generator: torch.Generator | None = None):
         super().__init__()
         _check_action_space(action_space)
         self.action_space = action_space
@@ -179,7 +178,7 @@ class ActorHead(nn.Module):
         """Width of the raw output: logits (sum of them for MultiDiscrete) or the Gaussian mean."""
         return self.linear.out_features
 
-    def dist(self, raw: torch.Tensor, log_std: Optional[torch.Tensor] = None) -> ActionDist:
+    def dist(self, raw: torch.Tensor, log_std: torch.Tensor | None = None) -> ActionDist:
         """The distribution of raw outputs ``raw`` [..., out_dim] (from ``self.linear``), on raw's device.
 
         ``log_std`` [action_dim] (Gaussian only) defaults to the parameter; pass a copy to build
@@ -197,7 +196,7 @@ class ActorHead(nn.Module):
 class CriticHead(nn.Module):
     """Value head: features [..., d_model] f32 -> values [...] f32."""
 
-    def __init__(self, d_model: int, generator: Optional[torch.Generator] = None):
+    def __init__(self, d_model: int, generator: torch.Generator | None = None):
         super().__init__()
         self.linear = _layer_init(nn.Linear(d_model, 1), 1.0, generator)
 

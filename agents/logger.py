@@ -18,9 +18,12 @@ device-to-host copy per update, so logging never syncs the GPU by itself.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Iterable, Mapping
 
-__all__ = ["TensorBoardLogger", "SCALAR_TAGS", "hparams_markdown"]
+from .config import PPOConfig
+
+__all__ = ["TensorBoardLogger", "SCALAR_TAGS", "hparams_markdown", "run_name_for"]
 
 SCALAR_TAGS = (
     "charts/episodic_return",
@@ -40,6 +43,12 @@ SCALAR_TAGS = (
     "perf/rollout_ms",
     "perf/update_ms",
 )
+
+
+def run_name_for(config: PPOConfig, unix_time: int | None = None) -> str:
+    """CleanRL's run name ``{env}__{exp_name}__{seed}__{unix_time}`` ('/' in ids becomes '_')."""
+    t = int(time.time()) if unix_time is None else int(unix_time)
+    return f"{config.env_id.replace('/', '_')}__{config.exp_name}__{config.seed}__{t}"
 
 
 def hparams_markdown(hparams: Mapping[str, Any]) -> str:

@@ -17,8 +17,6 @@ Under gymnasium's NextStep autoreset (see :mod:`mamba_rl.agents.gae`), column t 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 __all__ = ["RolloutBuffer"]
@@ -39,7 +37,7 @@ class RolloutBuffer:
 
     def __init__(self, num_envs: int, num_steps: int, input_dim: int, obs_dim: int, action_dim: int,
                  discrete_actions: bool, initial_state, device: torch.device,
-                 storage_device: Optional[torch.device] = None):
+                 storage_device: torch.device | None = None):
         n, t = num_envs, num_steps
         storage_device = device if storage_device is None else storage_device
         self.device = torch.device(device)

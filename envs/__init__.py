@@ -11,7 +11,7 @@ and ``RecordVideo``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -23,6 +23,8 @@ from .pomdp import POMDP_ENV_IDS, MaskObservation, make_masked_env, register_pom
 __all__ = [
     "make_env",
     "make_vec_env",
+    "adopt_vec_env",
+    "finished_episodes",
     "find_vector_wrapper",
     "needs_flatten",
     "MaskObservation",
@@ -64,7 +66,7 @@ def make_env(
     capture_video: bool = False,
     video_dir: str = "videos",
     flatten_obs: bool = True,
-    env_kwargs: Optional[dict[str, Any]] = None,
+    env_kwargs: dict[str, Any] | None = None,
 ) -> gym.Env:
     """Build one (non-vector) env: ``gym.make`` plus optional video and flattening.
 
@@ -102,13 +104,13 @@ def make_env(
 def make_vec_env(
     env_id: str,
     num_envs: int = 8,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     async_: bool = False,
     capture_video: bool = False,
     video_dir: str = "videos",
     normalize_obs: bool = False,
     flatten_obs: bool = True,
-    env_kwargs: Optional[dict[str, Any]] = None,
+    env_kwargs: dict[str, Any] | None = None,
     normalize_reward: bool = False,
     gamma: float = 0.99,
 ) -> gym.vector.VectorEnv:
@@ -170,7 +172,7 @@ def make_vec_env(
     return envs
 
 
-def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type):
+def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type) -> gym.vector.VectorEnv | None:
     """Return the outermost wrapper of type ``wrapper_type`` in a vector-env stack, or None."""
     while True:
         if isinstance(env, wrapper_type):
@@ -179,3 +181,38 @@ def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type):
         if inner is None or inner is env:
             return None
         env = inner
+
+
+def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int) -> gym.vector.VectorEnv:
+    """Check that a caller-built vector env fits an agent of ``num_envs`` envs and flatten its observations.
+
+    Returns:
+        ``envs``, wrapped in vector ``FlattenObservation`` (unless already 1-D Box) and
+        ``DtypeObservation(float32)`` when its observations are not 1-D float32 Box.
+
+    Raises:
+        ValueError: not a VectorEnv, another sub-env count, or an autoreset mode other than NextStep.
+    """
+    if not isinstance(envs, gym.vector.VectorEnv):
+        raise ValueError(f"env must be an env id or a gymnasium.vector.VectorEnv, got {type(envs).__name__}")
+    if envs.num_envs != num_envs:
+        raise ValueError(f"the vector env has {envs.num_envs} sub-envs but config.num_envs is "
+                         f"{num_envs}; pass num_envs={envs.num_envs}")
+    mode = envs.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
+    if mode != AutoresetMode.NEXT_STEP:
+        raise ValueError(f"RecurrentPPO needs NextStep autoreset (gymnasium's default), got {mode}")
+    space = envs.single_observation_space
+    if needs_flatten(space):
+        if not (isinstance(space, spaces.Box) and len(space.shape) == 1):
+            envs = gym.wrappers.vector.FlattenObservation(envs)
+        envs = gym.wrappers.vector.DtypeObservation(envs, np.float32)
+    return envs
+
+
+def finished_episodes(info: dict[str, Any]) -> list[tuple[float, int]]:
+    """(return, length) of every sub-env whose episode ended at this step, from the ``info`` of a
+    vector env wrapped in ``RecordEpisodeStatistics`` (raw, unnormalised returns)."""
+    if "_episode" not in info:
+        return []
+    return [(float(info["episode"]["r"][i]), int(info["episode"]["l"][i]))
+            for i in np.nonzero(np.asarray(info["_episode"]))[0]]

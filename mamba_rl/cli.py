@@ -4,7 +4,9 @@
 (device auto, dtype f32, CleanRL's PPO defaults), logs TensorBoard to
 ``runs/{env}__{exp_name}__{seed}__{unix_time}`` and checkpoints under
 ``checkpoints/{run name}/`` (periodically, at the end, and on Ctrl-C). Every PPOConfig field is a
-flag (``--num-envs 16``, ``--prev-action``, ``--no-anneal-lr``, ``--target-kl 0.02``, ...).
+flag (``--num-envs 16``, ``--prev-action``, ``--no-anneal-lr``, ``--target-kl 0.02``, ...), and so is
+every field of its backbone MambaConfig (``--d-model 64``, ``--n-layers 2``, ``--dt-rank 8``,
+``--rms-norm-eps 1e-6``, ...).
 ``--resume PATH`` continues a run from a checkpoint folder: backbone, heads, both optimizers,
 counters and RNG states; the envs are rebuilt and reset, unless ``--resume-envs`` also restores them
 mid-episode from the checkpoint's ``envs.pkl`` (a pickle: trusted checkpoints only), which makes the
@@ -23,7 +25,7 @@ import argparse
 import dataclasses
 import sys
 import typing
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 __all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS"]
 
@@ -37,13 +39,22 @@ def register_subcommand(name: str, help: str, add_arguments: Callable[[argparse.
     SUBCOMMANDS[name] = (help, add_arguments, run)
 
 
-def _optional_float(text: str) -> Optional[float]:
+def _optional_float(text: str) -> float | None:
     if text.lower() in ("none", "null", "off"):
         return None
     try:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _int_or_auto(text: str) -> int | str:
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {text!r}") from None
 
 
 _FIELD_HELP = {
@@ -62,37 +73,57 @@ _FIELD_HELP = {
     "memoryless": "reset the recurrent state every step (ablation)",
     "checkpoint_every": "checkpoint every N updates (0: only at the end / Ctrl-C)",
     "track": "write TensorBoard logs",
+    "d_model": "backbone residual width",
+    "n_layers": "backbone Mamba blocks",
+    "d_state": "backbone SSM state size per channel",
+    "d_conv": "backbone causal conv kernel size",
+    "expand": "backbone d_inner = expand * d_model",
+    "dt_rank": "backbone dt projection rank: an int or 'auto' (ceil(d_model / 16))",
+    "rms_norm_eps": "backbone RMSNorm epsilon",
 }
+
+# argparse keywords per field type (PPOConfig's and MambaConfig's annotations)
+_TYPE_KW: list[tuple[Any, dict[str, Any]]] = [
+    (bool, dict(action=argparse.BooleanOptionalAction)),
+    (int, dict(type=int, metavar="INT")),
+    (float, dict(type=float, metavar="FLOAT")),
+    (float | None, dict(type=_optional_float, metavar="FLOAT|none")),
+    (int | str, dict(type=_int_or_auto, metavar="INT|auto")),
+]
+
+
+def _config_fields() -> list[tuple[dataclasses.Field, Any, str]]:
+    """(field, type hint, group) of every flag: PPOConfig's fields, with ``backbone`` expanded into
+    the MambaConfig constructor fields (PPOConfig takes those flat)."""
+    from mamba_rl import MambaConfig
+    from mamba_rl.agents.config import PPOConfig
+
+    ppo_hints, mamba_hints = typing.get_type_hints(PPOConfig), typing.get_type_hints(MambaConfig)
+    out = []
+    for f in dataclasses.fields(PPOConfig):
+        if f.name == "backbone":
+            out += [(g, mamba_hints[g.name], "backbone") for g in dataclasses.fields(MambaConfig) if g.init]
+        else:
+            out.append((f, ppo_hints[f.name], "ppo"))
+    return out
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    from mamba_rl.agents.config import PPOConfig
-
-    hints = typing.get_type_hints(PPOConfig)
-    group = parser.add_argument_group("PPOConfig (defaults: CleanRL's PPO)")
-    for f in dataclasses.fields(PPOConfig):
+    groups = {"ppo": parser.add_argument_group("PPOConfig (defaults: CleanRL's PPO)"),
+              "backbone": parser.add_argument_group("PPOConfig.backbone (MambaConfig)")}
+    for f, hint, group in _config_fields():
         flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
-        help_text = _FIELD_HELP.get(f.name, "")
-        help_text = f"{help_text} (default: {f.default})".strip()
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        help_text = f"{_FIELD_HELP.get(f.name, '')} (default: {default})".strip()
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        kw.update(next((dict(k) for t, k in _TYPE_KW if hint == t), dict(type=str, metavar="STR")))
         flags = [flag, "--env"] if f.name == "env_id" else [flag]
-        if hint is bool:
-            group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
-        elif hint in (int,):
-            group.add_argument(*flags, type=int, metavar="INT", **kw)
-        elif hint in (float,):
-            group.add_argument(*flags, type=float, metavar="FLOAT", **kw)
-        elif hint == Optional[float]:
-            group.add_argument(*flags, type=_optional_float, metavar="FLOAT|none", **kw)
-        else:
-            group.add_argument(*flags, type=str, metavar="STR", **kw)
+        groups[group].add_argument(*flags, **kw)
 
 
 def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from mamba_rl.agents.config import PPOConfig
-
-    names = {f.name for f in dataclasses.fields(PPOConfig)}
+    """The config flags given on the command line, flat (backbone fields by their own names)."""
+    names = {f.name for f, _, _ in _config_fields()}
     return {k: v for k, v in vars(args).items() if k in names}
 
 
@@ -187,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mamba-rl`` and ``python -m mamba_rl``; returns the exit code."""
     import gymnasium as gym
 

@@ -143,7 +143,7 @@ def test_box_actions_are_clipped_for_the_env_and_stored_raw(tmp_path):
     agent.collect_rollout()
     acts = agent.buffer.actions
     assert acts.abs().max() > 2.0  # stored unclipped (its logprob is the sampled one)
-    env_a = agent._to_env_action(acts[:, 0])
+    env_a = agent.policy.to_env_action(acts[:, 0])
     assert np.abs(env_a).max() <= 2.0 and env_a.shape == (4, 1)
     agent.close()
 

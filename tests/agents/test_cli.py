@@ -18,8 +18,13 @@ def test_every_config_field_has_a_flag_and_defaults_match():
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     import dataclasses
 
-    for f in dataclasses.fields(PPOConfig):
-        assert "--" + f.name.replace("_", "-") in help_text, f.name
+    from mamba_rl import MambaConfig
+
+    names = [f.name for f in dataclasses.fields(PPOConfig) if f.name != "backbone"]
+    names += [f.name for f in dataclasses.fields(MambaConfig) if f.init]  # the backbone's fields, flat
+    assert {"dt_rank", "rms_norm_eps", "d_model"} <= set(names)
+    for name in names:
+        assert "--" + name.replace("_", "-") in help_text, name
     # no flag given -> PPOConfig's defaults (env mamba_rl/CartPoleNoVel-v1, device auto, dtype f32)
     from mamba_rl.cli import _config_overrides
 
@@ -30,6 +35,10 @@ def test_every_config_field_has_a_flag_and_defaults_match():
                                    "--max-grad-norm", "1.5"])
     assert _config_overrides(a) == {"env_id": "CartPole-v1", "target_kl": None, "anneal_lr": False,
                                     "max_grad_norm": 1.5}
+    b = build_parser().parse_args(["train", "--d-model", "32", "--dt-rank", "3", "--rms-norm-eps", "1e-6"])
+    assert _config_overrides(b) == {"d_model": 32, "dt_rank": 3, "rms_norm_eps": 1e-6}
+    assert PPOConfig(**_config_overrides(b)).backbone == MambaConfig(d_model=32, dt_rank=3, rms_norm_eps=1e-6)
+    assert _config_overrides(build_parser().parse_args(["train", "--dt-rank", "auto"])) == {"dt_rank": "auto"}
 
 
 def test_train_eval_resume(tmp_path, capsys):

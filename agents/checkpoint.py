@@ -1,0 +1,177 @@
+"""Agent checkpoints: one safetensors file plus JSON metadata; the env pickle is read only on request.
+
+A checkpoint is a folder holding:
+
+* ``agent.safetensors``: one :func:`mamba_rl.save_checkpoint` file: backbone weights, AdamW moments,
+  step and scaler; heads, head Adam moments, RNG states and the carried rollout state (stepper
+  state, next obs, starts, dones, previous action/reward) as extra tensors; PPOConfig, counters,
+  numpy RNG state and observation/reward normalisation statistics as JSON metadata.
+* ``envs.pkl``: the vector env mid-episode (SyncVectorEnv stacks that pickle, no video), so that a
+  resumed run can continue the very same trajectories. It is a pickle, so it is never read unless
+  asked for (``RecurrentPPO.load(restore_envs=True)``, ``mamba-rl train --resume PATH --resume-envs``),
+  for checkpoints you trust. Everything else is safetensors + JSON.
+
+The functions here read and write the attributes of a :class:`mamba_rl.agents.RecurrentPPO`
+(``agent``), which builds itself; this module sits below ``ppo.py`` in the import graph.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from mamba_rl import load_checkpoint, save_checkpoint
+from mamba_rl import read_checkpoint
+from mamba_rl.envs import find_vector_wrapper
+
+from .config import PPOConfig
+
+__all__ = ["CHECKPOINT_FORMAT", "checkpoint_file", "read_agent_config", "save_agent", "restore_agent",
+           "load_envs"]
+
+CHECKPOINT_FORMAT = "mamba_rl.agents.RecurrentPPO/1"
+_CARRY = ("next_obs", "next_start", "next_done", "prev_action", "prev_reward")
+_NORMS = (("obs_rms", gym.wrappers.vector.NormalizeObservation, "obs_rms"),
+          ("return_rms", gym.wrappers.vector.NormalizeReward, "return_rms"))
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    """``path/agent.safetensors`` for a folder, ``path`` itself for a file.
+
+    Raises:
+        FileNotFoundError: neither exists.
+    """
+    path = Path(path)
+    f = path / "agent.safetensors" if path.is_dir() else path
+    if not f.is_file():
+        raise FileNotFoundError(f"no RecurrentPPO checkpoint at {path} (expected a folder holding "
+                                f"agent.safetensors, or that file)")
+    return f
+
+
+def read_agent_config(path: str | Path, **overrides: Any) -> tuple[Path, PPOConfig]:
+    """(the checkpoint file, its PPOConfig with ``overrides`` applied).
+
+    Raises:
+        FileNotFoundError: no checkpoint there. ValueError / mamba_rl.CheckpointError:
+        not a RecurrentPPO checkpoint.
+    """
+    ckpt = checkpoint_file(path)
+    meta, _ = read_checkpoint(ckpt)
+    extra = meta.get("extra", {})
+    if extra.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{ckpt}: expected checkpoint format {CHECKPOINT_FORMAT!r}, got {extra.get('format')!r}")
+    config = PPOConfig.from_dict(extra["ppo_config"])
+    if overrides:
+        config = config.replace(**overrides)
+    return ckpt, config
+
+
+def load_envs(env_file: Path) -> gym.vector.VectorEnv:
+    """Unpickle a saved vector env (trusted checkpoints only)."""
+    with open(env_file, "rb") as f:
+        return pickle.load(f)
+
+
+def _rms(envs: gym.vector.VectorEnv, wrapper: type, attr: str) -> dict[str, Any] | None:
+    w = find_vector_wrapper(envs, wrapper)
+    if w is None:
+        return None
+    rms = getattr(w, attr)
+    return {"mean": np.asarray(rms.mean).tolist(), "var": np.asarray(rms.var).tolist(), "count": float(rms.count)}
+
+
+def _extra_tensors(agent: Any) -> dict[str, torch.Tensor]:
+    t: dict[str, torch.Tensor] = {f"heads/{k}": v for k, v in agent.heads.state_dict().items()}
+    for idx, st in agent.head_optimizer.state_dict()["state"].items():
+        for key, v in st.items():
+            t[f"head_optimizer/{idx}/{key}"] = torch.as_tensor(v)
+    t["rng/sample_generator"] = agent.sample_generator.get_state()
+    t["rng/torch"] = torch.get_rng_state()
+    t["carry/stepper_conv"] = agent.stepper.state.conv
+    t["carry/stepper_ssm"] = agent.stepper.state.ssm
+    for name in _CARRY:
+        t[f"carry/{name}"] = getattr(agent, name)
+    return t
+
+
+def save_agent(agent: Any, path: str | Path) -> tuple[Path, Exception | None]:
+    """Write ``agent`` (a RecurrentPPO) into the folder ``path`` (see the module doc).
+
+    Returns:
+        (``path`` as a Path, the error that kept the envs from being pickled, or None).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    opt_sd = agent.head_optimizer.state_dict()
+    extra = {"format": CHECKPOINT_FORMAT, "ppo_config": agent.config.to_dict(), "run_name": agent.run_name,
+             "global_step": agent.global_step, "update": agent.update, "input_dim": agent.input_dim,
+             "obs_dim": agent.obs_dim, "obs_rms": _rms(agent.envs, *_NORMS[0][1:]),
+             "return_rms": _rms(agent.envs, *_NORMS[1][1:]), "env_started": agent.env_started,
+             "np_rng": agent.np_rng.bit_generator.state,
+             "head_optimizer_param_groups": opt_sd["param_groups"],
+             "head_optimizer_state_keys": {str(k): sorted(v) for k, v in opt_sd["state"].items()},
+             "recent_returns": [float(r) for r in agent.recent_returns]}
+    save_checkpoint(str(path / "agent.safetensors"), agent.trainer, extra=extra, extra_tensors=_extra_tensors(agent))
+    env_file = path / "envs.pkl"
+    if agent.env_started and isinstance(agent.envs.unwrapped, gym.vector.SyncVectorEnv) \
+            and not agent.config.capture_video:
+        try:
+            blob = pickle.dumps(agent.envs)
+        except Exception as err:  # lambdas in wrappers (e.g. FlattenObservation), third-party envs
+            return path, err
+        with open(path / "envs.pkl.tmp", "wb") as f:
+            f.write(blob)
+        os.replace(path / "envs.pkl.tmp", env_file)
+    elif env_file.exists():
+        env_file.unlink()
+    return path, None
+
+
+def restore_agent(agent: Any, ckpt: Path, restore_carry: bool) -> None:
+    """Load the checkpoint file ``ckpt`` into a freshly built ``agent`` (a RecurrentPPO of its config).
+
+    Args:
+        restore_carry: the agent's envs are the checkpoint's own (unpickled): also restore the
+            carried rollout state. Otherwise the envs are fresh: restore their normalisation statistics.
+
+    Raises:
+        mamba_rl.CheckpointError: a checkpoint that does not fit the agent.
+    """
+    meta = load_checkpoint(ckpt, agent.trainer)
+    extra = meta["extra"]
+    t = {k: v.to(agent.device) for k, v in meta["extra_tensors"].items()}
+    agent.heads.load_state_dict({k[len("heads/"):]: v for k, v in t.items() if k.startswith("heads/")})
+    opt_state = {int(idx): {key: t[f"head_optimizer/{idx}/{key}"] for key in keys}
+                 for idx, keys in extra["head_optimizer_state_keys"].items()}
+    for st in opt_state.values():
+        if "step" in st:
+            st["step"] = st["step"].cpu()
+    agent.head_optimizer.load_state_dict({"state": opt_state, "param_groups": extra["head_optimizer_param_groups"]})
+    agent.sample_generator.set_state(meta["extra_tensors"]["rng/sample_generator"])
+    torch.set_rng_state(meta["extra_tensors"]["rng/torch"])
+    agent.np_rng.bit_generator.state = extra["np_rng"]
+    agent.run_name = extra["run_name"]
+    agent.global_step = int(extra["global_step"])
+    agent.update = int(extra["update"])
+    agent.recent_returns.extend(extra.get("recent_returns", []))
+    if restore_carry:
+        agent.stepper.state.conv.copy_(t["carry/stepper_conv"])
+        agent.stepper.state.ssm.copy_(t["carry/stepper_ssm"])
+        for name in _CARRY:
+            setattr(agent, name, t[f"carry/{name}"].cpu().clone())  # host-side, like the rollout
+        agent.env_started = bool(extra["env_started"])
+        return
+    for key, wrapper, attr in _NORMS:
+        w = find_vector_wrapper(agent.envs, wrapper)
+        if w is not None and extra.get(key) is not None:
+            rms = getattr(w, attr)
+            rms.mean = np.asarray(extra[key]["mean"], dtype=np.float64).reshape(np.shape(rms.mean))
+            rms.var = np.asarray(extra[key]["var"], dtype=np.float64).reshape(np.shape(rms.var))
+            rms.count = extra[key]["count"]

@@ -1,0 +1,108 @@
+"""Episode evaluation of a :class:`~mamba_rl.agents.policy.Policy` in a fresh single env.
+
+Each env step is one backbone step: :meth:`Policy.act` gives the action and the critic value of
+the same observation together. The memory is reset at every episode start (zero recurrent
+state, zero previous action and reward), as in docs/architecture.md, "Reset semantics".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from mamba_rl.envs import find_vector_wrapper, make_env
+
+from .policy import Policy
+
+__all__ = ["EvalResult", "evaluate_policy"]
+
+
+@dataclass
+class EvalResult:
+    """Outcome of :func:`evaluate_policy` / :meth:`RecurrentPPO.evaluate`.
+
+    Attributes:
+        returns: [episodes] float64 undiscounted returns. lengths: [episodes] int64 steps.
+        values: per episode, the [length] float32 critic values along the episode.
+    """
+
+    returns: np.ndarray
+    lengths: np.ndarray
+    values: list
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.returns))
+
+    @property
+    def std(self) -> float:
+        return float(np.std(self.returns))
+
+
+def _eval_env(env_id: str, train_envs: gym.vector.VectorEnv | None, video_dir: str | None) -> tuple[gym.Env, float]:
+    """One env like the training envs: frozen observation normalisation, and the reward scale the
+    prev-reward input saw in training (1.0 without NormalizeReward)."""
+    env = make_env(env_id, capture_video=video_dir is not None, video_dir=video_dir or "videos")
+    if train_envs is None:
+        return env, 1.0
+    norm = find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeObservation)
+    if norm is not None:
+        env = gym.wrappers.NormalizeObservation(env)
+        env.obs_rms.mean = norm.obs_rms.mean.copy()
+        env.obs_rms.var = norm.obs_rms.var.copy()
+        env.obs_rms.count = norm.obs_rms.count
+        env.update_running_mean = False
+    rnorm = find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeReward)
+    reward_scale = 1.0 if rnorm is None else float(1.0 / np.sqrt(rnorm.return_rms.var + rnorm.epsilon))
+    return env, reward_scale
+
+
+def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, deterministic: bool = False,
+                    seed: int = 0, video_dir: str | None = None, train_envs: gym.vector.VectorEnv | None = None,
+                    generator: torch.Generator | None = None) -> EvalResult:
+    """Run ``num_episodes`` episodes of ``env_id``, resetting the memory per episode.
+
+    Args:
+        policy: the policy to act with (one backbone step per env step).
+        env_id: the env, built with :func:`mamba_rl.envs.make_env`.
+        num_episodes: >= 1. Episode k resets the env with seed ``seed + k``.
+        deterministic: the mode of the action distribution instead of a sample.
+        video_dir: record videos there (gymnasium RecordVideo) when given.
+        train_envs: the training vector env: its observation normalisation statistics are applied,
+            frozen, and its reward normalisation scales the previous-reward input (frozen).
+        generator: the sampling generator.
+
+    Returns:
+        :class:`EvalResult` with returns, lengths and per-step critic values.
+
+    Raises:
+        ValueError: ``num_episodes < 1``.
+    """
+    if num_episodes < 1:
+        raise ValueError(f"num_episodes must be >= 1, got {num_episodes}")
+    env, reward_scale = _eval_env(env_id, train_envs, video_dir)
+    returns, lengths, values = [], [], []
+    try:
+        for ep in range(num_episodes):
+            obs, _ = env.reset(seed=seed + ep)
+            state, start, reward = policy.initial_state(1), True, 0.0
+            total, steps, vals = 0.0, 0, []
+            while True:
+                action, state, value = policy.act(obs[None], state, episode_start=[start], deterministic=deterministic,
+                                                  reward=[reward * reward_scale], generator=generator)
+                vals.append(float(value[0]))
+                obs, reward, term, trunc, _ = env.step(action[0])
+                total += float(reward)
+                steps += 1
+                start = False
+                if term or trunc:
+                    break
+            returns.append(total)
+            lengths.append(steps)
+            values.append(np.asarray(vals, dtype=np.float32))
+    finally:
+        env.close()
+    return EvalResult(np.asarray(returns, dtype=np.float64), np.asarray(lengths, dtype=np.int64), values)

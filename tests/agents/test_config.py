@@ -1,0 +1,103 @@
+"""PPOConfig holds the backbone's MambaConfig: every field (dt_rank, rms_norm_eps too) reaches the agent,
+survives to_dict/from_dict and a checkpoint, and older flat configs still load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from mamba_rl import MambaConfig
+from mamba_rl.agents import PPOConfig, RecurrentPPO
+from mamba_rl import CheckpointError
+
+TINY = dict(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1, device="cpu", seed=3,
+            total_timesteps=16, track=False)
+BACKBONE = MambaConfig(d_model=16, n_layers=1, d_state=4, d_conv=3, expand=2, dt_rank=3, rms_norm_eps=1e-3)
+OLD_FLAT = ("d_model", "n_layers", "d_state", "d_conv", "expand")  # what pre-backbone configs stored
+
+
+def test_flat_backbone_fields_map_into_backbone():
+    c = PPOConfig(d_model=16, n_layers=1, d_state=4, d_conv=3, dt_rank=3, rms_norm_eps=1e-3)
+    assert c.backbone == BACKBONE
+    assert (c.d_model, c.dt_rank, c.rms_norm_eps) == (16, 3, 1e-3)  # read through to the backbone
+    assert PPOConfig(backbone=BACKBONE) == c
+    r = c.replace(d_model=32, num_envs=4, num_minibatches=2)
+    assert r.backbone == dataclasses.replace(BACKBONE, d_model=32) and r.num_envs == 4
+    assert r.replace(backbone=BACKBONE).backbone == BACKBONE
+    assert PPOConfig().backbone == MambaConfig()
+    with pytest.raises(ValueError, match="MambaConfig.dt_rank"):
+        PPOConfig(d_model=16, dt_rank=100)  # > d_inner
+    with pytest.raises(ValueError, match="MambaConfig.rms_norm_eps"):
+        PPOConfig(rms_norm_eps=0.0)
+    with pytest.raises(ValueError, match="PPOConfig.backbone must be a MambaConfig"):
+        PPOConfig(backbone={"d_model": 16})
+
+
+def test_to_dict_from_dict_round_trip_is_nested_and_json():
+    c = PPOConfig(backbone=BACKBONE, **TINY)
+    d = json.loads(json.dumps(c.to_dict()))
+    assert d["backbone"] == BACKBONE.to_dict() and "d_model" not in d
+    assert PPOConfig.from_dict(d) == c
+    auto = PPOConfig(d_model=32).to_dict()
+    assert auto["backbone"]["dt_rank"] == "auto" and PPOConfig.from_dict(auto).backbone.dt_rank_value == 2
+
+
+def test_old_flat_config_dict_still_loads():
+    d = PPOConfig(backbone=BACKBONE, **TINY).to_dict()
+    bb = d.pop("backbone")
+    d.update({k: bb[k] for k in OLD_FLAT})  # a pre-backbone checkpoint's ppo_config
+    c = PPOConfig.from_dict(d)
+    assert c.backbone == MambaConfig(**{k: bb[k] for k in OLD_FLAT})  # dt_rank / eps: the old defaults
+    with pytest.raises(ValueError, match="unknown fields"):
+        PPOConfig.from_dict({**d, "d_modell": 3})
+
+
+def _rewrite_ppo_config(ckpt_file, edit) -> None:
+    """Rewrite the ppo_config inside a checkpoint's JSON metadata (to forge an older checkpoint)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(ckpt_file), framework="pt") as f:
+        header = f.metadata()
+    tensors = load_file(str(ckpt_file))
+    (key, text), = [(k, v) for k, v in header.items() if '"ppo_config"' in v]
+    meta = json.loads(text)
+    edit(meta["extra"]["ppo_config"])
+    save_file(tensors, str(ckpt_file), metadata={**header, key: json.dumps(meta)})
+
+
+def test_dt_rank_and_eps_reach_the_agent_and_survive_a_checkpoint(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", dt_rank=3, rms_norm_eps=1e-3, d_model=16, n_layers=1, d_state=4, d_conv=3,
+                         checkpoint_dir=str(tmp_path / "ckpt"), **TINY)
+    assert agent.config.backbone == BACKBONE
+    assert agent.net.cfg == BACKBONE  # the backbone was built from it, not from copied fields
+    assert dict(agent.net.named_parameters())["layers.0.mixer.dt_proj.weight"].shape[1] == 3
+    agent.learn()
+    path = agent.save(tmp_path / "saved")
+    loaded = RecurrentPPO.load(path)
+    assert loaded.config == agent.config and loaded.net.cfg == BACKBONE
+    torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+    # a backbone field changed at load time reaches the backbone too, which then does not fit the weights
+    with pytest.raises(CheckpointError, match="rms_norm_eps"):
+        RecurrentPPO.load(path, rms_norm_eps=1e-4)
+    agent.close()
+    loaded.close()
+
+
+def test_checkpoint_with_old_flat_config_loads(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", d_model=16, n_layers=1, d_state=4, **TINY)
+    path = agent.save(tmp_path / "old")
+
+    def flatten(pc):
+        bb = pc.pop("backbone")
+        pc.update({k: bb[k] for k in OLD_FLAT})
+
+    _rewrite_ppo_config(path / "agent.safetensors", flatten)
+    loaded = RecurrentPPO.load(path)
+    assert loaded.config.backbone == agent.config.backbone
+    torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+    agent.close()
+    loaded.close()
