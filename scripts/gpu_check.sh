@@ -16,7 +16,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch;print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s.%N)
-python3 -m mamba_rl.build 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
+python3 -m mamba_rl.build --kind cuda 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
 echo "build rc=$brc wall=$(python3 -c "print(round($(date +%s.%N)-$t0,1))") s" | tee -a "$OUT/build.log"
 [ $brc -ne 0 ] && exit $brc
 rc=0
