@@ -4,7 +4,11 @@ Usage (from the repo root):
     python benchmarks/learning/run.py --env CartPole-v1 --seed 1 --total 100000 \
         --d-model 64 --n-layers 2 --out benchmarks/learning/data
 
-Writes ``{out}/{env with / -> _}{suffix}__seed{seed}.csv`` with columns
+Any PPOConfig field can be set with ``--set name=value`` (repeatable; Python literals, e.g.
+``--set learning_rate=1e-3 --set num_steps=32``) and the run named with ``--variant`` (part of the file
+name). ``--device`` picks cpu / cuda (default cpu).
+
+Writes ``{out}/{env with / -> _}{__variant}__seed{seed}.csv`` with columns
 ``env_id, variant, seed, update, global_step, episodes, mean_return_update, mean_return_last20,
 wall_s`` (mean_return_update: mean return of the episodes that finished during that update's
 rollout, NaN if none; mean_return_last20: mean over the last 20 finished episodes).
@@ -32,6 +36,10 @@ def main(argv=None) -> None:
     p.add_argument("--n-layers", type=int, default=2)
     p.add_argument("--memoryless", action="store_true", help="reset the state every step (baseline)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    p.add_argument("--variant", default=None, help="name of this configuration (file name suffix)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="a PPOConfig field override (repeatable)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
     a = p.parse_args(argv)
 
@@ -40,28 +48,41 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     from mamba_rl.agents import RecurrentPPO
 
-    variant = "memoryless" if a.memoryless else "mamba"
+    import ast
+    overrides = {}
+    for item in a.set:
+        key, _, val = item.partition("=")
+        try:
+            overrides[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            overrides[key] = val
+    variant = a.variant or ("memoryless" if a.memoryless else "mamba")
     os.makedirs(a.out, exist_ok=True)
-    name = a.env.replace("/", "_") + ("__memoryless" if a.memoryless else "")
+    name = a.env.replace("/", "_") + ("" if variant == "mamba" else f"__{variant}")
     path = os.path.join(a.out, f"{name}__seed{a.seed}.csv")
     tmp = tempfile.mkdtemp(prefix="mamba_rl_curve_")
-    agent = RecurrentPPO(a.env, seed=a.seed, total_timesteps=a.total, d_model=a.d_model, n_layers=a.n_layers,
-                         memoryless=a.memoryless, device="cpu", track=False, checkpoint_every=0,
-                         checkpoint_dir=tmp, runs_dir=tmp)
+    kwargs = dict(seed=a.seed, total_timesteps=a.total, d_model=a.d_model, n_layers=a.n_layers,
+                  memoryless=a.memoryless, device=a.device, track=False, checkpoint_every=0, checkpoint_dir=tmp,
+                  runs_dir=tmp)
+    kwargs.update(overrides)
+    agent = RecurrentPPO(a.env, **kwargs)
     last = deque(maxlen=20)
+    last100 = deque(maxlen=100)
     t0 = time.time()
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["env_id", "variant", "seed", "update", "global_step", "episodes", "mean_return_update",
-                    "mean_return_last20", "wall_s"])
+                    "mean_return_last20", "mean_return_last100", "wall_s"])
 
         def callback(agent, metrics):
             this = [ret for _, ret, _ in agent.last_episodes]
             last.extend(this)
+            last100.extend(this)
             mu = sum(this) / len(this) if this else math.nan
             ml = sum(last) / len(last) if last else math.nan
+            m100 = sum(last100) / len(last100) if last100 else math.nan
             w.writerow([a.env, variant, a.seed, metrics["update"], metrics["global_step"], len(this),
-                        f"{mu:.3f}", f"{ml:.3f}", f"{time.time() - t0:.1f}"])
+                        f"{mu:.3f}", f"{ml:.3f}", f"{m100:.3f}", f"{time.time() - t0:.1f}"])
             f.flush()
 
         agent.learn(callback=callback)
