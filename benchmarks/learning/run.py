@@ -12,7 +12,8 @@ Writes ``{out}/{env with / -> _}{__variant}__seed{seed}.csv`` with columns
 ``env_id, variant, seed, update, global_step, episodes, mean_return_update, mean_return_last20,
 wall_s`` (mean_return_update: mean return of the episodes that finished during that update's
 rollout, NaN if none; mean_return_last20: mean over the last 20 finished episodes).
-All other hyperparameters are PPOConfig's defaults (CleanRL's).
+All other hyperparameters are PPOConfig's defaults (CleanRL's). After training, the final policy is
+evaluated deterministically (``--eval-episodes``, memory reset per episode) into ``{same name}.eval.json``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     p.add_argument("--variant", default=None, help="name of this configuration (file name suffix)")
+    p.add_argument("--eval-episodes", type=int, default=20,
+                   help="deterministic evaluation episodes of the final policy (0: none)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a PPOConfig field override (repeatable)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
@@ -86,6 +89,12 @@ def main(argv=None) -> None:
             f.flush()
 
         agent.learn(callback=callback)
+    if a.eval_episodes:
+        res = agent.evaluate(num_episodes=a.eval_episodes, deterministic=True)
+        import json
+        with open(path[:-4] + ".eval.json", "w") as f:
+            json.dump({"episodes": a.eval_episodes, "deterministic": True, "mean": res.mean, "std": res.std,
+                       "returns": res.returns.tolist()}, f)
     agent.close()
     print(f"{path}: done in {time.time() - t0:.0f}s", file=sys.stderr)
 

@@ -3,8 +3,8 @@
 Each run is ``run.py`` (RecurrentPPO on one env, seed and configuration; one CSV row per update). Runs are
 pinned to one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``) so that N runs on N cores do
 not fight over them. The summary gives, per env and variant over its seeds: the final mean return of the
-last 100 episodes, MMER (the maximum over training of that mean, POPGym's metric) and the first step at
-which it reached ``--threshold`` (if given).
+last 100 training episodes, MMER (the maximum over training of that mean, POPGym's metric), the first step
+at which it reached ``--threshold`` (if given), and the deterministic evaluation return of the final policy.
 
 Usage:
     python benchmarks/learning/sweep.py --env mamba_rl/CartPoleNoVel-v1 --seeds 1 2 3 --total 100000 \
@@ -39,7 +39,9 @@ def summarise(path: str, threshold: float | None) -> dict:
             if r["mean_return_last100"] not in ("", "nan")]
     m100 = [(s, v) for s, v in m100 if not math.isnan(v)]
     hit = next((s for s, v in m100 if threshold is not None and v >= threshold), None)
-    return {"final": m100[-1][1] if m100 else math.nan, "mmer": max((v for _, v in m100), default=math.nan),
+    ev = path[:-4] + ".eval.json"
+    eval_mean = json.load(open(ev))["mean"] if os.path.exists(ev) else math.nan
+    return {"eval": eval_mean, "final": m100[-1][1] if m100 else math.nan, "mmer": max((v for _, v in m100), default=math.nan),
             "steps": int(rows[-1]["global_step"]) if rows else 0, "hit_step": hit,
             "wall_s": float(rows[-1]["wall_s"]) if rows else math.nan}
 
@@ -88,13 +90,15 @@ def main(argv=None) -> int:
         summary.setdefault(key, {})[seed] = summarise(path, a.threshold)
     json.dump({"total": a.total, "threshold": a.threshold, "device": a.device, "runs": summary},
               open(os.path.join(a.out, "summary.json"), "w"), indent=1)
-    print("| env__variant | seeds | final (per seed) | MMER mean | steps to threshold |")
-    print("|---|---|---|---|---|")
+    print("| env__variant | seeds | final mean of last 100 (per seed) | MMER mean | steps to threshold | "
+          "deterministic eval (per seed) |")
+    print("|---|---|---|---|---|---|")
     for key, per in summary.items():
         fin = " / ".join(f"{v['final']:.0f}" if abs(v['final']) > 5 else f"{v['final']:.2f}" for v in per.values())
         mm = sum(v["mmer"] for v in per.values()) / len(per)
         hits = " / ".join(str(v["hit_step"]) for v in per.values())
-        print(f"| {key} | {len(per)} | {fin} | {mm:.3f} | {hits} |")
+        ev = " / ".join(f"{v['eval']:.0f}" if abs(v['eval']) > 5 else f"{v['eval']:.2f}" for v in per.values())
+        print(f"| {key} | {len(per)} | {fin} | {mm:.3f} | {hits} | {ev} |")
     print(f"sweep: {time.time() - t0:.0f} s", file=sys.stderr)
     return 0
 
