@@ -20,8 +20,9 @@ from mamba_rl import MambaConfig
 
 __all__ = ["PPOConfig", "BACKBONE_FIELDS"]
 
-# MambaConfig's constructor fields; PPOConfig(...), replace(...) and from_dict(...) also take them flat
-BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
+# MambaConfig's constructor fields, in the order of PPOConfig's init-only fields below;
+# PPOConfig(...), replace(...) and from_dict(...) also take them flat (tests check it lists them all)
+BACKBONE_FIELDS = ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_rank", "rms_norm_eps")
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")

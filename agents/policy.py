@@ -3,9 +3,9 @@
 A :class:`Policy` owns the backbone (:class:`mamba_rl.MambaBackbone`), the two heads and the
 backbone input format: the (flattened) observation, then, when configured, the previous action
 (one-hot for discrete spaces) and the previous reward, both zero at an episode start. Acting is
-one backbone step (a :class:`mamba_rl` stepper) followed by both heads, so one step gives the
-action, its log-probability and the value (see docs/architecture.md, "Agent loop"; episode
-starts reset the memory as in "Reset semantics").
+one backbone step (a stepper of the backbone) followed by both heads, so one step gives both the
+action and the value (see docs/architecture.md, "Agent loop"; episode starts reset the memory as
+in "Reset semantics").
 
 Actions are sampled on the host with an explicit ``torch.Generator`` (the agent's), as in the
 rollout, so that runs and resumed runs are reproducible.

@@ -4,6 +4,7 @@ survives to_dict/from_dict and a checkpoint, and older flat configs still load."
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 
 import pytest
@@ -17,6 +18,15 @@ TINY = dict(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1, device=
             total_timesteps=16, track=False)
 BACKBONE = MambaConfig(d_model=16, n_layers=1, d_state=4, d_conv=3, expand=2, dt_rank=3, rms_norm_eps=1e-3)
 OLD_FLAT = ("d_model", "n_layers", "d_state", "d_conv", "expand")  # what pre-backbone configs stored
+
+
+def test_every_backbone_field_can_be_given_flat():
+    from mamba_rl.agents.config import BACKBONE_FIELDS
+
+    assert BACKBONE_FIELDS == tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
+    fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    init_only = tuple(n for n in inspect.signature(PPOConfig).parameters if n not in fields)
+    assert init_only == BACKBONE_FIELDS  # same order: __post_init__ zips them
 
 
 def test_flat_backbone_fields_map_into_backbone():
