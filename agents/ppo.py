@@ -47,6 +47,7 @@ from .logger import TensorBoardLogger, run_name_for
 from .loss import explained_variance, ppo_loss
 from .policy import Policy, PolicyState, resolve_device
 from .rollout import RolloutBuffer
+from .runs import claim_run
 
 __all__ = ["RecurrentPPO"]
 
@@ -326,6 +327,7 @@ class RecurrentPPO:
         if total_timesteps is not None and total_timesteps != self.config.total_timesteps:
             self.config = self.config.replace(total_timesteps=int(total_timesteps))
         c = self.config
+        claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
         logger = self.logger
         bar = None
         if progress:
