@@ -131,7 +131,8 @@ class RecurrentPPO:
         c = self.config
         return make_vec_env(c.env_id, c.num_envs, seed=c.seed, async_=c.async_envs, capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
-                            normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma)
+                            normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
+                            start_method=c.async_start_method)
 
     def _reset_carry(self, next_obs: torch.Tensor) -> None:
         """The state carried between rollouts, at the start of every env's first episode. It lives on
