@@ -380,9 +380,12 @@ class RecurrentPPO:
 
     def predict(self, obs: np.ndarray, state: PolicyState | None = None, episode_start: np.ndarray | None = None,
                 deterministic: bool = False, reward: np.ndarray | None = None) -> tuple[np.ndarray, PolicyState]:
-        """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments),
-        sampling with the agent's generator. ``reward`` (the last reward) is needed with ``prev_reward``."""
-        action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self.sample_generator)
+        """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments).
+        ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
+        (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
+        if getattr(self, "_predict_generator", None) is None:
+            self._predict_generator = torch.Generator().manual_seed(self.config.seed)
+        action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
         return action, state
 
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
@@ -391,14 +394,18 @@ class RecurrentPPO:
         return self.policy.value(obs, state, episode_start, reward)
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: int | None = None,
-                 video_dir: str | None = None) -> EvalResult:
+                 video_dir: str | None = None, progress: bool = False) -> EvalResult:
         """:func:`~mamba_rl.agents.evaluate.evaluate_policy` on ``config.env_id`` with this agent's
-        policy, frozen training normalisation and sampling generator; episode k resets the env with
-        seed ``seed + k`` (default seed: config.seed + 10_000). Raises ValueError if num_episodes < 1."""
+        policy and frozen training normalisation; episode k resets the env with seed ``seed + k``
+        (default seed: config.seed + 10_000). Actions are sampled from a fresh generator seeded with
+        ``config.seed`` (never the rollout's), so evaluating never changes training and the same call
+        gives the same result. ``progress``: a tqdm bar over the episodes.
+        Raises ValueError if num_episodes < 1."""
         c = self.config
         return evaluate_policy(self.policy, c.env_id, num_episodes, deterministic,
                                seed=c.seed + 10_000 if seed is None else seed, video_dir=video_dir,
-                               train_envs=self.envs, generator=self.sample_generator)
+                               train_envs=self.envs, generator=torch.Generator().manual_seed(c.seed),
+                               progress=progress)
 
     # ----------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
