@@ -45,7 +45,7 @@ class PPOConfig:
         num_steps: steps per env per rollout, the BPTT length [steps].
         async_envs: one process per env (gymnasium AsyncVectorEnv).
         async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
-        threads: torch CPU threads of this process; 0 = auto: $OMP_NUM_THREADS when set, else min(2, CPUs available), so that one run per core pair never oversubscribes the machine.
+        threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.
         adam_eps: epsilon of both optimizers.
@@ -205,8 +205,14 @@ class PPOConfig:
 
     @property
     def num_updates(self) -> int:
-        """Updates in the run: total_timesteps // batch_size."""
-        return self.total_timesteps // self.batch_size
+        """Updates in the run: ceil(total_timesteps / batch_size), so the run covers at least
+        total_timesteps env steps (exactly :attr:`planned_timesteps`)."""
+        return -(-self.total_timesteps // self.batch_size)
+
+    @property
+    def planned_timesteps(self) -> int:
+        """Env steps the run will take: num_updates * batch_size (>= total_timesteps)."""
+        return self.num_updates * self.batch_size
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of all fields; ``backbone`` is a nested dict (MambaConfig.to_dict)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +46,7 @@ from .logger import TensorBoardLogger, run_name_for
 from .loss import explained_variance, ppo_loss
 from .policy import Policy, PolicyState, resolve_device
 from .rollout import RolloutBuffer
+from .progress import StepProgress, apply_thread_policy, notice
 from .runs import claim_run
 
 __all__ = ["RecurrentPPO"]
@@ -88,6 +88,7 @@ class RecurrentPPO:
         self._logger: TensorBoardLogger | None = None
         self.envs = self._make_envs() if env is None or isinstance(env, str) else adopt_vec_env(env, config.num_envs)
 
+        apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
         self.policy = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                              self.envs.single_action_space, self.device, config.seed, backend=config.backend,
@@ -330,15 +331,13 @@ class RecurrentPPO:
         c = self.config
         claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
         logger = self.logger
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=c.num_updates * c.batch_size, initial=self.global_step, unit="step",
-                       dynamic_ncols=True)
+        # the bar follows global_step from a thread, so it moves during the rollout too
+        bar = StepProgress(c.planned_timesteps, self.global_step, lambda: self.global_step) if progress else None
         start_time, start_step = time.perf_counter(), self.global_step
+        update_start_step = self.global_step
         try:
             while self.update < c.num_updates:
+                update_start_step = self.global_step
                 update = self.update + 1
                 lr = self.current_lr(update)
                 self._set_lr(lr)
@@ -356,14 +355,17 @@ class RecurrentPPO:
                 logger.scalars({k: v for k, v in metrics.items()
                                 if "/" in k and not k.startswith("debug/")}, self.global_step)
                 if bar is not None:
-                    bar.update(c.batch_size)
                     recent = np.mean(self.recent_returns) if self.recent_returns else float("nan")
-                    bar.set_postfix(SPS=f"{sps:.0f}", ret=f"{recent:.1f}", refresh=False)
+                    bar.sync(SPS=f"{sps:.0f}", ret=f"{recent:.1f}")
                 if callback is not None:
                     callback(self, metrics)
                 if c.checkpoint_every and update % c.checkpoint_every == 0 and update < c.num_updates:
                     self.save(self.checkpoint_root / f"update_{update:06d}")
         except KeyboardInterrupt:
+            if self.global_step != update_start_step and self.update < update:
+                # interrupted inside an update: its partial rollout is dropped, so the counters (and a
+                # resume) say what was trained on: `update` whole updates of batch_size steps
+                self.global_step = update_start_step
             self.save(self.checkpoint_root / "interrupted")
             raise
         finally:
@@ -413,9 +415,9 @@ class RecurrentPPO:
         ``agent.safetensors`` (safetensors + JSON) and ``envs.pkl`` (the envs mid-episode, read only on
         request); see :mod:`mamba_rl.agents.checkpoint`."""
         path, err = save_agent(self, path)
-        if err is not None and not self._warned_pickle:
-            warnings.warn(f"envs could not be pickled ({err}); resuming from this run's checkpoints "
-                          "restores the learner exactly but resets the envs")
+        if err is not None and not self._warned_pickle:  # once per agent, outside the progress bar
+            notice(f"note: the envs could not be pickled ({err}); resuming from this run's checkpoints "
+                   "restores the learner exactly but resets the envs")
             self._warned_pickle = True
         return path
 
