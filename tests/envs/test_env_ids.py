@@ -109,3 +109,17 @@ def test_flattened_envs_pickle():
     b = clone.step(np.full(2, 2, dtype=np.int64))
     np.testing.assert_array_equal(a[0], b[0])
     envs.close(), clone.close()
+
+
+@pytest.mark.parametrize("extra", [[], ["--async-envs", "--async-start-method", "spawn"]])
+def test_cli_trains_on_a_module_colon_id(env_module, tmp_path, extra):
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, "-m", "mamba_rl", "train", "--env-id", f"{env_module}:TinyMod-v0", "--num-envs", "2",
+         "--num-steps", "8", "--num-minibatches", "1", "--update-epochs", "1", "--d-model", "8", "--n-layers", "1",
+         "--d-state", "2", "--device", "cpu", "--total-timesteps", "16", "--no-track", "--no-progress",
+         "--checkpoint-dir", str(tmp_path / "ckpt"), *extra],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "checkpoint: " in r.stdout and "tinyenvmod_TinyMod-v0__" in r.stdout
