@@ -31,6 +31,7 @@ from mamba_rl import read_checkpoint
 from mamba_rl.envs import find_vector_wrapper
 
 from .config import PPOConfig
+from .runs import adopt_run
 
 __all__ = ["CHECKPOINT_FORMAT", "checkpoint_file", "read_agent_config", "save_agent", "restore_agent",
            "load_envs"]
@@ -157,7 +158,7 @@ def restore_agent(agent: Any, ckpt: Path, restore_carry: bool) -> None:
     agent.sample_generator.set_state(meta["extra_tensors"]["rng/sample_generator"])
     torch.set_rng_state(meta["extra_tensors"]["rng/torch"])
     agent.np_rng.bit_generator.state = extra["np_rng"]
-    agent.run_name = extra["run_name"]
+    adopt_run(agent, extra["run_name"])  # a resumed run writes into its own folders, on purpose
     agent.global_step = int(extra["global_step"])
     agent.update = int(extra["update"])
     agent.recent_returns.extend(extra.get("recent_returns", []))

@@ -33,28 +33,33 @@ _BACKENDS = ("auto", "cuda", "reference")
 class PPOConfig:
     """Hyperparameters of :class:`mamba_rl.agents.RecurrentPPO`.
 
-    Attributes (units in brackets):
-        env_id: gymnasium id, ``mamba_rl/...`` POMDP id or ``popgym-...`` id.
+    Attributes (units in brackets; each line is also the field's ``mamba-rl train --help`` text):
+        env_id: any id gymnasium.make accepts: registered (CartPole-v1), mamba_rl/...NoVel, popgym-..., or module:EnvId (list them: mamba-rl envs).
         exp_name: experiment name, part of the run folder name.
         seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
-        total_timesteps: env steps to train for [steps, all envs together].
-        device: "auto" (cuda if available else cpu), "cpu" or "cuda".
+        total_timesteps: env steps to train for, all envs together [steps]; rounded up to whole rollouts of num_envs * num_steps.
+        device: "auto" (cuda if available else cpu), "cpu", "cuda" or "cuda:N".
         dtype: backbone compute dtype, "f32" | "bf16" | "f16".
         backend: backbone backend, "auto" | "cuda" | "reference".
         cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
-        num_envs: parallel envs; must be divisible by ``num_minibatches``.
-        num_steps: steps per env per rollout (the BPTT length) [steps].
+        num_envs: parallel envs; must be divisible by num_minibatches.
+        num_steps: steps per env per rollout, the BPTT length [steps].
         async_envs: one process per env (gymnasium AsyncVectorEnv).
+        async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
+        threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.
         adam_eps: epsilon of both optimizers.
         weight_decay: backbone AdamW weight decay (0 = Adam, as CleanRL).
-        gamma: discount. gae_lambda: GAE lambda (Schulman et al. 2016).
+        gamma: discount factor.
+        gae_lambda: GAE lambda (Schulman et al. 2016).
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
         update_epochs: passes over the rollout per update.
         norm_adv: normalise advantages per minibatch (over valid steps).
-        clip_coef: PPO ratio clip (Schulman et al. 2017). clip_vloss: clip the value too.
-        ent_coef: entropy bonus. vf_coef: value-loss weight.
+        clip_coef: PPO ratio clip (Schulman et al. 2017).
+        clip_vloss: clip the value loss too.
+        ent_coef: entropy bonus weight.
+        vf_coef: value-loss weight.
         max_grad_norm: one global clip over heads + backbone (None: no clip).
         target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
         backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
@@ -62,15 +67,16 @@ class PPOConfig:
             ``PPOConfig(d_model=64)`` / ``replace(d_state=8)`` set them inside ``backbone``.
         prev_action: append the previous action (one-hot when discrete) to the input.
         prev_reward: append the previous reward to the input.
-        normalize_obs: gymnasium NormalizeObservation on the vector env.
-        normalize_reward: gymnasium NormalizeReward (scale by the std of the discounted return).
+        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation).
+        normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
             On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,
             and unscaled value targets (O(100) on CartPole) dominate the one global gradient
             norm, starving the policy (measured: CartPole-v1 collapses back to ~50 without it).
         memoryless: reset the recurrent state at every step (ablation baseline).
-        capture_video: record videos of env 0 under ``{runs_dir}/{run_name}/videos``.
-        runs_dir: parent of the TensorBoard run folders. track: write TensorBoard.
-        checkpoint_dir: parent of checkpoint folders.
+        capture_video: record videos of env 0 under {runs_dir}/{run_name}/videos.
+        runs_dir: parent of the TensorBoard run folders.
+        track: write TensorBoard logs.
+        checkpoint_dir: parent of the checkpoint folders (one per run).
         checkpoint_every: save every this many updates (0: only at the end / on Ctrl-C).
 
     Raises:
@@ -88,6 +94,8 @@ class PPOConfig:
     num_envs: int = 8
     num_steps: int = 128
     async_envs: bool = False
+    async_start_method: str | None = None
+    threads: int = 0
     learning_rate: float = 2.5e-4
     anneal_lr: bool = True
     adam_eps: float = 1e-5
@@ -149,6 +157,14 @@ class PPOConfig:
         for name in ("seed", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
             pos_int(name, allow_zero=(name == "seed"))
         pos_int("checkpoint_every", allow_zero=True)
+        pos_int("threads", allow_zero=True)
+        if self.async_start_method is not None:
+            import multiprocessing
+
+            methods = multiprocessing.get_all_start_methods()
+            if self.async_start_method not in methods:
+                raise ValueError(f"PPOConfig.async_start_method must be None or one of {methods}, "
+                                 f"got {self.async_start_method!r}")
         if not isinstance(self.env_id, str) or not self.env_id:
             raise ValueError(f"PPOConfig.env_id must be a non-empty string, got {self.env_id!r}")
         if self.device not in _DEVICES and not str(self.device).startswith("cuda:"):
@@ -190,8 +206,14 @@ class PPOConfig:
 
     @property
     def num_updates(self) -> int:
-        """Updates in the run: total_timesteps // batch_size."""
-        return self.total_timesteps // self.batch_size
+        """Updates in the run: ceil(total_timesteps / batch_size), so the run covers at least
+        total_timesteps env steps (exactly :attr:`planned_timesteps`)."""
+        return -(-self.total_timesteps // self.batch_size)
+
+    @property
+    def planned_timesteps(self) -> int:
+        """Env steps the run will take: num_updates * batch_size (>= total_timesteps)."""
+        return self.num_updates * self.batch_size
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict of all fields; ``backbone`` is a nested dict (MambaConfig.to_dict)."""

@@ -7,6 +7,7 @@ state, zero previous action and reward), as in docs/architecture.md, "Reset sema
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -62,7 +63,7 @@ def _eval_env(env_id: str, train_envs: gym.vector.VectorEnv | None, video_dir: s
 
 def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, deterministic: bool = False,
                     seed: int = 0, video_dir: str | None = None, train_envs: gym.vector.VectorEnv | None = None,
-                    generator: torch.Generator | None = None) -> EvalResult:
+                    generator: torch.Generator | None = None, progress: bool = False) -> EvalResult:
     """Run ``num_episodes`` episodes of ``env_id``, resetting the memory per episode.
 
     Args:
@@ -73,7 +74,9 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
         video_dir: record videos there (gymnasium RecordVideo) when given.
         train_envs: the training vector env: its observation normalisation statistics are applied,
             frozen, and its reward normalisation scales the previous-reward input (frozen).
-        generator: the sampling generator.
+        generator: the sampling generator. Give evaluation a generator of its own (as
+            ``RecurrentPPO.evaluate`` does): sharing the rollout's would change the training run.
+        progress: show a tqdm bar (on stderr) over the episodes, with the running mean return.
 
     Returns:
         :class:`EvalResult` with returns, lengths and per-step critic values.
@@ -85,6 +88,11 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
         raise ValueError(f"num_episodes must be >= 1, got {num_episodes}")
     env, reward_scale = _eval_env(env_id, train_envs, video_dir)
     returns, lengths, values = [], [], []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=num_episodes, unit="episode", dynamic_ncols=True, file=sys.stderr)
     try:
         for ep in range(num_episodes):
             obs, _ = env.reset(seed=seed + ep)
@@ -103,6 +111,11 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
             returns.append(total)
             lengths.append(steps)
             values.append(np.asarray(vals, dtype=np.float32))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(ret=f"{np.mean(returns):.1f}", refresh=False)
     finally:
+        if bar is not None:
+            bar.close()
         env.close()
     return EvalResult(np.asarray(returns, dtype=np.float64), np.asarray(lengths, dtype=np.int64), values)

@@ -18,7 +18,6 @@ device-to-host copy per update, so logging never syncs the GPU by itself.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any, Iterable, Mapping
 
 from .config import PPOConfig
@@ -46,9 +45,11 @@ SCALAR_TAGS = (
 
 
 def run_name_for(config: PPOConfig, unix_time: int | None = None) -> str:
-    """CleanRL's run name ``{env}__{exp_name}__{seed}__{unix_time}`` ('/' in ids becomes '_')."""
-    t = int(time.time()) if unix_time is None else int(unix_time)
-    return f"{config.env_id.replace('/', '_')}__{config.exp_name}__{config.seed}__{t}"
+    """A fresh run name ``{env}__{exp_name}__{seed}__{unix_time}__{suffix}`` (CleanRL's plus a random
+    suffix; see :mod:`mamba_rl.agents.runs`, which also creates the run's folders exclusively)."""
+    from .runs import new_run_name
+
+    return new_run_name(config, unix_time=unix_time)
 
 
 def hparams_markdown(hparams: Mapping[str, Any]) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,6 +46,8 @@ from .logger import TensorBoardLogger, run_name_for
 from .loss import explained_variance, ppo_loss
 from .policy import Policy, PolicyState, resolve_device
 from .rollout import RolloutBuffer
+from .progress import StepProgress, apply_thread_policy, notice
+from .runs import claim_run
 
 __all__ = ["RecurrentPPO"]
 
@@ -87,6 +88,7 @@ class RecurrentPPO:
         self._logger: TensorBoardLogger | None = None
         self.envs = self._make_envs() if env is None or isinstance(env, str) else adopt_vec_env(env, config.num_envs)
 
+        apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
         self.policy = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                              self.envs.single_action_space, self.device, config.seed, backend=config.backend,
@@ -130,7 +132,8 @@ class RecurrentPPO:
         c = self.config
         return make_vec_env(c.env_id, c.num_envs, seed=c.seed, async_=c.async_envs, capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
-                            normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma)
+                            normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
+                            start_method=c.async_start_method)
 
     def _reset_carry(self, next_obs: torch.Tensor) -> None:
         """The state carried between rollouts, at the start of every env's first episode. It lives on
@@ -326,16 +329,15 @@ class RecurrentPPO:
         if total_timesteps is not None and total_timesteps != self.config.total_timesteps:
             self.config = self.config.replace(total_timesteps=int(total_timesteps))
         c = self.config
+        claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
         logger = self.logger
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=c.num_updates * c.batch_size, initial=self.global_step, unit="step",
-                       dynamic_ncols=True)
+        # the bar follows global_step from a thread, so it moves during the rollout too
+        bar = StepProgress(c.planned_timesteps, self.global_step, lambda: self.global_step) if progress else None
         start_time, start_step = time.perf_counter(), self.global_step
+        update_start_step = self.global_step
         try:
             while self.update < c.num_updates:
+                update_start_step = self.global_step
                 update = self.update + 1
                 lr = self.current_lr(update)
                 self._set_lr(lr)
@@ -353,14 +355,17 @@ class RecurrentPPO:
                 logger.scalars({k: v for k, v in metrics.items()
                                 if "/" in k and not k.startswith("debug/")}, self.global_step)
                 if bar is not None:
-                    bar.update(c.batch_size)
                     recent = np.mean(self.recent_returns) if self.recent_returns else float("nan")
-                    bar.set_postfix(SPS=f"{sps:.0f}", ret=f"{recent:.1f}", refresh=False)
+                    bar.sync(SPS=f"{sps:.0f}", ret=f"{recent:.1f}")
                 if callback is not None:
                     callback(self, metrics)
                 if c.checkpoint_every and update % c.checkpoint_every == 0 and update < c.num_updates:
                     self.save(self.checkpoint_root / f"update_{update:06d}")
         except KeyboardInterrupt:
+            if self.global_step != update_start_step and self.update < update:
+                # interrupted inside an update: its partial rollout is dropped, so the counters (and a
+                # resume) say what was trained on: `update` whole updates of batch_size steps
+                self.global_step = update_start_step
             self.save(self.checkpoint_root / "interrupted")
             raise
         finally:
@@ -377,9 +382,12 @@ class RecurrentPPO:
 
     def predict(self, obs: np.ndarray, state: PolicyState | None = None, episode_start: np.ndarray | None = None,
                 deterministic: bool = False, reward: np.ndarray | None = None) -> tuple[np.ndarray, PolicyState]:
-        """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments),
-        sampling with the agent's generator. ``reward`` (the last reward) is needed with ``prev_reward``."""
-        action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self.sample_generator)
+        """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments).
+        ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
+        (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
+        if getattr(self, "_predict_generator", None) is None:
+            self._predict_generator = torch.Generator().manual_seed(self.config.seed)
+        action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
         return action, state
 
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
@@ -388,14 +396,18 @@ class RecurrentPPO:
         return self.policy.value(obs, state, episode_start, reward)
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: int | None = None,
-                 video_dir: str | None = None) -> EvalResult:
+                 video_dir: str | None = None, progress: bool = False) -> EvalResult:
         """:func:`~mamba_rl.agents.evaluate.evaluate_policy` on ``config.env_id`` with this agent's
-        policy, frozen training normalisation and sampling generator; episode k resets the env with
-        seed ``seed + k`` (default seed: config.seed + 10_000). Raises ValueError if num_episodes < 1."""
+        policy and frozen training normalisation; episode k resets the env with seed ``seed + k``
+        (default seed: config.seed + 10_000). Actions are sampled from a fresh generator seeded with
+        ``config.seed`` (never the rollout's), so evaluating never changes training and the same call
+        gives the same result. ``progress``: a tqdm bar over the episodes.
+        Raises ValueError if num_episodes < 1."""
         c = self.config
         return evaluate_policy(self.policy, c.env_id, num_episodes, deterministic,
                                seed=c.seed + 10_000 if seed is None else seed, video_dir=video_dir,
-                               train_envs=self.envs, generator=self.sample_generator)
+                               train_envs=self.envs, generator=torch.Generator().manual_seed(c.seed),
+                               progress=progress)
 
     # ----------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
@@ -403,9 +415,9 @@ class RecurrentPPO:
         ``agent.safetensors`` (safetensors + JSON) and ``envs.pkl`` (the envs mid-episode, read only on
         request); see :mod:`mamba_rl.agents.checkpoint`."""
         path, err = save_agent(self, path)
-        if err is not None and not self._warned_pickle:
-            warnings.warn(f"envs could not be pickled ({err}); resuming from this run's checkpoints "
-                          "restores the learner exactly but resets the envs")
+        if err is not None and not self._warned_pickle:  # once per agent, outside the progress bar
+            notice(f"note: the envs could not be pickled ({err}); resuming from this run's checkpoints "
+                   "restores the learner exactly but resets the envs")
             self._warned_pickle = True
         return path
 

@@ -1,12 +1,14 @@
-"""Command line: ``mamba-rl train | eval`` (also ``python -m mamba_rl``).
+"""Command line: ``mamba-rl train | eval | envs | plot`` (also ``python -m mamba_rl``).
 
 ``mamba-rl train`` with no arguments trains recurrent PPO on ``mamba_rl/CartPoleNoVel-v1``
 (device auto, dtype f32, CleanRL's PPO defaults), logs TensorBoard to
-``runs/{env}__{exp_name}__{seed}__{unix_time}`` and checkpoints under
-``checkpoints/{run name}/`` (periodically, at the end, and on Ctrl-C). Every PPOConfig field is a
-flag (``--num-envs 16``, ``--prev-action``, ``--no-anneal-lr``, ``--target-kl 0.02``, ...), and so is
-every field of its backbone MambaConfig (``--d-model 64``, ``--n-layers 2``, ``--dt-rank 8``,
-``--rms-norm-eps 1e-6``, ...).
+``runs/{env}__{exp_name}__{seed}__{unix_time}__{suffix}`` and checkpoints under
+``checkpoints/{run name}/`` (periodically, at the end, and on Ctrl-C, after which it prints the
+steps done and the resume command). Both folders are created exclusively, so concurrent runs never
+share one (:mod:`mamba_rl.agents.runs`). Every PPOConfig field is a flag (``--num-envs 16``,
+``--prev-action``, ``--no-anneal-lr``, ``--target-kl 0.02``, ``--threads 2``, ...), and so is every
+field of its backbone MambaConfig (``--d-model 64``, ``--n-layers 2``, ``--dt-rank 8``, ...); their
+help is the first line of the field's entry in the dataclass docstring (:func:`field_docs`).
 ``--resume PATH`` continues a run from a checkpoint folder: backbone, heads, both optimizers,
 counters and RNG states; the envs are rebuilt and reset, unless ``--resume-envs`` also restores them
 mid-episode from the checkpoint's ``envs.pkl`` (a pickle: trusted checkpoints only), which makes the
@@ -14,20 +16,24 @@ continuation identical to a run that never stopped.
 
 ``mamba-rl eval --checkpoint PATH --episodes N [--deterministic] [--video]`` runs N episodes,
 resetting the memory at each, and prints the mean and std of the return.
+``mamba-rl envs [--all]`` lists the env ids; ``mamba-rl plot RUN_DIR [--out PNG]`` draws a run's
+learning curves from its TensorBoard events (matplotlib: the ``plot`` extra).
 
+User mistakes end in one ``mamba-rl CMD: error: ...`` line and exit code 2 (see :func:`main`).
 Subcommands are argparse subparsers registered in ``SUBCOMMANDS``; add one with
-``register_subcommand(name, add_arguments, run)``.
+``register_subcommand(name, help, add_arguments, run)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
-__all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS"]
+__all__ = ["main", "build_parser", "register_subcommand", "SUBCOMMANDS", "UsageError", "field_docs"]
 
 # name -> (help, add_arguments(parser), run(args) -> exit code)
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {}
@@ -57,30 +63,46 @@ def _int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {text!r}") from None
 
 
-_FIELD_HELP = {
-    "env_id": "gymnasium id, mamba_rl/...NoVel id or popgym-... id",
-    "total_timesteps": "env steps to train for (all envs together)",
-    "device": "auto | cpu | cuda | cuda:N",
-    "dtype": "backbone compute dtype: f32 | bf16 | f16",
-    "backend": "backbone backend: auto | cuda | reference",
-    "num_steps": "steps per env per rollout (BPTT length)",
-    "num_minibatches": "minibatches per epoch (slices over envs)",
-    "max_grad_norm": "global clip over heads + backbone ('none': off)",
-    "target_kl": "early-stop the epochs above this approx_kl ('none': off)",
-    "prev_action": "append the previous action to the input",
-    "prev_reward": "append the previous reward to the input",
-    "normalize_obs": "running mean/std observation normalisation",
-    "memoryless": "reset the recurrent state every step (ablation)",
-    "checkpoint_every": "checkpoint every N updates (0: only at the end / Ctrl-C)",
-    "track": "write TensorBoard logs",
-    "d_model": "backbone residual width",
-    "n_layers": "backbone Mamba blocks",
-    "d_state": "backbone SSM state size per channel",
-    "d_conv": "backbone causal conv kernel size",
-    "expand": "backbone d_inner = expand * d_model",
-    "dt_rank": "backbone dt projection rank: an int or 'auto' (ceil(d_model / 16))",
-    "rms_norm_eps": "backbone RMSNorm epsilon",
-}
+def _optional_str(text: str) -> str | None:
+    return None if text.lower() in ("none", "null", "default") else text
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: one-line doc}`` from the ``Attributes:`` section of ``cls``'s docstring (Google style).
+
+    The first line of each entry is its ``--help`` text, so the dataclass docstring is the one source
+    of a field's documentation; "(default ...)" parentheticals are dropped (argparse adds the default).
+    """
+    import inspect
+    import re
+
+    lines = (inspect.getdoc(cls) or "").splitlines()
+    out: dict[str, str] = {}
+    start = next((i for i, line in enumerate(lines) if re.match(r"^Attributes\b.*:\s*$", line.strip())), None)
+    if start is None:
+        return out
+    entry_indent = None
+    for line in lines[start + 1:]:
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent == 0:
+            break  # the next section (Raises:, ...)
+        entry_indent = indent if entry_indent is None else entry_indent
+        m = re.match(r"^(\w+): (.*)$", line.strip())
+        if indent == entry_indent and m:
+            out[m.group(1)] = re.sub(r"\s*\(default[^)]*\)", "", m.group(2)).strip()
+    return out
+
+
+def _field_help() -> dict[str, str]:
+    from mamba_rl import MambaConfig
+    from mamba_rl.agents.config import PPOConfig
+
+    docs = {k: f"backbone {v}" for k, v in field_docs(MambaConfig).items()}
+    docs.update(field_docs(PPOConfig))
+    return docs
+
 
 # argparse keywords per field type (PPOConfig's and MambaConfig's annotations)
 _TYPE_KW: list[tuple[Any, dict[str, Any]]] = [
@@ -89,6 +111,7 @@ _TYPE_KW: list[tuple[Any, dict[str, Any]]] = [
     (float, dict(type=float, metavar="FLOAT")),
     (float | None, dict(type=_optional_float, metavar="FLOAT|none")),
     (int | str, dict(type=_int_or_auto, metavar="INT|auto")),
+    (str | None, dict(type=_optional_str, metavar="STR|none")),
 ]
 
 
@@ -111,10 +134,13 @@ def _config_fields() -> list[tuple[dataclasses.Field, Any, str]]:
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     groups = {"ppo": parser.add_argument_group("PPOConfig (defaults: CleanRL's PPO)"),
               "backbone": parser.add_argument_group("PPOConfig.backbone (MambaConfig)")}
+    docs = _field_help()
     for f, hint, group in _config_fields():
         flag = "--" + f.name.replace("_", "-")
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        help_text = f"{_FIELD_HELP.get(f.name, '')} (default: {default})".strip()
+        # default=SUPPRESS: only the flags given on the command line override the config (or a
+        # resumed checkpoint's config), so the default is written into the help here, once
+        help_text = f"{docs.get(f.name, '')} (default: {default})".strip()
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         kw.update(next((dict(k) for t, k in _TYPE_KW if hint == t), dict(type=str, metavar="STR")))
         flags = [flag, "--env"] if f.name == "env_id" else [flag]
@@ -127,6 +153,38 @@ def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if k in names}
 
 
+class UsageError(Exception):
+    """A mistake in what the user asked for: printed as one ``mamba-rl CMD: error: ...`` line, exit 2."""
+
+
+@contextlib.contextmanager
+def _user_input() -> Iterator[None]:
+    """Turn the errors that mean "bad input" (flag values the config refuses, unknown env ids,
+    missing or unfit checkpoints, missing optional packages) into :class:`UsageError`. Only the
+    setup of a command runs under it: an error while training is a bug and keeps its traceback."""
+    import gymnasium as gym
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError,
+            gym.error.Error) as err:  # mamba_rl.CheckpointError is a ValueError
+        raise UsageError(str(err).strip() or type(err).__name__) from err
+
+
+def _check_device(config: Any) -> None:
+    """Raise UsageError when the config asks for CUDA (device or backend) and there is none."""
+    import torch
+
+    wants_cuda = str(config.device).startswith("cuda")
+    if wants_cuda and not torch.cuda.is_available():
+        raise UsageError(f"--device {config.device}: CUDA is not available on this machine "
+                         f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu or auto")
+    if wants_cuda and ":" in str(config.device) and int(str(config.device).split(":")[1]) >= torch.cuda.device_count():
+        raise UsageError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if config.backend == "cuda" and (config.device == "cpu" or not torch.cuda.is_available()):
+        raise UsageError("--backend cuda needs a CUDA device; use --backend auto or reference on the CPU")
+
+
 def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="PATH", default=None,
                    help="continue from a checkpoint folder (flags given here override its config)")
@@ -137,31 +195,57 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     _add_config_flags(p)
 
 
+def _steps(n: int) -> str:
+    return f"{n:,}"
+
+
 def _run_train(args: argparse.Namespace) -> int:
+    import time
+
     from mamba_rl.agents import PPOConfig, RecurrentPPO
+    from mamba_rl.agents.checkpoint import read_agent_config
+    from mamba_rl.agents.progress import apply_thread_policy
+    from mamba_rl.agents.runs import claim_run
 
     overrides = _config_overrides(args)
-    if args.resume:
-        agent = RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides)
-        print(f"resuming {agent.run_name} at update {agent.update}, step {agent.global_step}", file=sys.stderr)
-    else:
-        agent = RecurrentPPO(config=PPOConfig(**overrides))
+    with _user_input():
+        config = read_agent_config(args.resume, **overrides)[1] if args.resume else PPOConfig(**overrides)
+        _check_device(config)
+        threads = apply_thread_policy(config.threads)  # before anything builds a model
+        if args.resume:
+            agent = RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides)
+        else:
+            agent = RecurrentPPO(config=config)
+        claim_run(agent)  # the run's folders, created exclusively, before the name is printed
     c = agent.config
+    if args.resume:
+        print(f"resuming {agent.run_name} after update {agent.update} of {c.num_updates} "
+              f"({_steps(agent.global_step)} of {_steps(c.planned_timesteps)} env steps done)", file=sys.stderr)
+    rounded = "" if c.planned_timesteps == c.total_timesteps else \
+        f" (--total-timesteps {_steps(c.total_timesteps)} rounded up to whole rollouts)"
     print(f"run {agent.run_name}: {c.env_id}, device {agent.device}, dtype {c.dtype}, backend {agent.net.backend}, "
-          f"{c.num_updates} updates of {c.num_envs}x{c.num_steps} steps", file=sys.stderr)
+          f"{threads} CPU thread{'s' * (threads != 1)}; {c.num_updates} updates of {c.num_envs}x{c.num_steps} "
+          f"= {_steps(c.planned_timesteps)} env steps{rounded}", file=sys.stderr)
     if c.track:
         print(f"TensorBoard: tensorboard --logdir {c.runs_dir}", file=sys.stderr)
+    start, start_step = time.perf_counter(), agent.global_step
     try:
         agent.learn(progress=not args.no_progress)
     except KeyboardInterrupt:
-        print(f"\ninterrupted; checkpoint saved to {agent.checkpoint_root / 'interrupted'} "
-              f"(continue with --resume)", file=sys.stderr)
+        ckpt = agent.checkpoint_root / "interrupted"
+        done = agent.global_step - start_step
+        print(f"\ninterrupted after update {agent.update} of {c.num_updates}: {_steps(agent.global_step)} of "
+              f"{_steps(c.planned_timesteps)} env steps done ({_steps(done)} in this session, "
+              f"{time.perf_counter() - start:.0f} s; a partial rollout is dropped)\n"
+              f"checkpoint: {ckpt}\n"
+              f"continue with: mamba-rl train --resume {ckpt}", file=sys.stderr)
         agent.close()
         return 130
     final = agent.checkpoint_root / "final"
     recent = list(agent.recent_returns)
     if recent:
         print(f"mean return of the last {len(recent)} episodes: {sum(recent) / len(recent):.2f}", file=sys.stderr)
+    print(f"done: {_steps(agent.global_step)} env steps in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     print(f"checkpoint: {final}")
     agent.close()
     return 0
@@ -169,31 +253,49 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="checkpoint folder (or its agent.safetensors)")
-    p.add_argument("--episodes", type=int, default=10, help="episodes to run (default: 10)")
+    p.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes to run")
     p.add_argument("--deterministic", action="store_true", help="take the mode of the policy")
     p.add_argument("--video", action="store_true", help="record videos (gymnasium RecordVideo)")
     p.add_argument("--video-dir", default=None, help="video folder (default: {checkpoint}/videos)")
     p.add_argument("--seed", type=int, default=None, help="episode k resets with seed+k (default: config seed+10000)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda (default: the checkpoint's)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads (default: the checkpoint's config, 0 = auto)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _run_eval(args: argparse.Namespace) -> int:
     import os
 
     from mamba_rl.agents import RecurrentPPO
+    from mamba_rl.agents.checkpoint import read_agent_config
+    from mamba_rl.agents.progress import apply_thread_policy
 
     if args.episodes < 1:
-        raise SystemExit(f"--episodes must be >= 1, got {args.episodes}")
+        raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
     overrides: dict[str, Any] = {"track": False, "num_envs": 1, "num_minibatches": 1, "capture_video": False,
                                  "async_envs": False}
     if args.device:
         overrides["device"] = args.device
-    agent = RecurrentPPO.load(args.checkpoint, restore_envs=False, **overrides)
+    if args.threads is not None:
+        overrides["threads"] = args.threads
+    with _user_input():
+        config = read_agent_config(args.checkpoint, **overrides)[1]
+        _check_device(config)
+        apply_thread_policy(config.threads)
+        agent = RecurrentPPO.load(args.checkpoint, restore_envs=False, **overrides)
     video_dir = None
     if args.video:
         video_dir = args.video_dir or os.path.join(str(RecurrentPPO.checkpoint_file(args.checkpoint).parent), "videos")
-    res = agent.evaluate(args.episodes, deterministic=args.deterministic, seed=args.seed, video_dir=video_dir)
-    agent.close()
+    import gymnasium as gym
+
+    try:
+        res = agent.evaluate(args.episodes, deterministic=args.deterministic, seed=args.seed, video_dir=video_dir,
+                             progress=not args.no_progress)
+    except gym.error.DependencyNotInstalled as err:  # --video without moviepy: pip install "gymnasium[other]"
+        raise UsageError(str(err)) from err
+    finally:
+        agent.close()
     print(f"{agent.config.env_id}: mean return {res.mean:.2f} ± {res.std:.2f} over {len(res.returns)} episodes "
           f"(mean length {res.lengths.mean():.1f})")
     if video_dir:
@@ -201,8 +303,58 @@ def _run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _envs_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--all", action="store_true", help="also list every id in gymnasium's registry")
+
+
+def _run_envs(args: argparse.Namespace) -> int:
+    from mamba_rl.envs import list_env_ids
+
+    ids = list_env_ids(everything=args.all)
+    titles = {"mamba_rl": "registered by mamba_rl (POMDP: velocities masked)",
+              "popgym": "POPGym (the popgym extra)", "gymnasium": "gymnasium's registry"}
+    for key, env_ids in ids.items():
+        print(f"{titles[key]}:")
+        for env_id in env_ids:
+            print(f"  {env_id}")
+    if "popgym" not in ids:
+        print('POPGym ids: pip install -e ".[popgym]"')
+    print("any other id gymnasium.make accepts works too, e.g. CartPole-v1 or module:EnvId "
+          "(mamba-rl envs --all lists gymnasium's registry)")
+    return 0
+
+
+def _plot_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a TensorBoard run folder, e.g. runs/<run name>")
+    p.add_argument("--out", default=None, metavar="PNG", help="image to write (default: RUN_DIR/curves.png)")
+
+
+def _run_plot(args: argparse.Namespace) -> int:
+    from mamba_rl.plot import plot_run
+
+    with _user_input():
+        out = plot_run(args.run_dir, args.out)
+    print(f"plot: {out}")
+    return 0
+
+
 register_subcommand("train", "train recurrent PPO (defaults: mamba_rl/CartPoleNoVel-v1)", _train_arguments, _run_train)
 register_subcommand("eval", "evaluate a checkpoint", _eval_arguments, _run_eval)
+register_subcommand("envs", "list the env ids mamba_rl registers (and POPGym's, when installed)", _envs_arguments,
+                    _run_envs)
+register_subcommand("plot", "learning curves of a run (episodic return and losses vs env steps) as a PNG; "
+                    'needs matplotlib: pip install -e ".[plot]"', _plot_arguments, _run_plot)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter plus " (default: X)" for flags whose help does not state its default
+    already and whose default says something (not None, not a store_true's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,22 +363,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
     sub.required = True
     for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text,
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
         add_arguments(p)
         p.set_defaults(_run=run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``mamba-rl`` and ``python -m mamba_rl``; returns the exit code."""
-    import gymnasium as gym
+    """Entry point of ``mamba-rl`` and ``python -m mamba_rl``; returns the exit code.
 
+    A user mistake (a flag value the config refuses, an unknown env id, a missing or unfit
+    checkpoint, CUDA asked for but absent, a missing optional package) prints one
+    ``mamba-rl CMD: error: ...`` line on stderr and returns 2, as argparse does for a bad flag;
+    anything else (a bug) keeps its traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
         return int(args._run(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError, ImportError, gym.error.DependencyNotInstalled) as err:
-        # DependencyNotInstalled: e.g. --video without moviepy (pip install "gymnasium[other]")
+    except UsageError as err:
         print(f"mamba-rl {args.command}: error: {err}", file=sys.stderr)
         return 2
 

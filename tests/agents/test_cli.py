@@ -59,7 +59,7 @@ def test_train_eval_resume(tmp_path, capsys):
     # resume from update 1 of 2: continues the same run (same run name, same step counter)
     rc = main(["train", "--resume", str(tmp_path / "ckpt" / run / "update_000001"), "--no-progress"])
     assert rc == 0
-    assert "resuming " + run + " at update 1, step 32" in capsys.readouterr().err
+    assert "resuming " + run + " after update 1 of 2 (32 of 64 env steps done)" in capsys.readouterr().err
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):

@@ -1,0 +1,96 @@
+"""Learning curves of a run from its TensorBoard event files (``mamba-rl plot RUN_DIR``).
+
+Needs matplotlib (``pip install -e ".[plot]"``). One PNG: the episodic return against global env
+steps (every episode as a dot, plus a running mean), and one panel per ``losses/*`` tag.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["read_scalars", "plot_run"]
+
+_RETURN = "charts/episodic_return"
+
+
+def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
+    """``{tag: (steps, values)}`` of every scalar in the event files under ``run_dir`` (a resumed run's
+    several event files are merged by step).
+
+    Raises:
+        FileNotFoundError: ``run_dir`` is not a folder or holds no TensorBoard event file.
+    """
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"no run folder at {run_dir}")
+    files = sorted(run_dir.glob("events.out.tfevents.*"))
+    if not files:
+        raise FileNotFoundError(f"no TensorBoard event files in {run_dir} (expected a folder like runs/<run name>)")
+    series: dict[str, list[tuple[int, float]]] = {}
+    for f in files:
+        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})  # 0: keep every point
+        acc.Reload()
+        for tag in acc.Tags().get("scalars", []):
+            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    out = {}
+    for tag, points in series.items():
+        if tag != _RETURN:  # one value per step (a resumed run may log a step twice: keep the last)
+            points = list(dict(points).items())
+        points.sort(key=lambda p: p[0])  # stable: episodes ending at one step keep their order
+        out[tag] = ([p[0] for p in points], [p[1] for p in points])
+    return out
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw the run's learning curves into a PNG and return its path.
+
+    Args:
+        run_dir: a TensorBoard run folder (``runs/<run name>``).
+        out: the image to write (default ``run_dir/curves.png``).
+
+    Raises:
+        ImportError: matplotlib is not installed (the ``plot`` extra).
+        FileNotFoundError: no event files in ``run_dir``.
+        ValueError: the run has no scalars to plot yet.
+    """
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError('mamba-rl plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)') \
+            from err
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    scalars = read_scalars(run_dir)
+    losses = sorted(t for t in scalars if t.startswith("losses/"))
+    panels = ([_RETURN] if _RETURN in scalars else []) + losses
+    if not panels:
+        raise ValueError(f"{run_dir}: no episodic return or losses logged yet")
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+    for ax, tag in zip(axes.flat, panels):
+        steps, values = scalars[tag]
+        if tag == _RETURN:
+            ax.plot(steps, values, ".", ms=2, alpha=0.3, label="episodes")
+            k = max(1, min(100, len(values) // 10))
+            mean = np.convolve(values, np.ones(k) / k, mode="valid")
+            ax.plot(steps[k - 1:], mean, lw=1.5, label=f"mean of {k}")
+            ax.legend(loc="best", fontsize=8)
+        else:
+            ax.plot(steps, values, lw=1)
+        ax.set_title(tag, fontsize=10)
+        ax.set_xlabel("env steps")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(Path(run_dir).name, fontsize=9)
+    fig.tight_layout()
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,231 @@
+"""Issue #14.4/#14.5 and #8 (CPU): user mistakes are one-line errors (exit 2), help texts, env listing,
+exact counters, the Ctrl-C summary, the thread policy, progress and notices, `mamba-rl plot`."""
+
+import re
+import subprocess
+import sys
+import time
+
+import gymnasium as gym
+import pytest
+import torch
+
+from mamba_rl.cli import build_parser, main
+
+TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1",
+        "--d-model", "16", "--n-layers", "1", "--d-state", "4", "--device", "cpu", "--no-progress"]
+
+
+def _dirs(tmp_path):
+    return ["--runs-dir", str(tmp_path / "runs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
+
+
+def _subparsers():
+    return build_parser()._subparsers._group_actions[0].choices
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "envs", "plot"])
+def test_every_option_has_help_and_one_default(command):
+    p = _subparsers()[command]
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        text = re.sub(r"\s*\(default: [^)]*\)", "", action.help or "").strip()
+        assert text, f"{command} {action.option_strings} has no help besides its default"
+    help_text = p.format_help()
+    assert not re.search(r"\(default: ([^)]*)\)\s*\(default: \1\)", help_text), help_text
+    assert help_text.count("(default: 10)") <= 1
+
+
+def test_help_comes_from_the_config_docstrings():
+    from mamba_rl.agents import PPOConfig
+    from mamba_rl.cli import field_docs
+
+    docs = field_docs(PPOConfig)
+    help_text = " ".join(_subparsers()["train"].format_help().split())
+    assert docs["normalize_reward"].split()[0] in help_text and "(default: True)" in help_text
+    assert "backbone residual stream width" in help_text  # MambaConfig's own docstring
+
+
+USER_MISTAKES = [
+    (["train", "--env-id", "CartPol-v1"], "Did you mean: `CartPole`"),
+    (["train", "--num-envs", "3", "--num-minibatches", "2"], "must be divisible by num_minibatches"),
+    (["train", "--learning-rate", "-1"], "learning_rate"),
+    (["train", "--threads", "-2"], "threads"),
+    (["train", "--async-start-method", "threads"], "async_start_method"),
+    (["train", "--device", "gpu"], "PPOConfig.device"),
+    (["train", "--resume", "/no/such/checkpoint"], "no RecurrentPPO checkpoint"),
+    (["train", "--env-id", "no_such_module_xyz:Foo-v0"], "no_such_module_xyz"),
+    (["eval", "--checkpoint", "/no/such/checkpoint"], "no RecurrentPPO checkpoint"),
+    (["eval", "--checkpoint", ".", "--episodes", "0"], "--episodes must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", USER_MISTAKES)
+def test_user_mistakes_are_one_line_errors(argv, message, capsys):
+    assert main(argv + ["--no-track"] * (argv[0] == "train")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mamba-rl {argv[0]}: error: ") and message in err, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_cuda_without_a_gpu_is_a_one_line_error(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["train", "--device", "cuda"], ["train", "--backend", "cuda", "--device", "cpu"]):
+        assert main(argv + ["--no-track"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("mamba-rl train: error: ") and "CUDA" in err and len(err.splitlines()) == 1
+
+
+def test_bad_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "agent.safetensors").write_bytes(b"garbage")
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("mamba-rl eval: error: ")
+
+
+def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    from mamba_rl.agents import RecurrentPPO
+
+    def broken(self, *a, **k):
+        raise ValueError("a bug inside training")  # even a ValueError: training is not user input
+
+    monkeypatch.setattr(RecurrentPPO, "learn", broken)
+    with pytest.raises(ValueError, match="a bug inside training"):
+        main(["train", "--env", "CartPole-v1", "--total-timesteps", "32", *TINY, *_dirs(tmp_path)])
+
+
+def test_subprocess_exit_code_and_single_line():
+    r = subprocess.run([sys.executable, "-m", "mamba_rl", "train", "--env-id", "CartPol-v1", "--no-track"],
+                       capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if "Warning" not in ln and "warn(" not in ln and ln.strip()]
+    assert r.returncode == 2 and lines[-1].startswith("mamba-rl train: error: unknown env id 'CartPol-v1'"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_envs_lists_the_project_ids(capsys):
+    from mamba_rl.envs import POMDP_ENV_IDS
+
+    assert main(["envs"]) == 0
+    out = capsys.readouterr().out
+    assert all(env_id in out for env_id in POMDP_ENV_IDS)
+    assert main(["envs", "--all"]) == 0
+    assert "CartPole-v1" in capsys.readouterr().out
+
+
+def test_run_covers_total_timesteps_and_says_so(tmp_path, capsys):
+    rc = main(["train", "--env", "CartPole-v1", "--total-timesteps", "48", *TINY, *_dirs(tmp_path)])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "2 updates of 2x16 = 64 env steps (--total-timesteps 48 rounded up to whole rollouts)" in err
+    assert "done: 64 env steps" in err
+
+
+def test_ctrl_c_mid_rollout_counts_only_whole_updates(tmp_path, capsys, monkeypatch):
+    real_step = gym.vector.SyncVectorEnv.step
+    calls = {"n": 0}
+
+    def step(self, actions):
+        calls["n"] += 1
+        if calls["n"] == 16 + 5:  # inside the second rollout
+            raise KeyboardInterrupt
+        return real_step(self, actions)
+
+    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", step)
+    rc = main(["train", "--env", "CartPole-v1", "--total-timesteps", "96", *TINY, *_dirs(tmp_path)])
+    assert rc == 130
+    err = capsys.readouterr().err
+    assert "interrupted after update 1 of 3: 32 of 96 env steps done" in err
+    ckpt = re.search(r"continue with: mamba-rl train --resume (\S+)", err).group(1)
+    assert ckpt.endswith("interrupted") and f"checkpoint: {ckpt}" in err
+    monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", real_step)
+    assert main(["train", "--resume", ckpt, "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "after update 1 of 3 (32 of 96 env steps done)" in err and "done: 96 env steps" in err
+
+
+def test_threads_flag_reaches_torch(tmp_path, monkeypatch):
+    from mamba_rl.agents.progress import resolve_threads
+
+    before = torch.get_num_threads()
+    seen = {}
+    from mamba_rl.agents import RecurrentPPO
+
+    real_init = RecurrentPPO.__init__
+
+    def spy(self, *a, **k):
+        seen["threads_at_build"] = torch.get_num_threads()
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(RecurrentPPO, "__init__", spy)
+    try:
+        assert main(["train", "--env", "CartPole-v1", "--total-timesteps", "32", "--threads", "3", *TINY,
+                     *_dirs(tmp_path)]) == 0
+        assert seen["threads_at_build"] == 3 == torch.get_num_threads()  # set before the model is built
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert resolve_threads(0) == 5 and resolve_threads(2) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert resolve_threads(0) == 1
+
+
+def test_progress_bar_moves_during_a_rollout():
+    from mamba_rl.agents.progress import StepProgress
+
+    counter = {"step": 0}
+    bar = StepProgress(total=1000, initial=0, get_step=lambda: counter["step"], interval=0.05)
+    try:
+        counter["step"] = 37  # the rollout advanced, no update finished yet
+        deadline = time.time() + 5
+        while bar.bar.n != 37 and time.time() < deadline:
+            time.sleep(0.02)
+        assert bar.bar.n == 37
+    finally:
+        bar.close()
+
+
+class _Unpicklable(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (2,))
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        self.hook = lambda: None  # keeps the env from being pickled
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 1.0, False, False, {}
+
+
+def test_pickle_notice_appears_once(tmp_path, capsys):
+    from mamba_rl.agents import RecurrentPPO
+
+    gym.register("mamba_rl_test/Unpicklable-v0", entry_point=_Unpicklable)
+    try:
+        agent = RecurrentPPO("mamba_rl_test/Unpicklable-v0", num_envs=2, num_steps=8, num_minibatches=1,
+                             update_epochs=1, d_model=8, n_layers=1, d_state=2, device="cpu", total_timesteps=48,
+                             checkpoint_every=1, track=False, checkpoint_dir=str(tmp_path))
+        agent.learn(progress=True)
+        agent.close()
+    finally:
+        del gym.registry["mamba_rl_test/Unpicklable-v0"]
+    err = capsys.readouterr().err
+    assert err.count("could not be pickled") == 1
+
+
+def test_plot_a_tiny_run(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["train", "--env", "CartPole-v1", "--total-timesteps", "64", *TINY, *_dirs(tmp_path)]) == 0
+    capsys.readouterr()
+    (run,) = (tmp_path / "runs").iterdir()
+    from mamba_rl.plot import read_scalars
+
+    scalars = read_scalars(run)
+    assert scalars["losses/value_loss"][0] == [32, 64] and scalars["charts/episodic_return"][1]
+    out = tmp_path / "curves.png"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["plot", str(tmp_path / "nothing")]) == 2
+    assert capsys.readouterr().err.strip().endswith("no run folder at " + str(tmp_path / "nothing"))
