@@ -5,8 +5,8 @@ Times (median µs per call, CUDA events, graphs where a model can use them, TF32
     MambaTrainer in f32 and bf16, as graph replay and through the public ``trainer.step`` call;
   * the one-token step of the graph-captured Stepper (replay and ``stepper.step``), and the fused
     kernel alone at each rows-per-block setting;
-  * the peers of TARGETS.md by running shared/tools/peers.py (copied to the git-ignored .peers/) in this
-    process: cuDNN LSTM / GRU and mambapy (wheel carried in .whl).
+  * the peers by running the project's peer script (kept outside the repository; copy it to the
+    git-ignored .peers/peers.py) in this process: cuDNN LSTM / GRU and mambapy (wheel carried in .whl).
 Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay).
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--no-peers] [--quick]

@@ -13,7 +13,7 @@ For each env count (default 16 and 64) on CartPole-v1 it measures:
   LSTM 128, same env count and n_steps 128, on the same device, timed after a warm-up learn.
 
 Ratios: ``agent_vs_sb3`` = agent_sps / sb3_sps (target >= 30), ``agent_fraction_of_raw`` =
-agent_sps / raw_env_sps (target >= 0.5); see TARGETS.md.
+agent_sps / raw_env_sps (target >= 0.5) (the project's targets).
 
 Usage:
     python benchmarks/sps.py                       # cuda if available, 16 and 64 envs
