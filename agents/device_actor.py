@@ -68,45 +68,53 @@ class GraphActor:
 
     Args:
         agent: the agent (config, policy, stepper, device buffer with ``storage_device`` = its device).
+        capture: capture the two graphs (default: on CUDA). False runs the same bodies eagerly, on any
+            device (so the CPU tests cover this path's logic).
         capture_copies: capture the host copies in the graphs (None: :func:`host_copies_capturable`).
 
     Raises:
-        RuntimeError: the agent is not on CUDA.
+        RuntimeError: ``capture`` on a non-CUDA agent.
     """
 
-    def __init__(self, agent: Any, capture_copies: bool | None = None):
-        if agent.device.type != "cuda":
-            raise RuntimeError(f"GraphActor needs a CUDA agent, got device {agent.device}")
+    def __init__(self, agent: Any, capture: bool | None = None, capture_copies: bool | None = None):
+        cuda = agent.device.type == "cuda"
+        capture = cuda if capture is None else capture
+        if capture and not cuda:
+            raise RuntimeError(f"GraphActor: capturing needs a CUDA agent, got device {agent.device}")
         self.agent, c, p = agent, agent.config, agent.policy
         dev, n, t = agent.device, c.num_envs, c.num_steps
+        self.cuda, self.capture = cuda, capture
         self.n, self.t_len, self.d, self.a, self.p_dim = n, t, p.input_dim, p.action_dim, p.actor.out_dim
         act_dtype = torch.int64 if p.discrete_actions else torch.float32
         # host side (pinned)
-        self.stage_t = torch.zeros(n, self.d + 1, pin_memory=True)
+        self.stage_t = torch.zeros(n, self.d + 1, pin_memory=cuda)
         self.stager = HostStager(p, self.stage_t.numpy())
-        self.act_pin = torch.zeros(n, self.a, dtype=act_dtype, pin_memory=True)
+        self.act_pin = torch.zeros(n, self.a, dtype=act_dtype, pin_memory=cuda)
         self.act_np = self.act_pin.numpy()
-        self.res_pin = torch.zeros(4, n, t, pin_memory=True)  # reward | terminated | truncated | valid
+        self.res_pin = torch.zeros(4, n, t, pin_memory=cuda)  # reward | terminated | truncated | valid
         self.env_arrays = tuple(self.res_pin.numpy())
         # device side
         self.dstage = torch.zeros(n, self.d + 1, device=dev)
         self.res_dev = torch.zeros(4, n, t, device=dev)
-        self.hist_in = torch.zeros(n, t, self.d + 1, device=dev)
-        self.hist_out = torch.zeros(n, t, self.a + 2, device=dev)  # action | logprob | value
+        # per step: input | start | action | logprob | value
+        self.hist = torch.zeros(n, t, self.d + self.a + 3, device=dev)
         self.t_idx = torch.zeros(1, dtype=torch.int64, device=dev)
         self.act_dev = torch.zeros(n, self.a, dtype=act_dtype, device=dev)
         self.w_cat = torch.zeros(self.p_dim + 1, c.backbone.d_model, device=dev)
         self.b_cat = torch.zeros(self.p_dim + 1, device=dev)
         self.saved = agent.stepper.state.clone()
         self.discount = gae_discount_matrix(t, c.gamma, c.gae_lambda, dev)
-        self.event = torch.cuda.Event()
+        self.event = torch.cuda.Event() if cuda else None
+        if not capture:
+            capture_copies = False
         self.copies_in_graph = host_copies_capturable(dev) if capture_copies is None else capture_copies
         net, st, heads = agent.net, agent.stepper.state, agent.heads
         self._graphs = GraphSet("GraphActor", lambda: (net.arena, net.compute_arena, st.conv, st.ssm, self.dstage,
-                                                       self.hist_in, self.hist_out, self.t_idx, self.res_dev,
+                                                       self.hist, self.t_idx, self.res_dev,
                                                        self.w_cat, self.b_cat, self.saved.conv, self.saved.ssm,
                                                        *heads.parameters()))
-        self._capture()
+        if capture:
+            self._capture()
 
     # ------------------------------------------------------------------------------------ bodies
     def _heads(self) -> torch.Tensor:
@@ -121,9 +129,8 @@ class GraphActor:
         out = self._heads()
         dist = self.agent.policy.actor.dist(out[:, : self.p_dim])
         action = dist.sample()
-        row = torch.cat([action.float(), dist.log_prob(action).unsqueeze(1), out[:, self.p_dim:]], dim=1)
-        self.hist_out.index_copy_(1, self.t_idx, row.unsqueeze(1))
-        self.hist_in.index_copy_(1, self.t_idx, self.dstage.unsqueeze(1))
+        row = torch.cat([self.dstage, action, dist.log_prob(action).unsqueeze(1), out[:, self.p_dim:]], dim=1)
+        self.hist.index_copy_(1, self.t_idx, row.unsqueeze(1))  # one kernel: cat promotes the action to float
         self.t_idx.add_(1)
         if self.copies_in_graph:
             self.act_pin.copy_(action, non_blocking=True)
@@ -140,13 +147,14 @@ class GraphActor:
         next_value = self._heads()[:, -1]
         state.copy_(self.saved)
         rewards, flags = self.res_dev[0], self.res_dev[1:] > 0.5
-        values = self.hist_out[..., a + 1]
+        h = self.hist
+        values = h[..., d + a + 2]
         adv, ret = compute_gae_parallel(rewards, values, flags[0], flags[1], flags[2], next_value, c.gamma,
                                         c.gae_lambda, self.discount, check=False)
-        buf.inputs.copy_(self.hist_in[..., :d])
-        buf.episode_starts.copy_(self.hist_in[..., d] > 0.5)
-        buf.actions.copy_(self.hist_out[..., :a])
-        buf.logprobs.copy_(self.hist_out[..., a])
+        buf.inputs.copy_(h[..., :d])
+        buf.episode_starts.copy_(h[..., d] > 0.5)
+        buf.actions.copy_(h[..., d + 1:d + 1 + a])
+        buf.logprobs.copy_(h[..., d + 1 + a])
         buf.values.copy_(values)
         buf.rewards.copy_(rewards)
         buf.terminations.copy_(flags[0])
@@ -158,7 +166,7 @@ class GraphActor:
 
     def _capture(self) -> None:
         state = self.agent.stepper.state
-        keep = [(x, x.clone()) for x in (state.conv, state.ssm, self.hist_in, self.hist_out, self.t_idx)]
+        keep = [(x, x.clone()) for x in (state.conv, state.ssm, self.hist, self.t_idx)]
         torch.cuda.synchronize()
         with torch.no_grad():
             warm_up(lambda: (self._act_body(), self._finish_body()), 2)
@@ -170,35 +178,47 @@ class GraphActor:
             for x, v in keep:
                 x.copy_(v)
         self._graphs.seal()
-        self._act_graph, self._finish_graph = self._graphs["act"], self._graphs["finish"]
+
+    def _sync(self) -> None:
+        if self.event is not None:
+            self.event.record()
+            self.event.synchronize()
 
     # ------------------------------------------------------------------------------------ the loop API
     def begin(self) -> None:
         """Rollout start: store the stepper state as the update's initial state, refresh the fused heads."""
-        self._graphs.check()  # once per rollout; the per-step replays skip the pointer guard
+        if self.capture:
+            self._graphs.check()  # once per rollout; the per-step replays skip the pointer guard
         a, p = self.agent, self.agent.policy
         with torch.no_grad():
+            self.t_idx.zero_()  # also after an interrupted rollout
             a.buffer.initial_state.copy_(a.stepper.state)
             torch.cat([p.actor.linear.weight, p.critic.linear.weight], out=self.w_cat)
             torch.cat([p.actor.linear.bias, p.critic.linear.bias], out=self.b_cat)
 
+    @torch.no_grad()
     def act(self, t: int) -> np.ndarray:
         """One replay for step ``t`` from the staged input; returns the actions [N, action_dim] (a view
         of the pinned buffer, valid until the next call)."""
         if not self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
-        self._act_graph.replay()
+        if self.capture:
+            self._graphs["act"].replay()  # the pointer guard ran in begin()
+        else:
+            self._act_body()
         if not self.copies_in_graph:
             self.act_pin.copy_(self.act_dev, non_blocking=True)
-        self.event.record()
-        self.event.synchronize()
+        self._sync()
         return self.act_np
 
+    @torch.no_grad()
     def finish(self) -> None:
         """Bootstrap value, GAE and the device buffer: one replay and one event sync."""
         if not self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
             self.res_dev.copy_(self.res_pin, non_blocking=True)
-        self._finish_graph.replay()
-        self.event.record()  # the host rewrites the pinned stage and results next: let the copies finish
-        self.event.synchronize()
+        if self.capture:
+            self._graphs["finish"].replay()
+        else:
+            self._finish_body()
+        self._sync()  # the host rewrites the pinned stage and results next: let the copies finish

@@ -210,17 +210,17 @@ def _gpu_agent(tmp_path, graphs=True, **kw):
     return RecurrentPPO(config=PPOConfig(**cfg))
 
 
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("terminate", [False, True])
-def test_graph_rollout_keeps_the_eager_semantics(tmp_path, terminate):
+def _graph_rollout_semantics(tmp_path, terminate, device):
+    from mamba_rl.agents.device_actor import GraphActor
     from tests.agents.test_rollout import toy_envs
 
     agent = RecurrentPPO(toy_envs(terminate=terminate), config=PPOConfig(
         env_id="toy", num_envs=4, num_steps=24, num_minibatches=2, update_epochs=2, total_timesteps=10_000,
-        d_model=16, n_layers=2, d_state=16, device="cuda", track=False, checkpoint_every=0, seed=3,
+        d_model=16, n_layers=2, d_state=16, device=device, track=False, checkpoint_every=0, seed=3,
         runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt")))
-    assert type(agent.actor).__name__ == "GraphActor"
+    if device == "cpu":  # the GPU actor's bodies, run eagerly on the CPU
+        agent.actor = GraphActor(agent, capture=False)
+    assert isinstance(agent.actor, GraphActor)
     agent.collect_rollout()
     agent.collect_rollout()  # a carried state and resets mid-rollout
     b = agent.buffer
@@ -246,6 +246,43 @@ def test_graph_rollout_keeps_the_eager_semantics(tmp_path, terminate):
     agent.close()
 
 
+@pytest.mark.parametrize("terminate", [False, True])
+def test_graph_actor_bodies_keep_the_rollout_semantics_on_cpu(tmp_path, terminate):
+    _graph_rollout_semantics(tmp_path, terminate, "cpu")
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("terminate", [False, True])
+def test_graph_rollout_keeps_the_rollout_semantics(tmp_path, terminate):
+    _graph_rollout_semantics(tmp_path, terminate, "cuda")
+
+
+def _copy_rollout(src, dst):
+    for k in ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "episode_starts",
+              "valid", "advantages", "returns"):
+        getattr(dst.buffer, k).copy_(getattr(src.buffer, k).to(getattr(dst.buffer, k).device))
+    dst.buffer.initial_state.copy_(src.buffer.initial_state.to(dst.device))
+
+
+def test_update_with_the_flat_head_adam_equals_torch_adam_on_cpu(tmp_path):
+    from mamba_rl.agents.update import PPOUpdate
+
+    kw = dict(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
+              device="cpu", track=False, checkpoint_every=0, total_timesteps=10_000, checkpoint_dir=str(tmp_path))
+    ref, flat = RecurrentPPO("CartPole-v1", **kw), RecurrentPPO("CartPole-v1", **kw)
+    flat.head_optimizer = FlatHeadAdam(flat.heads.parameters(), lr=2.5e-4, eps=1e-5)
+    flat.updater = PPOUpdate(flat)
+    ref.collect_rollout()
+    _copy_rollout(ref, flat)
+    mr, mf = ref.update_policy(), flat.update_policy()
+    for k in mr:
+        assert mf[k] == pytest.approx(mr[k], rel=1e-4, abs=1e-6), k
+    torch.testing.assert_close(flat.net.arena, ref.net.arena, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(flat.heads.named_parameters(), ref.heads.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
@@ -254,11 +291,7 @@ def test_captured_update_equals_eager_update(tmp_path, dtype):
     e_agent = _gpu_agent(tmp_path / "e", graphs=False, env_id="CartPole-v1", dtype=dtype)
     torch.testing.assert_close(g_agent.net.arena, e_agent.net.arena, rtol=0, atol=0)
     g_agent.collect_rollout()
-    gb, eb = g_agent.buffer, e_agent.buffer
-    for k in ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "episode_starts",
-              "valid", "advantages", "returns"):
-        getattr(eb, k).copy_(getattr(gb, k).cpu())
-    eb.initial_state.copy_(gb.initial_state)
+    _copy_rollout(g_agent, e_agent)
     mg, me = g_agent.update_policy(), e_agent.update_policy()
     for k in mg:
         if not k.startswith("debug/"):
