@@ -97,12 +97,18 @@ class ActionDist:
         self.kind = kind
         self.params = params
         self.splits = splits
+        self._logp_cache: list[torch.Tensor] | None = None
 
     def _logps(self) -> list[torch.Tensor]:
-        (logits,) = self.params
-        if self.kind == "categorical":
-            return [torch.log_softmax(logits, dim=-1)]
-        return [torch.log_softmax(p, dim=-1) for p in torch.split(logits, list(self.splits), dim=-1)]
+        """Log-softmax of each categorical, computed once per distribution (sampling, log_prob and
+        entropy share it: one kernel less per use in the rollout graph and the update)."""
+        if self._logp_cache is None:
+            (logits,) = self.params
+            if self.kind == "categorical":
+                self._logp_cache = [torch.log_softmax(logits, dim=-1)]
+            else:
+                self._logp_cache = [torch.log_softmax(p, dim=-1) for p in torch.split(logits, list(self.splits), -1)]
+        return self._logp_cache
 
     def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
         """Log-probability [S] of ``actions`` [S, action_dim]."""
