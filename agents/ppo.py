@@ -133,7 +133,8 @@ class RecurrentPPO:
 
     def _reset_carry(self, next_obs: torch.Tensor) -> None:
         """The state carried between rollouts, at the start of every env's first episode. It lives on
-        the host: the per-step policy math runs there (see collect_rollout)."""
+        the host as CPU tensors (checkpoints save it): the host stages each step's input from it (see
+        :func:`mamba_rl.agents.rollout.collect_rollout`)."""
         n, p = self.config.num_envs, self.policy
         self.next_obs = next_obs
         self.next_start = torch.ones(n, dtype=torch.bool)
