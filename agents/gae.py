@@ -30,7 +30,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["compute_gae"]
+__all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix"]
+
+
+def _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda) -> None:
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [num_envs, num_steps], got shape {tuple(rewards.shape)}")
+    shape = rewards.shape
+    for name, t in (("values", values), ("terminations", terminations),
+                    ("truncations", truncations), ("valid", valid)):
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {tuple(shape)} like rewards, got {tuple(t.shape)}")
+    for name, t in (("terminations", terminations), ("truncations", truncations), ("valid", valid)):
+        if t.dtype != torch.bool:
+            raise ValueError(f"{name} must be bool, got {t.dtype}")
+    if next_value.shape != shape[:1]:
+        raise ValueError(f"next_value must have shape ({shape[0]},), got {tuple(next_value.shape)}")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= gae_lambda <= 1.0):
+        raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {gamma}, {gae_lambda}")
 
 
 def compute_gae(
@@ -61,21 +78,8 @@ def compute_gae(
     Raises:
         ValueError: mismatched shapes or dtypes (names the tensor, expected and received).
     """
-    if rewards.dim() != 2:
-        raise ValueError(f"rewards must be [num_envs, num_steps], got shape {tuple(rewards.shape)}")
+    _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
     shape = rewards.shape
-    for name, t in (("values", values), ("terminations", terminations),
-                    ("truncations", truncations), ("valid", valid)):
-        if t.shape != shape:
-            raise ValueError(f"{name} must have shape {tuple(shape)} like rewards, got {tuple(t.shape)}")
-    for name, t in (("terminations", terminations), ("truncations", truncations), ("valid", valid)):
-        if t.dtype != torch.bool:
-            raise ValueError(f"{name} must be bool, got {t.dtype}")
-    if next_value.shape != shape[:1]:
-        raise ValueError(f"next_value must have shape ({shape[0]},), got {tuple(next_value.shape)}")
-    if not (0.0 <= gamma <= 1.0 and 0.0 <= gae_lambda <= 1.0):
-        raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {gamma}, {gae_lambda}")
-
     n, t_len = shape
     rewards = rewards.float()
     values = values.float()
@@ -89,5 +93,54 @@ def compute_gae(
         delta = rewards[:, t] + gamma * not_term[:, t] * v_next - values[:, t]
         last = (delta + gamma * gae_lambda * not_done[:, t] * last) * validf[:, t]
         advantages[:, t] = last
+    returns = (advantages + values) * validf
+    return advantages, returns
+
+
+def gae_discount_matrix(num_steps: int, gamma: float, gae_lambda: float, device=None) -> torch.Tensor:
+    """[T, T] float32 with (gamma lambda)^(s - t) at s >= t and 0 below the diagonal (0^0 = 1): the
+    constant of :func:`compute_gae_parallel`, built once per config."""
+    idx = torch.arange(num_steps, device=device, dtype=torch.float32)
+    diff = idx.view(1, -1) - idx.view(-1, 1)  # [t, s] = s - t
+    base = torch.full((), gamma * gae_lambda, dtype=torch.float32, device=device)
+    return torch.where(diff >= 0, torch.pow(base, diff.clamp_min(0)), torch.zeros((), device=device))
+
+
+def compute_gae_parallel(rewards: torch.Tensor, values: torch.Tensor, terminations: torch.Tensor,
+                         truncations: torch.Tensor, valid: torch.Tensor, next_value: torch.Tensor, gamma: float,
+                         gae_lambda: float, discount: torch.Tensor | None = None,
+                         check: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_gae` without the loop over steps: about ten kernels for any T, no host sync, so a
+    CUDA graph can capture it (the GPU rollout does). Same arguments and results (up to float32 rounding:
+    the sums run in another order).
+
+    The recursion ``A_t = valid_t (delta_t + gamma lambda (1 - done_t) A_{t+1})`` unrolls to
+    ``A_t = valid_t sum_{s >= t} (gamma lambda)^(s - t) [no done in t..s-1] delta_s``: an invalid step only
+    follows a done (or opens the rollout), so inside a done-free stretch every step is valid. ``[no done
+    in t..s-1]`` is "same segment", with segment ids = dones counted before each step. Memory: one
+    [N, T, T] float32 temporary (64 MiB at 1024 envs x 128 steps).
+
+    Args:
+        as :func:`compute_gae`; ``discount``: :func:`gae_discount_matrix` for (T, gamma, lambda) on the
+        rewards' device (built here when None); ``check``: validate the inputs (skip inside a capture).
+    Raises:
+        ValueError: as :func:`compute_gae`, or a ``discount`` of the wrong shape.
+    """
+    if check:
+        _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
+    t_len = rewards.shape[1]
+    if discount is None:
+        discount = gae_discount_matrix(t_len, gamma, gae_lambda, rewards.device)
+    elif check and discount.shape != (t_len, t_len):
+        raise ValueError(f"discount must be [{t_len}, {t_len}], got {tuple(discount.shape)}")
+    values = values.float()
+    v_next = torch.cat([values[:, 1:], next_value.float().view(-1, 1)], dim=1)
+    delta = rewards.float() + gamma * (~terminations).float() * v_next - values
+    done = (terminations | truncations).to(torch.int32)
+    seg = torch.cumsum(done, dim=1) - done  # dones strictly before each step
+    same = seg.unsqueeze(2) == seg.unsqueeze(1)  # [N, t, s]
+    weights = torch.where(same, discount, torch.zeros((), device=rewards.device))
+    validf = valid.float()
+    advantages = (weights * delta.unsqueeze(1)).sum(-1) * validf
     returns = (advantages + values) * validf
     return advantages, returns

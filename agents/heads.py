@@ -97,12 +97,18 @@ class ActionDist:
         self.kind = kind
         self.params = params
         self.splits = splits
+        self._logp_cache: list[torch.Tensor] | None = None
 
     def _logps(self) -> list[torch.Tensor]:
-        (logits,) = self.params
-        if self.kind == "categorical":
-            return [torch.log_softmax(logits, dim=-1)]
-        return [torch.log_softmax(p, dim=-1) for p in torch.split(logits, list(self.splits), dim=-1)]
+        """Log-softmax of each categorical, computed once per distribution (sampling, log_prob and
+        entropy share it: one kernel less per use in the rollout graph and the update)."""
+        if self._logp_cache is None:
+            (logits,) = self.params
+            if self.kind == "categorical":
+                self._logp_cache = [torch.log_softmax(logits, dim=-1)]
+            else:
+                self._logp_cache = [torch.log_softmax(p, dim=-1) for p in torch.split(logits, list(self.splits), -1)]
+        return self._logp_cache
 
     def log_prob(self, actions: torch.Tensor) -> torch.Tensor:
         """Log-probability [S] of ``actions`` [S, action_dim]."""
@@ -110,9 +116,10 @@ class ActionDist:
             mean, log_std = self.params
             z = (actions - mean) / log_std.exp()
             return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
-        out = 0
+        out = None
         for i, logp in enumerate(self._logps()):
-            out = out + logp.gather(-1, actions[..., i : i + 1].long()).squeeze(-1)
+            lp = logp.gather(-1, actions[..., i : i + 1].long()).squeeze(-1)
+            out = lp if out is None else out + lp
         return out
 
     def entropy(self) -> torch.Tensor:
@@ -126,7 +133,12 @@ class ActionDist:
         return out
 
     def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        """One action [S, action_dim] per distribution (Gumbel-max for categoricals)."""
+        """One action [S, action_dim] per distribution: Gumbel-max for categoricals
+        (argmax(logp + G), G = -log(-log U), U ~ Uniform[0, 1)), mean + std * N(0, 1) for a Gaussian.
+
+        Draws from ``generator`` (None: the default generator of the params' device). No host sync and
+        no allocation from host data, so a CUDA graph can capture it (torch's philox RNG advances per
+        replay); the rollout calls this same function eagerly on the CPU and captured on CUDA."""
         if self.kind == "gaussian":
             mean, log_std = self.params
             noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
@@ -134,10 +146,10 @@ class ActionDist:
         outs = []
         for logp in self._logps():
             u = torch.rand(logp.shape, generator=generator, device=logp.device, dtype=logp.dtype)
-            exp_noise = (-torch.log(u.clamp_min(1e-20))).clamp_min(1e-20)  # Exponential(1)
-            g = -torch.log(exp_noise)  # Gumbel(0, 1)
-            outs.append((logp + g).argmax(-1))
-        return torch.stack(outs, dim=-1)
+            # e = log(Exponential(1)) = -Gumbel(0, 1); in place: fewer kernels, the same values as logp + G
+            e = u.clamp_min_(1e-20).log_().neg_().clamp_min_(1e-20).log_()
+            outs.append((logp - e).argmax(-1))
+        return outs[0].unsqueeze(-1) if len(outs) == 1 else torch.stack(outs, dim=-1)
 
     def mode(self) -> torch.Tensor:
         """The most likely action [S, action_dim] (the mean for a Gaussian)."""

@@ -2,20 +2,21 @@
 
 Loop (docs/architecture.md, "Agent loop"), per update:
 
-1. Rollout: the stepper (graph-captured on CUDA) acts for ``num_steps`` steps in ``num_envs``
-   gymnasium envs. Its state at the rollout start is stored as the update's initial state; it
-   carries across rollouts and is reset only per env at episode starts, inside the kernel.
-   Per step the device does one host->device copy, the stepper and one fused head GEMM; the
-   head outputs come back in one copy and sampling / log-probs / storage run on the host
-   (the env needs the action on the host anyway), so no per-step small-kernel storm.
+1. Rollout: the backbone acts for ``num_steps`` steps in ``num_envs`` gymnasium envs. Its state at
+   the rollout start is stored as the update's initial state; it carries across rollouts and is
+   reset only per env at episode starts, inside the kernel. The host stages each step's input in
+   numpy (:func:`mamba_rl.agents.rollout.collect_rollout`); on CUDA one graph replay per step runs
+   backbone, heads, sampling and device storage (:class:`~mamba_rl.agents.device_actor.GraphActor`),
+   elsewhere the backbone and heads run eagerly and sampling / storage happen on the host.
 2. Advantages: GAE under NextStep autoreset (:func:`mamba_rl.agents.gae.compute_gae`): the reset
    step after a done is never a transition; a truncation bootstraps with V(final obs) computed
    with the pre-reset state.
-3. Update: ``update_epochs`` x ``num_minibatches`` minibatches, each a fixed-shape slice over envs
-   ``[num_envs / num_minibatches, num_steps]`` with its stored initial state and episode_starts.
-   ``trainer.forward`` gives features; the heads and :func:`mamba_rl.agents.loss.ppo_loss` give
-   d_temporal through autograd; ``trainer.backward_step(d_temporal, extra_grad_sq=|head grads|^2)``
-   clips one global norm over heads + backbone and steps AdamW; the head Adam uses the same clip.
+3. Update (:class:`~mamba_rl.agents.update.PPOUpdate`): ``update_epochs`` x ``num_minibatches``
+   minibatches, each a fixed-shape slice over envs ``[num_envs / num_minibatches, num_steps]`` with
+   its stored initial state and episode_starts: gather, ``trainer.forward_body``, heads,
+   :func:`mamba_rl.agents.loss.ppo_loss`, ``trainer.backward_body`` (one global clip over heads +
+   backbone, AdamW) and the head Adam with the same clip, skipped with the backbone on an f16
+   overflow; one CUDA graph replay per minibatch on the GPU, one host sync per update.
 
 :class:`RecurrentPPO` composes :class:`~mamba_rl.agents.policy.Policy` (network, acting),
 :mod:`~mamba_rl.agents.evaluate` and :mod:`~mamba_rl.agents.checkpoint`. Defaults and TensorBoard
@@ -28,7 +29,6 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import gymnasium as gym
@@ -40,14 +40,15 @@ from mamba_rl.envs import adopt_vec_env, finished_episodes, make_vec_env
 
 from .checkpoint import checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
 from .config import PPOConfig
+from .device_actor import GraphActor
 from .evaluate import EvalResult, evaluate_policy
-from .gae import compute_gae
+from .head_optim import FlatHeadAdam
 from .logger import TensorBoardLogger, run_name_for
-from .loss import explained_variance, ppo_loss
 from .policy import Policy, PolicyState, resolve_device
-from .rollout import RolloutBuffer
 from .progress import StepProgress, apply_thread_policy, notice
+from .rollout import EagerActor, RolloutBuffer, collect_rollout
 from .runs import claim_run
+from .update import PPOUpdate
 
 __all__ = ["RecurrentPPO"]
 
@@ -97,30 +98,28 @@ class RecurrentPPO:
         p = self.policy  # its parts, also as attributes of the agent
         self.net, self.heads, self.action_space = p.net, p.heads, p.action_space
         self.obs_dim, self.input_dim = p.obs_dim, p.input_dim
-        self.head_optimizer = torch.optim.Adam(self.heads.parameters(), lr=config.learning_rate,
-                                               eps=config.adam_eps)
+        # CUDA: the heads' Adam runs on a flat device arena inside the update graph (no sync per step)
+        adam = FlatHeadAdam if self.device.type == "cuda" else torch.optim.Adam
+        self.head_optimizer = adam(self.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
         self.trainer = MambaTrainer(self.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,
                                     no_decay="reference", max_grad_norm=config.max_grad_norm)
         self.stepper = self.net.stepper(batch=config.num_envs)
         self._graphs = config.cuda_graphs and self.device.type == "cuda"
-        if self._graphs:
-            self.stepper.capture_graph()
-            self.trainer.capture_graph()
         self._warned_pickle = False
 
-        # actions are sampled on the CPU (see collect_rollout), with this generator
+        # the eager path samples on the CPU with this generator; the graph path with the device's RNG
         self.sample_generator = torch.Generator().manual_seed(config.seed)
         self.np_rng = np.random.default_rng(config.seed)
         self.buffer = RolloutBuffer(config.num_envs, config.num_steps, p.input_dim, p.obs_dim, p.action_dim,
                                     p.discrete_actions, self.stepper.state, self.device,
-                                    storage_device=torch.device("cpu"))
+                                    storage_device=self.device if self._graphs else torch.device("cpu"))
         self._reset_carry(torch.zeros(config.num_envs, p.obs_dim))
         self.env_started = False
-        # host staging of [backbone input | episode_start] for one host->device copy per step
-        self._stage = torch.zeros(config.num_envs, p.input_dim + 1, dtype=torch.float32,
-                                  pin_memory=self.device.type == "cuda")
+        self.actor = GraphActor(self) if self._graphs else EagerActor(self)
+        self.updater = PPOUpdate(self, capture=self._graphs)
+        self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
         self.global_step = 0
         self.update = 0
         self.history: list[dict[str, float]] = []
@@ -137,7 +136,8 @@ class RecurrentPPO:
 
     def _reset_carry(self, next_obs: torch.Tensor) -> None:
         """The state carried between rollouts, at the start of every env's first episode. It lives on
-        the host: the per-step policy math runs there (see collect_rollout)."""
+        the host as CPU tensors (checkpoints save it): the host stages each step's input from it (see
+        :func:`mamba_rl.agents.rollout.collect_rollout`)."""
         n, p = self.config.num_envs, self.policy
         self.next_obs = next_obs
         self.next_start = torch.ones(n, dtype=torch.bool)
@@ -155,71 +155,15 @@ class RecurrentPPO:
     # --------------------------------------------------------------- rollout
     @torch.no_grad()
     def collect_rollout(self) -> tuple[list[tuple[int, float, int]], float]:
-        """Fill :attr:`buffer` with ``num_steps`` steps of every env, then compute GAE.
+        """Fill :attr:`buffer` with ``num_steps`` steps of every env, then compute GAE
+        (:func:`mamba_rl.agents.rollout.collect_rollout`).
 
         Returns:
             (episodes, rollout_ms): finished episodes as (global_step, return, length) and the wall
-            time of the rollout in ms.
+            time of the rollout in ms (the env.step share is kept in :attr:`last_env_ms`).
         """
-        c, buf = self.config, self.buffer
-        if not self.env_started:
-            self._reset_envs()
-        t0 = time.perf_counter()
-        episodes: list[tuple[int, float, int]] = []
-        policy, actor = self.policy, self.policy.actor
-        buf.initial_state.copy_(self.stepper.state)
-        # Per step, the device runs only: one host->device copy of [input | start], the stepper
-        # (a CUDA graph replay on GPU) and one GEMM for both heads; the head outputs come back in
-        # one device->host copy and sampling, log-probs and storage happen on the host. The head
-        # weights do not change during a rollout, so they are fused once here.
-        w, bias = policy.fused_heads()
-        log_std = policy.host_log_std()
-        p_dim = actor.out_dim
-
-        def act(x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-            self._stage[:, : policy.input_dim] = x
-            self._stage[:, policy.input_dim] = start
-            dev = self._stage.to(self.device, non_blocking=True)
-            x_dev = dev[:, : policy.input_dim]
-            if not self._graphs:  # a captured stepper copies into its own buffer; eager kernels get contiguous rows
-                x_dev = x_dev.contiguous()
-            feat = self.stepper.step(x_dev, episode_starts=dev[:, policy.input_dim] > 0.5)
-            return torch.addmm(bias, feat, w).cpu()  # [N, p_dim + 1]: actor raw outputs | value
-
-        for t in range(c.num_steps):
-            start = self.next_start | c.memoryless
-            x = policy.build_input(self.next_obs, self.prev_action, self.prev_reward, start)
-            out = act(x, start)
-            dist = actor.dist(out[:, :p_dim], log_std)
-            action = dist.sample(self.sample_generator)
-            buf.inputs[:, t] = x
-            buf.episode_starts[:, t] = start
-            buf.valid[:, t] = ~self.next_done
-            buf.values[:, t] = out[:, p_dim]
-            buf.actions[:, t] = action
-            buf.logprobs[:, t] = dist.log_prob(action)
-            obs, reward, term, trunc, info = self.envs.step(policy.to_env_action(action))
-            self.global_step += c.num_envs
-            reward_t, term_t, trunc_t = (torch.as_tensor(np.asarray(v, dtype=d))
-                                         for v, d in ((reward, np.float32), (term, bool), (trunc, bool)))
-            buf.rewards[:, t], buf.terminations[:, t], buf.truncations[:, t] = reward_t, term_t, trunc_t
-            # the obs after a reset step is the first obs of the next episode
-            self.next_start = self.next_done
-            self.next_done = term_t | trunc_t
-            self.prev_action = action
-            self.prev_reward = reward_t
-            self.next_obs = torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(c.num_envs, self.obs_dim))
-            for ret, length in finished_episodes(info):
-                episodes.append((self.global_step, ret, length))
-                self.recent_returns.append(ret)
-        # V(next obs) with the carried state, without advancing it (exact V(final obs) after a done)
-        saved = self.stepper.get_state()
-        start = self.next_start | c.memoryless
-        next_value = act(policy.build_input(self.next_obs, self.prev_action, self.prev_reward, start), start)[:, p_dim]
-        self.stepper.load_state(saved)
-        buf.advantages, buf.returns = compute_gae(buf.rewards, buf.values, buf.terminations, buf.truncations,
-                                                  buf.valid, next_value.clone(), c.gamma, c.gae_lambda)
-        return episodes, (time.perf_counter() - t0) * 1e3
+        episodes, rollout_ms, self.last_env_ms = collect_rollout(self, self.actor)
+        return episodes, rollout_ms
 
     # ---------------------------------------------------------------- update
     def _set_lr(self, lr: float) -> None:
@@ -237,65 +181,16 @@ class RecurrentPPO:
 
     def minibatch_rows(self) -> list[torch.Tensor]:
         """One epoch's minibatches: a permutation of the envs cut into ``num_minibatches`` equal
-        LongTensors of ``envs_per_minibatch`` rows each (fixed shape)."""
+        LongTensors of ``envs_per_minibatch`` rows each (fixed shape). Draws from :attr:`np_rng` as
+        :meth:`update_policy` does per epoch."""
         c = self.config
         perm = torch.as_tensor(self.np_rng.permutation(c.num_envs), device=self.device)
         return list(perm.view(c.num_minibatches, c.envs_per_minibatch))
 
     def update_policy(self) -> dict[str, float]:
-        """PPO epochs over :attr:`buffer`; returns the update's metrics as floats (one sync)."""
-        c = self.config
-        init_state = self.buffer.initial_state
-        buf = SimpleNamespace(**self.buffer.to_device(self.device))  # the rollout, moved once per update
-        actor, critic = self.policy.actor, self.policy.critic
-        head_params = [p for p in self.heads.parameters()]
-        clipfracs, grad_norms, overflows = [], [], []
-        last: dict[str, torch.Tensor] = {}
-        parity = None
-        loss_scale = None
-        for epoch in range(c.update_epochs):
-            for k, rows in enumerate(self.minibatch_rows()):
-                y = self.trainer.forward(buf.inputs[rows], initial_state=init_state.index(rows),
-                                         episode_starts=buf.episode_starts[rows])
-                y = y.detach().float().requires_grad_()
-                dist = actor(y)
-                newvalue = critic(y)
-                mb = SimpleNamespace(**{name: getattr(buf, name)[rows] for name in
-                                        ("actions", "logprobs", "values", "advantages", "returns")})
-                mask = buf.valid[rows].float()
-                count = mask.sum().clamp_min(1.0)
-                loss, last = ppo_loss(c, dist, newvalue, mb, mask, count)
-                clipfracs.append(last["clipfrac"])
-                if epoch == 0 and k == 0:
-                    with torch.no_grad():
-                        parity = torch.maximum((last["logratio"].abs() * mask).max(),
-                                               ((newvalue - mb.values).abs() * mask).max())
-
-                self.head_optimizer.zero_grad(set_to_none=False)
-                loss.backward()
-                head_grad_sq = torch.stack([p.grad.pow(2).sum() for p in head_params]).sum()
-                m = self.trainer.backward_step(d_temporal=y.grad, extra_grad_sq=head_grad_sq)
-                if c.max_grad_norm is not None:
-                    coef = m.clip_coef
-                    for p in head_params:
-                        p.grad.mul_(coef)
-                self.head_optimizer.step()
-                grad_norms.append(m.grad_norm.float().reshape(()))
-                overflows.append(m.overflow_skipped.float().reshape(()))
-                loss_scale = m.loss_scale
-            if c.target_kl is not None and float(last["kl"]) > c.target_kl:
-                break
-        explained_var = explained_variance(buf.returns, buf.values, buf.valid)
-        names = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
-                 "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance",
-                 "backbone/grad_norm", "backbone/loss_scale", "backbone/overflow_skipped", "debug/rollout_parity"]
-        vec = torch.stack([
-            last["v"], last["pg"], last["ent"], last["kl"], last["old_kl"], torch.stack(clipfracs).mean(),
-            explained_var, torch.stack(grad_norms).mean(),
-            torch.as_tensor(loss_scale, device=self.device).float().reshape(()),
-            torch.stack(overflows).sum(), parity if parity is not None else torch.zeros((), device=self.device),
-        ]).float().cpu().tolist()  # the one device->host sync of the update
-        return dict(zip(names, vec))
+        """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`); returns the
+        update's metrics as floats (one sync)."""
+        return self.updater.run()
 
     # ----------------------------------------------------------------- learn
     @property

@@ -1,24 +1,30 @@
 """End-to-end throughput (SPS) of the main job, next to its physical limit and to sb3-contrib, in ONE process.
 
-For each env count (default 16 and 64) on CartPole-v1 it measures:
+For each env count (default 16, 64, 256 and 1024) on CartPole-v1 it measures:
 
-* ``raw_env_sps``: the same gymnasium vector env (mamba_rl.envs.make_vec_env: SyncVectorEnv,
-  NextStep autoreset, RecordEpisodeStatistics, NormalizeReward) stepped with pre-drawn random
-  actions - the loop's physical limit;
+* ``raw_env_sps``: the same gymnasium vector env (mamba_rl.envs.make_vec_env: SyncVectorEnv, or
+  AsyncVectorEnv with shared memory under ``--async-envs``; NextStep autoreset,
+  RecordEpisodeStatistics, NormalizeReward) stepped with pre-drawn random actions - the loop's
+  physical limit;
 * ``agent_sps``: RecurrentPPO training (rollout + PPO update, the default CleanRL-like config,
-  d_model 128, 3 layers, f32), steps / wall time over the measured updates (the first update,
-  which captures the CUDA graphs and warms up, is excluded); ``agent_rollout_sps`` counts the
-  rollout time only;
-* ``sb3_sps`` (when ``sb3_contrib`` imports): sb3-contrib RecurrentPPO, MlpLstmPolicy with
-  LSTM 128, same env count and n_steps 128, on the same device, timed after a warm-up learn.
+  d_model 128, 3 layers, f32 unless overridden), steps / wall time over the measured updates (the
+  first update, which warms up, is excluded);
+* ``host_overhead_us``: per vector step, the rollout's wall time minus its env.step time (staging,
+  the graph replay and its sync, reading actions, bookkeeping), and ``update_ms_per_2048``: the
+  update's wall time per 2,048 env steps;
+* ``gae_device_ms`` / ``gae_host_ms``: GAE of one [num_envs, num_steps] rollout, the time-loop-free
+  device version (what the GPU rollout runs, inside a graph) against the step loop on the host;
+* ``sb3_sps`` (when ``sb3_contrib`` imports, up to ``--sb3-max-envs`` envs, 64 by default: it runs
+  at ~1-3k SPS, so larger rows would take minutes each): sb3-contrib RecurrentPPO, MlpLstmPolicy
+  with LSTM 128, same env count, n_steps 128, on the same device, timed after a warm-up learn.
 
-Ratios: ``agent_vs_sb3`` = agent_sps / sb3_sps (target >= 30), ``agent_fraction_of_raw`` =
-agent_sps / raw_env_sps (target >= 0.5) (the project's targets).
+Ratios: ``agent_fraction_of_raw`` = agent_sps / raw_env_sps (target >= 0.5), ``agent_vs_sb3`` =
+agent_sps / sb3_sps (target >= 30; issue #9). The default rows finish in a few minutes on an H200.
 
 Usage:
-    python benchmarks/sps.py                       # cuda if available, 16 and 64 envs
-    python benchmarks/sps.py --device cpu --updates 2 --num-steps 16 --envs 4   # quick CPU check
-Writes JSON to ``$OUT/sps.json`` when OUT is set (and to --json if given); prints it too.
+    python benchmarks/sps.py --out $OUT/sps.json            # cuda if available, 16 / 64 / 256 / 1024 envs
+    python benchmarks/sps.py --device cpu --envs 8 --updates 4 --d-model 64 --n-layers 2 --no-sb3   # CPU check
+Writes JSON to ``--out`` (and ``$OUT/sps.json`` when OUT is set); prints a table and the JSON.
 """
 
 from __future__ import annotations
@@ -27,23 +33,30 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
 import torch
 
 
-def raw_env_sps(num_envs: int, steps: int, seed: int = 0) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def raw_env_sps(num_envs: int, steps: int, async_envs: bool, seed: int = 0) -> float:
     """Env steps per second of make_vec_env('CartPole-v1', num_envs) with pre-drawn random actions."""
     from mamba_rl.envs import make_vec_env
 
-    envs = make_vec_env("CartPole-v1", num_envs, seed=seed, normalize_reward=True)
+    envs = make_vec_env("CartPole-v1", num_envs, seed=seed, async_=async_envs, normalize_reward=True)
     envs.reset(seed=seed)
     rng = np.random.default_rng(seed)
-    n_iter = max(1, steps // num_envs)
+    n_iter = max(20, steps // num_envs)
     actions = rng.integers(0, 2, size=(n_iter, num_envs))
-    for a in actions[: min(100, n_iter)]:  # warm-up
+    for a in actions[: min(50, n_iter)]:  # warm-up
         envs.step(a)
     t0 = time.perf_counter()
     for a in actions:
@@ -53,99 +66,167 @@ def raw_env_sps(num_envs: int, steps: int, seed: int = 0) -> float:
     return n_iter * num_envs / dt
 
 
-def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: str, seed: int = 0) -> dict:
-    """RecurrentPPO training SPS over ``updates`` updates after one warm-up update."""
-    import tempfile
-
+def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: str, async_envs: bool,
+              d_model: int, n_layers: int, seed: int = 0) -> dict:
+    """RecurrentPPO training SPS and its rollout / update split over ``updates`` updates after one
+    warm-up update (graph capture happens in the constructor, outside the timing)."""
     from mamba_rl.agents import PPOConfig, RecurrentPPO
 
     tmp = tempfile.mkdtemp(prefix="mamba_rl_sps_")
     cfg = PPOConfig(env_id="CartPole-v1", num_envs=num_envs, num_steps=num_steps, device=device, dtype=dtype,
-                    seed=seed, total_timesteps=(updates + 1) * num_envs * num_steps, track=False,
-                    checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp)
-    agent = RecurrentPPO(config=cfg)
-    agent.learn(total_timesteps=num_envs * num_steps)  # warm-up update (graph capture happened in __init__)
-    agent.config = cfg  # restore the full horizon (lr annealing as in a real run)
-    if agent.device.type == "cuda":
-        torch.cuda.synchronize()
+                    seed=seed, total_timesteps=(updates + 1) * num_envs * num_steps, track=False, async_envs=async_envs,
+                    checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp, d_model=d_model, n_layers=n_layers)
     t0 = time.perf_counter()
-    agent.learn()
-    if agent.device.type == "cuda":
-        torch.cuda.synchronize()
+    agent = RecurrentPPO(config=cfg)
+    build_s = time.perf_counter() - t0
+    env_ms: list[float] = []
+    agent.learn(total_timesteps=num_envs * num_steps)  # warm-up update
+    agent.config = cfg  # restore the full horizon (lr annealing as in a real run)
+    _sync(device)
+    t0 = time.perf_counter()
+    agent.learn(callback=lambda a, m: env_ms.append(a.last_env_ms))
+    _sync(device)
     dt = time.perf_counter() - t0
     hist = agent.history[1:]
-    steps = len(hist) * num_envs * num_steps
-    rollout_s = sum(h["perf/rollout_ms"] for h in hist) / 1e3
-    update_s = sum(h["perf/update_ms"] for h in hist) / 1e3
-    out = {"agent_sps": steps / dt, "agent_rollout_sps": steps / rollout_s, "agent_updates": len(hist),
-           "agent_rollout_ms_per_update": 1e3 * rollout_s / len(hist),
-           "agent_update_ms_per_update": 1e3 * update_s / len(hist),
-           "backend": agent.net.backend, "cuda_graphs": bool(agent._graphs)}
+    n = len(hist)
+    steps = n * num_envs * num_steps
+    rollout_ms = sum(h["perf/rollout_ms"] for h in hist) / n
+    update_ms = sum(h["perf/update_ms"] for h in hist) / n
+    out = {"agent_sps": steps / dt, "agent_rollout_sps": num_envs * num_steps / (rollout_ms / 1e3),
+           "agent_updates": n, "agent_build_s": build_s,
+           "rollout_ms_per_update": rollout_ms, "env_ms_per_update": sum(env_ms) / n,
+           "host_overhead_us": 1e3 * (rollout_ms - sum(env_ms) / n) / num_steps,
+           "update_ms_per_update": update_ms, "update_ms_per_2048": update_ms * 2048 / (num_envs * num_steps),
+           "final_losses": {k: hist[-1][k] for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy")},
+           "backend": agent.net.backend, "cuda_graphs": bool(agent._graphs),
+           "host_copies_in_graph": bool(getattr(agent.actor, "copies_in_graph", False))}
     agent.close()
     return out
 
 
-def sb3_sps(num_envs: int, updates: int, num_steps: int, device: str, seed: int = 0):
+def gae_times(num_envs: int, num_steps: int, device: str, reps: int = 20) -> dict:
+    """Median ms of one GAE over [num_envs, num_steps]: device (parallel) vs host (step loop, CPU tensors)."""
+    from mamba_rl.agents.gae import compute_gae, compute_gae_parallel, gae_discount_matrix
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(num_envs, num_steps, generator=g), torch.randn(num_envs, num_steps, generator=g),
+            torch.rand(num_envs, num_steps, generator=g) < 0.02, torch.rand(num_envs, num_steps, generator=g) < 0.01,
+            torch.ones(num_envs, num_steps, dtype=torch.bool), torch.randn(num_envs, generator=g)]
+
+    def median_ms(fn, dev):
+        ts = []
+        for _ in range(reps):
+            _sync(dev)
+            t0 = time.perf_counter()
+            fn()
+            _sync(dev)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    dargs = [a.to(device) for a in args]
+    disc = gae_discount_matrix(num_steps, 0.99, 0.95, device)
+    return {"gae_device_ms": median_ms(lambda: compute_gae_parallel(*dargs, 0.99, 0.95, disc, check=False), device),
+            "gae_host_ms": median_ms(lambda: compute_gae(*args, 0.99, 0.95), "cpu")}
+
+
+def sb3_sps(num_envs: int, updates: int, num_steps: int, device: str, async_envs: bool, seed: int = 0):
     """sb3-contrib RecurrentPPO (MlpLstmPolicy, LSTM 128) SPS, or None when sb3_contrib is missing."""
     try:
         from sb3_contrib import RecurrentPPO as SB3RecurrentPPO
         from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
+        from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
     except ImportError:
         return None
-    env = sb3_make_vec_env("CartPole-v1", n_envs=num_envs, seed=seed)
+    env = sb3_make_vec_env("CartPole-v1", n_envs=num_envs, seed=seed,
+                           vec_env_cls=SubprocVecEnv if async_envs else DummyVecEnv)
     model = SB3RecurrentPPO("MlpLstmPolicy", env, n_steps=num_steps, batch_size=num_envs * num_steps // 4,
                             n_epochs=4, learning_rate=2.5e-4, policy_kwargs=dict(lstm_hidden_size=128),
                             device=device, seed=seed, verbose=0)
     model.learn(total_timesteps=num_envs * num_steps)  # warm-up
     total = updates * num_envs * num_steps
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    _sync(device)
     t0 = time.perf_counter()
     model.learn(total_timesteps=total, reset_num_timesteps=False)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    _sync(device)
     dt = time.perf_counter() - t0
     env.close()
     return total / dt
+
+
+def _updates_for(num_envs: int, requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    return 8 if num_envs <= 64 else (4 if num_envs <= 256 else 3)
+
+
+def _table(results: list[dict]) -> str:
+    head = ("| envs | raw env SPS | agent SPS | agent/raw | sb3 SPS | agent/sb3 | host us/step | update ms/2048 |"
+            " GAE dev/host ms |")
+    lines = [head, "|" + "---|" * 9]
+    for r in results:
+        sb3 = f"{r['sb3_sps']:,.0f}" if r["sb3_sps"] else r.get("sb3_note", "-")
+        ratio = f"{r['agent_vs_sb3']:.1f}x" if r["agent_vs_sb3"] else "-"
+        lines.append(f"| {r['num_envs']} | {r['raw_env_sps']:,.0f} | {r['agent_sps']:,.0f} | "
+                     f"{r['agent_fraction_of_raw']:.2f} | {sb3} | {ratio} | {r['host_overhead_us']:.0f} | "
+                     f"{r['update_ms_per_2048']:.1f} | {r['gae_device_ms']:.2f} / {r['gae_host_ms']:.2f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--dtype", default="f32")
-    p.add_argument("--envs", type=int, nargs="+", default=[16, 64], help="env counts")
-    p.add_argument("--updates", type=int, default=10, help="measured PPO updates per env count")
+    p.add_argument("--envs", type=int, nargs="+", default=[16, 64, 256, 1024], help="env counts (one row each)")
+    p.add_argument("--updates", type=int, default=None,
+                   help="measured PPO updates per row (default 8 up to 64 envs, 4 up to 256, 3 above)")
     p.add_argument("--num-steps", type=int, default=128)
-    p.add_argument("--raw-steps", type=int, default=200_000, help="env steps for the raw env rate")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--n-layers", type=int, default=3)
+    p.add_argument("--raw-steps", type=int, default=100_000, help="env steps for the raw env rate (min 20 per env)")
+    p.add_argument("--async-envs", action="store_true", help="gymnasium AsyncVectorEnv (shared memory) everywhere")
     p.add_argument("--no-sb3", action="store_true", help="skip sb3-contrib even if installed")
-    p.add_argument("--json", default=None, help="also write the JSON here")
+    p.add_argument("--sb3-max-envs", type=int, default=64, help="skip sb3-contrib above this many envs (too slow)")
+    p.add_argument("--out", "--json", dest="out", default=None, help="write the JSON here")
     a = p.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
 
     results = []
     for n in a.envs:
-        row = {"num_envs": n, "num_steps": a.num_steps}
-        row["raw_env_sps"] = raw_env_sps(n, a.raw_steps)
-        row.update(agent_sps(n, a.updates, a.num_steps, device, a.dtype))
-        row["sb3_sps"] = None if a.no_sb3 else sb3_sps(n, max(1, a.updates // 2), a.num_steps, device)
+        row = {"num_envs": n, "num_steps": a.num_steps, "async_envs": a.async_envs}
+        row["raw_env_sps"] = raw_env_sps(n, max(a.raw_steps, 20 * n), a.async_envs)
+        row.update(agent_sps(n, _updates_for(n, a.updates), a.num_steps, device, a.dtype, a.async_envs, a.d_model,
+                             a.n_layers))
+        row.update(gae_times(n, a.num_steps, device))
+        row["sb3_sps"] = None
+        if a.no_sb3:
+            row["sb3_note"] = "skipped (--no-sb3)"
+        elif n > a.sb3_max_envs:
+            row["sb3_note"] = f"skipped (> {a.sb3_max_envs} envs: too slow)"
+        else:
+            row["sb3_sps"] = sb3_sps(n, 2, a.num_steps, device, a.async_envs)
+            if row["sb3_sps"] is None:
+                row["sb3_note"] = "sb3_contrib not installed"
         row["agent_fraction_of_raw"] = row["agent_sps"] / row["raw_env_sps"]
         row["agent_vs_sb3"] = row["agent_sps"] / row["sb3_sps"] if row["sb3_sps"] else None
         results.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
     report = {
         "benchmark": "CartPole-v1 end-to-end SPS (RecurrentPPO on the Mamba backbone vs raw env vs sb3-contrib)",
-        "device": device,
-        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+        "device": device, "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
         "torch": torch.__version__, "python": platform.python_version(), "dtype": a.dtype,
-        "model": {"d_model": 128, "n_layers": 3, "d_state": 16}, "results": results,
+        "model": {"d_model": a.d_model, "n_layers": a.n_layers, "d_state": 16},
+        "targets": {"agent_fraction_of_raw": ">= 0.5 at 16 and 64 envs", "agent_vs_sb3": ">= 30 at 16 and 64 envs",
+                    "host_overhead_us": "<= 100 at 16 envs", "update_ms_per_2048": "<= 15"},
+        "results": results, "table": _table(results),
     }
     text = json.dumps(report, indent=2)
+    print(report["table"], file=sys.stderr)
     print(text)
-    paths = [a.json] if a.json else []
+    paths = [a.out] if a.out else []
     if os.environ.get("OUT"):
         paths.append(os.path.join(os.environ["OUT"], "sps.json"))
-    for path in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    for path in dict.fromkeys(os.path.abspath(x) for x in paths):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(text + "\n")
     return report

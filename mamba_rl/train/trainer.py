@@ -259,6 +259,38 @@ class MambaTrainer:
         self._feat = None
         return None if accumulate else self._metrics(False)
 
+    # ------------------------------------------------------------------ hooks for a caller's bigger graph
+    def forward_body(self) -> torch.Tensor:
+        """The forward of :meth:`forward` without input copies or graphs, for a caller that captures a bigger
+        graph (e.g. a whole PPO minibatch): reads ``x_buf``, ``starts_buf`` and the carried ``state`` (write
+        them in place first), writes the final state into ``state``, and returns the features
+        [B, T, d_model] float32 with autograd history (backprop through them with :meth:`backward_body`)."""
+        return self._forward_body()
+
+    def backward_body(self) -> None:
+        """The backward of :meth:`backward_step` without input copies or graphs: backprop ``d_buf`` (times
+        the loss scale) through the last :meth:`forward_body`, clip one global norm (backbone plus
+        ``extra_sq_buf``, a head's squared gradient norm), AdamW, the f16 scaler update; zeroes the gradient
+        arena. No host sync; graph-capturable. The step's scalars (clip_coef, found_inf, ...) are in
+        ``scalars`` (layout in :mod:`mamba_rl.ops.optim`)."""
+        if self._feat is None:
+            raise RuntimeError("MambaTrainer.backward_body: call forward_body() first")
+        self._backward_body(True)
+        self._feat = None
+
+    def graph_buffers(self) -> tuple:
+        """Every tensor a captured forward/backward body reads or writes (for a caller's pointer guard)."""
+        return self._graph_buffers()
+
+    def snapshot(self) -> list:
+        """Copies of every buffer a training step changes (restore with :meth:`restore`): lets a caller
+        warm up and capture a graph without changing the trainer."""
+        return self._snapshot()
+
+    def restore(self, snap: list) -> None:
+        """Write back a :meth:`snapshot` in place (buffers keep their addresses)."""
+        self._restore(snap)
+
     def set_lr(self, lr: float):
         """Set AdamW's learning rate (a device write: captured graphs pick it up without recapture)."""
         if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr >= 0 and lr == lr and lr != float("inf")):

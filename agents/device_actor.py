@@ -1,0 +1,224 @@
+"""GPU acting: one CUDA graph replay per env step, rollout storage on the device.
+
+Per step (:meth:`GraphActor.act`) the host has written the backbone input and the episode-start flag
+into a pinned staging buffer (:class:`~mamba_rl.agents.rollout.HostStager`); then ONE graph replay
+
+1. copies the stage to the device (captured from the pinned buffer),
+2. runs the backbone step (the stepper's body, on the stepper's live state),
+3. both heads as one GEMM, samples the action on the device (Gumbel-max / Gaussian,
+   :meth:`~mamba_rl.agents.heads.ActionDist.sample` with torch's philox RNG, which a graph replays
+   with a fresh offset each time), its log-prob and the value,
+4. writes the stage and [action | log-prob | value] into device storage at column ``t`` (a device
+   step counter, advanced inside the graph),
+5. copies the action into a pinned host buffer;
+
+and the host waits on one event before reading the action. Rewards and done flags stay in pinned host
+arrays until the rollout ends; then one more replay (:meth:`GraphActor.finish`) copies them over,
+computes V(next obs) with the carried state without advancing it (the stepper's state is saved and
+restored inside the graph: exact V(final obs) after a done, as the eager path), runs GAE
+(:func:`~mamba_rl.agents.gae.compute_gae_parallel`) and fills the agent's device
+:class:`~mamba_rl.agents.rollout.RolloutBuffer`. If this torch/driver cannot capture host copies
+(probed once), they run as async copies right before / after the replay instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from mamba_rl.graphs import GraphSet, warm_up
+
+from .gae import compute_gae_parallel, gae_discount_matrix
+from .rollout import HostStager
+
+__all__ = ["GraphActor", "host_copies_capturable"]
+
+_PROBED: dict = {}
+
+
+def host_copies_capturable(device: torch.device) -> bool:
+    """Whether a CUDA graph on ``device`` can capture pinned host->device and device->host copies
+    (checked once per device by capturing, replaying and comparing a tiny graph)."""
+    key = str(device)
+    if key not in _PROBED:
+        try:
+            src = torch.zeros(4, pin_memory=True)
+            dst = torch.zeros(4, pin_memory=True)
+            d = torch.zeros(4, device=device)
+            g = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(device)
+            with torch.cuda.graph(g):
+                d.copy_(src, non_blocking=True)
+                d.mul_(2.0)
+                dst.copy_(d, non_blocking=True)
+            src.copy_(torch.arange(4.0))
+            g.replay()
+            torch.cuda.synchronize(device)
+            _PROBED[key] = bool(torch.equal(dst, torch.arange(4.0) * 2))
+        except Exception:  # any capture error: fall back to copies around the replay
+            torch.cuda.synchronize(device)
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+class GraphActor:
+    """One-graph-per-step acting for a CUDA :class:`~mamba_rl.agents.RecurrentPPO` (see the module doc).
+
+    Args:
+        agent: the agent (config, policy, stepper, device buffer with ``storage_device`` = its device).
+        capture: capture the two graphs (default: on CUDA). False runs the same bodies eagerly, on any
+            device (so the CPU tests cover this path's logic).
+        capture_copies: capture the host copies in the graphs (None: :func:`host_copies_capturable`).
+
+    Raises:
+        RuntimeError: ``capture`` on a non-CUDA agent.
+    """
+
+    def __init__(self, agent: Any, capture: bool | None = None, capture_copies: bool | None = None):
+        cuda = agent.device.type == "cuda"
+        capture = cuda if capture is None else capture
+        if capture and not cuda:
+            raise RuntimeError(f"GraphActor: capturing needs a CUDA agent, got device {agent.device}")
+        self.agent, c, p = agent, agent.config, agent.policy
+        dev, n, t = agent.device, c.num_envs, c.num_steps
+        self.cuda, self.capture = cuda, capture
+        self.n, self.t_len, self.d, self.a, self.p_dim = n, t, p.input_dim, p.action_dim, p.actor.out_dim
+        act_dtype = torch.int64 if p.discrete_actions else torch.float32
+        # host side (pinned)
+        self.stage_t = torch.zeros(n, self.d + 1, pin_memory=cuda)
+        self.stager = HostStager(p, self.stage_t.numpy())
+        self.act_pin = torch.zeros(n, self.a, dtype=act_dtype, pin_memory=cuda)
+        self.act_np = self.act_pin.numpy()
+        self.res_pin = torch.zeros(4, n, t, pin_memory=cuda)  # reward | terminated | truncated | valid
+        self.env_arrays = tuple(self.res_pin.numpy())
+        # device side
+        self.dstage = torch.zeros(n, self.d + 1, device=dev)
+        self.res_dev = torch.zeros(4, n, t, device=dev)
+        # per step: input | start | action | logprob | value
+        self.hist = torch.zeros(n, t, self.d + self.a + 3, device=dev)
+        self.t_idx = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.act_dev = torch.zeros(n, self.a, dtype=act_dtype, device=dev)
+        self.w_cat = torch.zeros(self.p_dim + 1, c.backbone.d_model, device=dev)
+        self.b_cat = torch.zeros(self.p_dim + 1, device=dev)
+        self.saved = agent.stepper.state.clone()
+        self.discount = gae_discount_matrix(t, c.gamma, c.gae_lambda, dev)
+        self.event = torch.cuda.Event() if cuda else None
+        if not capture:
+            capture_copies = False
+        self.copies_in_graph = host_copies_capturable(dev) if capture_copies is None else capture_copies
+        net, st, heads = agent.net, agent.stepper.state, agent.heads
+        self._graphs = GraphSet("GraphActor", lambda: (net.arena, net.compute_arena, st.conv, st.ssm, self.dstage,
+                                                       self.hist, self.t_idx, self.res_dev,
+                                                       self.w_cat, self.b_cat, self.saved.conv, self.saved.ssm,
+                                                       *heads.parameters()))
+        if capture:
+            self._capture()
+
+    # ------------------------------------------------------------------------------------ bodies
+    def _heads(self) -> torch.Tensor:
+        """[N, P + 1] actor raw outputs | value of the staged input (advances the stepper's state)."""
+        d = self.d
+        feat = self.agent.net.step(self.dstage[:, :d], self.agent.stepper.state, self.dstage[:, d] > 0.5)
+        return torch.addmm(self.b_cat, feat, self.w_cat.t())
+
+    def _act_body(self) -> None:
+        if self.copies_in_graph:
+            self.dstage.copy_(self.stage_t, non_blocking=True)
+        out = self._heads()
+        dist = self.agent.policy.actor.dist(out[:, : self.p_dim])
+        action = dist.sample()
+        row = torch.cat([self.dstage, action, dist.log_prob(action).unsqueeze(1), out[:, self.p_dim:]], dim=1)
+        self.hist.index_copy_(1, self.t_idx, row.unsqueeze(1))  # one kernel: cat promotes the action to float
+        self.t_idx.add_(1)
+        if self.copies_in_graph:
+            self.act_pin.copy_(action, non_blocking=True)
+        else:
+            self.act_dev.copy_(action)
+
+    def _finish_body(self) -> None:
+        c, buf, d, a = self.agent.config, self.agent.buffer, self.d, self.a
+        state = self.agent.stepper.state
+        if self.copies_in_graph:
+            self.dstage.copy_(self.stage_t, non_blocking=True)
+            self.res_dev.copy_(self.res_pin, non_blocking=True)
+        self.saved.copy_(state)
+        next_value = self._heads()[:, -1]
+        state.copy_(self.saved)
+        rewards, flags = self.res_dev[0], self.res_dev[1:] > 0.5
+        h = self.hist
+        values = h[..., d + a + 2]
+        adv, ret = compute_gae_parallel(rewards, values, flags[0], flags[1], flags[2], next_value, c.gamma,
+                                        c.gae_lambda, self.discount, check=False)
+        buf.inputs.copy_(h[..., :d])
+        buf.episode_starts.copy_(h[..., d] > 0.5)
+        buf.actions.copy_(h[..., d + 1:d + 1 + a])
+        buf.logprobs.copy_(h[..., d + 1 + a])
+        buf.values.copy_(values)
+        buf.rewards.copy_(rewards)
+        buf.terminations.copy_(flags[0])
+        buf.truncations.copy_(flags[1])
+        buf.valid.copy_(flags[2])
+        buf.advantages.copy_(adv)
+        buf.returns.copy_(ret)
+        self.t_idx.zero_()
+
+    def _capture(self) -> None:
+        state = self.agent.stepper.state
+        keep = [(x, x.clone()) for x in (state.conv, state.ssm, self.hist, self.t_idx)]
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            warm_up(lambda: (self._act_body(), self._finish_body()), 2)
+            self._graphs.clear()
+            self._graphs.capture("act", self._act_body)
+            self._graphs.capture("finish", self._finish_body)
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            for x, v in keep:
+                x.copy_(v)
+        self._graphs.seal()
+
+    def _sync(self) -> None:
+        if self.event is not None:
+            self.event.record()
+            self.event.synchronize()
+
+    # ------------------------------------------------------------------------------------ the loop API
+    def begin(self) -> None:
+        """Rollout start: store the stepper state as the update's initial state, refresh the fused heads."""
+        if self.capture:
+            self._graphs.check()  # once per rollout; the per-step replays skip the pointer guard
+        a, p = self.agent, self.agent.policy
+        with torch.no_grad():
+            self.t_idx.zero_()  # also after an interrupted rollout
+            a.buffer.initial_state.copy_(a.stepper.state)
+            torch.cat([p.actor.linear.weight, p.critic.linear.weight], out=self.w_cat)
+            torch.cat([p.actor.linear.bias, p.critic.linear.bias], out=self.b_cat)
+
+    @torch.no_grad()
+    def act(self, t: int) -> np.ndarray:
+        """One replay for step ``t`` from the staged input; returns the actions [N, action_dim] (a view
+        of the pinned buffer, valid until the next call)."""
+        if not self.copies_in_graph:
+            self.dstage.copy_(self.stage_t, non_blocking=True)
+        if self.capture:
+            self._graphs["act"].replay()  # the pointer guard ran in begin()
+        else:
+            self._act_body()
+        if not self.copies_in_graph:
+            self.act_pin.copy_(self.act_dev, non_blocking=True)
+        self._sync()
+        return self.act_np
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Bootstrap value, GAE and the device buffer: one replay and one event sync."""
+        if not self.copies_in_graph:
+            self.dstage.copy_(self.stage_t, non_blocking=True)
+            self.res_dev.copy_(self.res_pin, non_blocking=True)
+        if self.capture:
+            self._graphs["finish"].replay()
+        else:
+            self._finish_body()
+        self._sync()  # the host rewrites the pinned stage and results next: let the copies finish

@@ -1,0 +1,202 @@
+"""The PPO update (Schulman et al. 2017, CleanRL's recurrent form): epochs of fixed-shape minibatches.
+
+One minibatch step (:meth:`PPOUpdate._minibatch`) is one body, run eagerly on the CPU and captured as
+ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
+
+1. gather: the minibatch's envs are row ``k`` of a device permutation (``perm``, ``mb_index``), and
+   ``index_select`` writes their inputs, episode starts and stored initial state straight into the
+   trainer's static buffers, and their actions / log-probs / values / advantages / returns / valid
+   flags (one packed tensor) into a temporary;
+2. ``trainer.forward_body()``, the heads, :func:`~mamba_rl.agents.loss.ppo_loss` (advantages
+   normalised per minibatch over its valid steps), autograd for dLoss/dfeatures and the head grads;
+3. ``trainer.backward_body()``: backbone backward, one global clip over heads + backbone (the heads'
+   squared norm goes in ``extra_sq_buf``), AdamW, the f16 scaler;
+4. the head optimizer with the same clip factor, skipped exactly when the backbone step was skipped
+   (an f16 overflow; issue #14): :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on CUDA (no sync),
+   ``torch.optim.Adam`` on the CPU (where reading the flag costs nothing);
+5. the step's metrics go to row ``k`` of a device table; ``mb_index += 1``.
+
+The host reads the table once per update (one sync), plus once per epoch only when ``target_kl`` is set.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from mamba_rl.graphs import GraphSet, warm_up
+from mamba_rl.ops.optim import CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE
+
+from .head_optim import FlatHeadAdam
+from .loss import explained_variance, ppo_loss
+
+__all__ = ["PPOUpdate", "METRIC_NAMES"]
+
+# per-minibatch metric columns of the device table
+_COLS = ("v", "pg", "ent", "kl", "old_kl", "clipfrac", "grad_norm", "skipped", "parity")
+METRIC_NAMES = ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
+                "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "backbone/grad_norm",
+                "backbone/loss_scale", "backbone/overflow_skipped", "debug/rollout_parity")
+
+
+class PPOUpdate:
+    """PPO epochs over an agent's rollout buffer, one body per minibatch (captured on CUDA).
+
+    Args:
+        agent: a :class:`~mamba_rl.agents.RecurrentPPO` (its config, policy heads, trainer, head
+            optimizer, buffer and ``np_rng`` are used).
+        capture: capture the minibatch body as a CUDA graph (needs a CUDA agent).
+
+    Raises:
+        RuntimeError: ``capture`` on a non-CUDA agent.
+    """
+
+    def __init__(self, agent: Any, capture: bool = False):
+        c, p = agent.config, agent.policy
+        self.agent, self.config, self.trainer = agent, c, agent.trainer
+        self.actor, self.critic = p.actor, p.critic
+        self.head_params = list(agent.heads.parameters())
+        self.device = dev = agent.device
+        n, t = c.num_envs, c.num_steps
+        self.action_dim = a = p.action_dim
+        self.discrete = p.discrete_actions
+        # packed per-step columns: actions (a) | logprob | value | advantage | return | valid
+        self.inputs = torch.zeros(n, t, p.input_dim, device=dev)
+        self.starts = torch.zeros(n, t, dtype=torch.bool, device=dev)
+        self.pack = torch.zeros(n, t, a + 5, device=dev)
+        self.init_state = p.net.initial_state(n)
+        self.max_steps = c.update_epochs * c.num_minibatches
+        self.perm = torch.zeros(self.max_steps, c.envs_per_minibatch, dtype=torch.int64, device=dev)
+        self._perm_host = torch.zeros(self.max_steps, c.envs_per_minibatch, dtype=torch.int64,
+                                      pin_memory=dev.type == "cuda")
+        self.mb_index = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.table = torch.zeros(self.max_steps, len(_COLS), device=dev)
+        self.flat_heads = isinstance(agent.head_optimizer, FlatHeadAdam)
+        self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
+        if capture:
+            self.capture()
+
+    # ------------------------------------------------------------------------------------ the body
+    def _minibatch(self) -> None:
+        c, tr, a = self.config, self.trainer, self.action_dim
+        rows = self.perm.index_select(0, self.mb_index).view(-1)
+        torch.index_select(self.inputs, 0, rows, out=tr.x_buf)
+        torch.index_select(self.starts, 0, rows, out=tr.starts_buf)
+        torch.index_select(self.init_state.conv, 1, rows, out=tr.state.conv)
+        torch.index_select(self.init_state.ssm, 1, rows, out=tr.state.ssm)
+        pk = self.pack.index_select(0, rows)
+        mb = SimpleNamespace(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1],
+                             advantages=pk[..., a + 2], returns=pk[..., a + 3])
+        mask = pk[..., a + 4]
+        count = mask.sum().clamp_min(1.0)
+        y = tr.forward_body().detach().float().requires_grad_()
+        dist = self.actor(y)
+        newvalue = self.critic(y)
+        loss, st = ppo_loss(c, dist, newvalue, mb, mask, count)
+        grads = torch.autograd.grad(loss, [y] + self.head_params)
+        head_grads = grads[1:]
+        tr.d_buf.copy_(grads[0])
+        if self.flat_heads:
+            flat = self.agent.head_optimizer.flat_grad(head_grads)
+            tr.extra_sq_buf.copy_(flat.square().sum())
+        else:
+            tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
+        tr.backward_body()
+        s, hyper = tr.scalars, tr.hyper
+        skip = (s[FOUND_INF] > 0) & (hyper[6] > 0)
+        if self.flat_heads:
+            self.agent.head_optimizer.flat_step(flat, hyper[0], s[CLIP_COEF], skip)
+        elif not bool(skip):  # CPU: reading the flag is free; a skipped step skips the heads too
+            for p, g in zip(self.head_params, head_grads):
+                p.grad = g * s[CLIP_COEF].to(g.dtype) if c.max_grad_norm is not None else g
+            self.agent.head_optimizer.step()
+        with torch.no_grad():
+            parity = torch.maximum((st["logratio"].abs() * mask).max(), ((newvalue - mb.values).abs() * mask).max())
+            row = torch.stack([st["v"], st["pg"], st["ent"], st["kl"], st["old_kl"], st["clipfrac"],
+                               s[GRAD_NORM].float(), skip.float(), parity])
+            self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
+            self.mb_index.add_(1)
+
+    def _graph_buffers(self) -> tuple:
+        opt = self.agent.head_optimizer
+        heads = (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t) if self.flat_heads else ()
+        return self.trainer.graph_buffers() + heads + (self.inputs, self.starts, self.pack, self.init_state.conv,
+                                                       self.init_state.ssm, self.perm, self.mb_index, self.table)
+
+    def capture(self, warmup: int = 3) -> None:
+        """Capture :meth:`_minibatch` as one CUDA graph; every buffer it changes is restored afterwards.
+
+        Raises:
+            RuntimeError: not on CUDA, or the head optimizer is not a :class:`FlatHeadAdam`.
+        """
+        if self.device.type != "cuda" or not self.flat_heads:
+            raise RuntimeError("PPOUpdate.capture needs a CUDA agent whose head optimizer is a FlatHeadAdam")
+        opt = self.agent.head_optimizer
+        mine = [self.table, self.mb_index, opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t]
+        snap = self.trainer.snapshot() + [(b, b.detach().clone()) for b in mine]
+        torch.cuda.synchronize()
+        warm_up(self._run_eager_once, warmup)
+        self.trainer.restore(snap)
+        self._graphs.clear()
+        self._graphs.capture("minibatch", self._minibatch)
+        torch.cuda.synchronize()
+        self.trainer.restore(snap)
+        self._graphs.seal()
+
+    def _run_eager_once(self) -> None:
+        self.mb_index.zero_()
+        self._minibatch()
+
+    # ------------------------------------------------------------------------------------ the update
+    def _load_rollout(self) -> None:
+        buf = self.agent.buffer
+        with torch.no_grad():
+            dev = self.device
+            self.inputs.copy_(buf.inputs, non_blocking=True)
+            self.starts.copy_(buf.episode_starts, non_blocking=True)
+            self.init_state.copy_(buf.initial_state)
+            cols = [buf.actions.to(dev, torch.float32, non_blocking=True)] + [
+                getattr(buf, k).to(dev, torch.float32, non_blocking=True).unsqueeze(-1)
+                for k in ("logprobs", "values", "advantages", "returns", "valid")]
+            torch.cat(cols, dim=-1, out=self.pack)
+            self.mb_index.zero_()
+
+    def run(self) -> dict[str, float]:
+        """``update_epochs`` x ``num_minibatches`` minibatch steps over the agent's buffer.
+
+        Returns:
+            the update's metrics as floats, named :data:`METRIC_NAMES`: the losses of the last step,
+            clipfrac averaged over all steps, grad_norm averaged over the steps not skipped (0 when all
+            were), the loss scale after the update, the number of skipped f16 steps and the rollout
+            parity of the first step. One device->host read (plus one per epoch with ``target_kl``).
+        """
+        c = self.config
+        self._load_rollout()
+        m, e = c.num_minibatches, c.envs_per_minibatch
+        done = 0
+        for epoch in range(c.update_epochs):
+            perm = self.agent.np_rng.permutation(c.num_envs)
+            self._perm_host[epoch * m:(epoch + 1) * m].copy_(torch.from_numpy(perm).view(m, e))
+            self.perm[epoch * m:(epoch + 1) * m].copy_(self._perm_host[epoch * m:(epoch + 1) * m], non_blocking=True)
+            for _ in range(m):
+                if not self._graphs.replay("minibatch"):
+                    self._minibatch()
+                done += 1
+            if c.target_kl is not None and float(self.table[done - 1, _COLS.index("kl")]) > c.target_kl:
+                break
+        a = self.action_dim
+        with torch.no_grad():
+            ev = explained_variance(self.pack[..., a + 3], self.pack[..., a + 1], self.pack[..., a + 4] > 0.5)
+            tail = torch.stack([ev.float(), self.trainer.scalars[LOSS_SCALE].float()])
+            host = torch.cat([self.table[:done].reshape(-1), tail]).cpu().numpy()  # the one sync
+        tab = host[:-2].reshape(done, len(_COLS))
+        col = {k: tab[:, i] for i, k in enumerate(_COLS)}
+        ok = col["skipped"] < 0.5
+        last = tab[-1]
+        vals = [last[0], last[1], last[2], last[3], last[4], col["clipfrac"].mean(), host[-2],
+                col["grad_norm"][ok].mean() if ok.any() else 0.0, host[-1], col["skipped"].sum(),
+                col["parity"][0]]
+        return {k: float(v) for k, v in zip(METRIC_NAMES, vals)}
