@@ -20,10 +20,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | 
 python3 -c "import torch, gymnasium; print('torch', torch.__version__, torch.version.cuda, 'gymnasium', gymnasium.__version__)" \
   | tee -a "$OUT/gpu.txt"
 t0=$(date +%s)
-python3 -m mamba_rl.build 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
+python3 -m mamba_rl.build --kind cuda 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
 echo "build rc=$brc wall=$(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
 [ "$brc" -ne 0 ] && exit "$brc"
-timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -m cuda -q -p no:cacheprovider tests/agents 2>&1 | tee "$OUT/pytest_agents.log"
+timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -m cuda -q -p no:cacheprovider ${TEST_PATHS:-tests/agents} 2>&1 | tee "$OUT/pytest_agents.log"
 rc=${PIPESTATUS[0]}
 echo "pytest rc=$rc" | tee -a "$OUT/pytest_agents.log"
 timeout "${BENCH_TIMEOUT:-390}" python3 benchmarks/sps.py --out "$OUT/sps.json" ${SPS_ARGS:-} 2>&1 | tee "$OUT/sps.log"
