@@ -95,6 +95,8 @@ def _extra_tensors(agent: Any) -> dict[str, torch.Tensor]:
             t[f"head_optimizer/{idx}/{key}"] = torch.as_tensor(v)
     t["rng/sample_generator"] = agent.sample_generator.get_state()
     t["rng/torch"] = torch.get_rng_state()
+    if agent.device.type == "cuda":  # the graph-captured rollout samples with the device's generator
+        t["rng/cuda"] = torch.cuda.get_rng_state(agent.device)
     t["carry/stepper_conv"] = agent.stepper.state.conv
     t["carry/stepper_ssm"] = agent.stepper.state.ssm
     for name in _CARRY:
@@ -157,6 +159,8 @@ def restore_agent(agent: Any, ckpt: Path, restore_carry: bool) -> None:
     agent.head_optimizer.load_state_dict({"state": opt_state, "param_groups": extra["head_optimizer_param_groups"]})
     agent.sample_generator.set_state(meta["extra_tensors"]["rng/sample_generator"])
     torch.set_rng_state(meta["extra_tensors"]["rng/torch"])
+    if agent.device.type == "cuda" and "rng/cuda" in meta["extra_tensors"]:
+        torch.cuda.set_rng_state(meta["extra_tensors"]["rng/cuda"], agent.device)
     agent.np_rng.bit_generator.state = extra["np_rng"]
     adopt_run(agent, extra["run_name"])  # a resumed run writes into its own folders, on purpose
     agent.global_step = int(extra["global_step"])
