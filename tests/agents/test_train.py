@@ -42,9 +42,11 @@ def test_tensorboard_writes_every_tag(tmp_path):
     assert any("hyperparameters" in t for t in text_tags)
 
 
-def test_resume_continues_with_identical_losses(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")])])
+def test_resume_continues_with_identical_losses(tmp_path, device):
     cfg = _cfg(tmp_path, num_steps=16, total_timesteps=4 * 64, checkpoint_every=1, normalize_obs=True,
-               prev_action=True, prev_reward=True)
+               prev_action=True, prev_reward=True, device=device)
     straight = RecurrentPPO("mamba_rl/CartPoleNoVel-v1", config=cfg)
     straight.learn()
     straight.close()
