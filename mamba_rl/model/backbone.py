@@ -16,7 +16,7 @@ from ..config import MambaConfig
 from ..ops import causal_conv1d, causal_conv1d_ref, rms_norm, rms_norm_ref, selective_scan, selective_scan_ref
 from ..ops.checks import check_tensor
 from ..ops.extension import extension, extension_error
-from ..ops.step import backbone_step
+from ..ops.step import backbone_step_packed, pack_step_weights
 from .arena import ArenaModule
 from .block import MambaBlock
 from .fused import fused_backbone
@@ -107,7 +107,13 @@ class MambaBackbone(ArenaModule):
         return causal_conv1d, selective_scan, rms_norm
 
     def step_weights(self) -> dict:
-        """name -> tensor for the one-token engine: GEMM weights in the compute dtype, the rest master."""
+        """name -> tensor for the one-token engine: GEMM weights in the compute dtype, the rest master.
+
+        Views into the arenas, cached while the arenas stay where they are (in-place updates are seen)."""
+        key = (self.arena.data_ptr(), None if self.compute_arena is None else self.compute_arena.data_ptr())
+        cache = self.__dict__.get("_step_cache")
+        if cache is not None and cache[0] == key:
+            return cache[1]
         out = {}
         for name, _ in self._layout:
             gemm = name.endswith(GEMM_PARAMS) or name.startswith("input_proj.")
@@ -115,7 +121,13 @@ class MambaBackbone(ArenaModule):
                 out[name] = self.arena_view(self.compute_arena, name)
             else:
                 out[name] = self.get_parameter(name).detach()
+        packed = pack_step_weights(out, self.cfg.n_layers, self.cfg.d_inner)
+        self.__dict__["_step_cache"] = (key, out, packed)
         return out
+
+    def _packed_step_weights(self) -> tuple:
+        self.step_weights()
+        return self.__dict__["_step_cache"][2]
 
     # --------------------------------------------------------------------------------------- forward
     @property
@@ -213,7 +225,8 @@ class MambaBackbone(ArenaModule):
         ext = self.kernels
         if ext is not None and (self.backend == "cpu" or (c.d_state in (8, 16) and c.d_conv == 4)) \
                 and state.ssm.dtype == torch.float32 and (self.backend == "cuda" or self.compute_dtype == torch.float32):
-            return backbone_step(ext, x_t, self.step_weights(), state.conv, state.ssm, episode_starts, c)
+            return backbone_step_packed(ext, x_t, self._packed_step_weights(), state.conv, state.ssm, episode_starts,
+                                        c.rms_norm_eps)
         rdt, cdt = self.arena.dtype, self.compute_dtype
         w = self.step_weights()
         h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).to(rdt)

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from .norm import rms_norm_ref
 
-__all__ = ["backbone_step", "backbone_step_ref", "layer_step_ref", "LAYER_KEYS"]
+__all__ = ["backbone_step", "backbone_step_packed", "pack_step_weights", "backbone_step_ref", "layer_step_ref",
+           "LAYER_KEYS"]
 
 LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
               "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias", "mixer.A_log", "mixer.D",
@@ -89,6 +90,35 @@ def _f32(t):
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
+def pack_step_weights(weights: dict, n_layers: int, d_inner: int) -> tuple:
+    """The kernels' argument layout of ``weights`` (views, no copies when the dtypes already fit): build it
+    once and pass it to :func:`backbone_step_packed` on every token (in-place weight updates are seen)."""
+    wdt = weights["input_proj.weight"].dtype
+    gemm = lambda t: t if t.dtype == wdt and t.is_contiguous() else t.to(wdt).contiguous()  # noqa: E731
+    layers = []
+    for i in range(n_layers):
+        t = [weights[f"layers.{i}.{k}"] for k in LAYER_KEYS]
+        layers.append([_f32(t[0]), gemm(t[1]), _f32(t[2]).reshape(d_inner, -1), _f32(t[3]), gemm(t[4]), gemm(t[5]),
+                       _f32(t[6]), _f32(t[7]), _f32(t[8]), gemm(t[9])])
+    return (weights["input_proj.weight"].contiguous(), gemm(weights["input_proj.bias"]), _f32(weights["norm_f.weight"]),
+            layers)
+
+
+def backbone_step_packed(ext, x_t, packed: tuple, conv_state, ssm_state, episode_starts, eps: float,
+                         kernel: str = "auto", rows_per_block: int = 0):
+    """:func:`backbone_step` with the weights already packed by :func:`pack_step_weights`."""
+    if kernel not in ("auto", "rows", "cluster"):
+        raise ValueError(f"backbone_step: kernel must be 'auto', 'rows' or 'cluster', got {kernel!r}")
+    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or rows_per_block < 0:
+        raise ValueError(f"backbone_step: rows_per_block must be an int >= 0, got {rows_per_block!r}")
+    starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
+    # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows.
+    code = 0 if kernel == "auto" else (-max(rows_per_block, 1) if kernel == "cluster" else max(rows_per_block, 1))
+    inp_w, inp_b, normf, layers = packed
+    return ext.backbone_step(_f32(x_t), inp_w, inp_b, normf, layers, conv_state, ssm_state, starts, float(eps),
+                             int(code))
+
+
 def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg, kernel: str = "auto",
                   rows_per_block: int = 0):
     """The extension's one-call step through every layer (same contract as :func:`backbone_step_ref`).
@@ -102,21 +132,6 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
     """
-    if kernel not in ("auto", "rows", "cluster"):
-        raise ValueError(f"backbone_step: kernel must be 'auto', 'rows' or 'cluster', got {kernel!r}")
-    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or rows_per_block < 0:
-        raise ValueError(f"backbone_step: rows_per_block must be an int >= 0, got {rows_per_block!r}")
-    L, di = conv_state.shape[0], conv_state.shape[2]
-    wdt = weights["input_proj.weight"].dtype
-    gemm = lambda t: t if t.dtype == wdt and t.is_contiguous() else t.to(wdt).contiguous()
-    layers = []
-    for i in range(L):
-        t = [weights[f"layers.{i}.{k}"] for k in LAYER_KEYS]
-        layers.append([_f32(t[0]), gemm(t[1]), _f32(t[2]).reshape(di, -1), _f32(t[3]), gemm(t[4]), gemm(t[5]),
-                       _f32(t[6]), _f32(t[7]), _f32(t[8]), gemm(t[9])])
-    starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
-    # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows.
-    code = 0 if kernel == "auto" else (-max(rows_per_block, 1) if kernel == "cluster" else max(rows_per_block, 1))
-    return ext.backbone_step(_f32(x_t), weights["input_proj.weight"].contiguous(), gemm(weights["input_proj.bias"]),
-                             _f32(weights["norm_f.weight"]), layers, conv_state, ssm_state, starts,
-                             float(cfg.rms_norm_eps), int(code))
+    packed = pack_step_weights(weights, conv_state.shape[0], conv_state.shape[2])
+    return backbone_step_packed(ext, x_t, packed, conv_state, ssm_state, episode_starts, cfg.rms_norm_eps, kernel,
+                                rows_per_block)

@@ -59,7 +59,7 @@ def test_backbone_matches_float64_reference(T, pattern):
     wc, ws = torch.randn_like(s0.conv), torch.randn_like(s0.ssm)
 
     def run(model, dtype):
-        xx = x.to(dtype).requires_grad_()
+        xx = x.detach().to(dtype).clone().requires_grad_()
         y, fin = model(xx, s0.to(dtype), starts)
         loss = (y * wy.to(dtype)).sum() + (fin.conv * wc.to(dtype)).sum() + (fin.ssm * ws.to(dtype)).sum()
         model.zero_grad()
