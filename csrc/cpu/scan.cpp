@@ -48,6 +48,135 @@ void scatter_state(float* dst, const float* s, int N, int d0, int nd) {
 
 inline bool is_start(const ScanFwdArgs& a, int b, int t) { return a.starts && a.starts[(int64_t)b * a.T + t]; }
 
+// ---- per-step lane helpers (vectorised over the kLanes channels of a block; see MRL_NOINLINE) ----
+
+// delta = softplus(dt + bias), dsp = softplus' (may be null), dx = delta * x
+MRL_NOINLINE void step_delta(float* __restrict delta, float* __restrict dsp, float* __restrict dx,
+                             const float* __restrict dtv, const float* __restrict bias, const float* __restrict xv) {
+  alignas(64) float sp[kLanes];
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) {
+    delta[j] = softplus_f(dtv[j] + bias[j], &sp[j]);
+    dx[j] = delta[j] * xv[j];
+  }
+  if (dsp)
+    for (int j = 0; j < kLanes; ++j) dsp[j] = sp[j];
+}
+
+// s[n] = exp(delta A[n]) s[n] + dx B[n];  y = sum_n s[n] C[n].  When E / S are given, also keep
+// E[n] = exp(delta A[n]) and S[n] = s[n] for the backward.
+MRL_NOINLINE void step_state(float* __restrict s, float* __restrict y, float* __restrict E, float* __restrict S,
+                             const float* __restrict At, const float* __restrict delta, const float* __restrict dx,
+                             const float* __restrict Bp, const float* __restrict Cp, int N) {
+  alignas(64) float acc[kLanes] = {};
+  for (int n = 0; n < N; ++n) {
+    const float bn = Bp[n], cn = Cp[n];
+    float* sn = s + n * kLanes;
+    const float* an = At + n * kLanes;
+    if (E) {
+      float* en = E + n * kLanes;
+      float* ssn = S + n * kLanes;
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) {
+        const float e = exp_neg_f(delta[j] * an[j]);
+        const float v = e * sn[j] + dx[j] * bn;
+        en[j] = e;
+        sn[j] = v;
+        ssn[j] = v;
+        acc[j] += v * cn;
+      }
+    } else {
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) {
+        const float v = exp_neg_f(delta[j] * an[j]) * sn[j] + dx[j] * bn;
+        sn[j] = v;
+        acc[j] += v * cn;
+      }
+    }
+  }
+  for (int j = 0; j < kLanes; ++j) y[j] = acc[j];
+}
+
+// out = (y + D x) * SiLU(z)
+MRL_NOINLINE void step_gate(float* __restrict o, const float* __restrict y, const float* __restrict Dv,
+                            const float* __restrict xv, const float* __restrict zv) {
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) o[j] = (y[j] + Dv[j] * xv[j]) * (zv[j] * sigmoid_f(zv[j]));
+}
+
+// Backward of step_gate: q = dL/dy = g SiLU(z) (also dL/d(D x)), dz = g (y + D x) SiLU'(z), dD += q x.
+MRL_NOINLINE void step_gate_bwd(float* __restrict q, float* __restrict dz, float* __restrict dDacc,
+                                const float* __restrict go, const float* __restrict y, const float* __restrict Dv,
+                                const float* __restrict xv, const float* __restrict zv) {
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) {
+    const float sz = sigmoid_f(zv[j]);
+    q[j] = go[j] * zv[j] * sz;
+    dz[j] = go[j] * (y[j] + Dv[j] * xv[j]) * sz * (1.0f + zv[j] * (1.0f - sz));
+    dDacc[j] += q[j] * xv[j];
+  }
+}
+
+// dC[n] += sum_j q[j] S[n][j]  (the reduction over channels)
+MRL_NOINLINE void step_dC(float* __restrict dc, const float* __restrict q, const float* __restrict S, int N) {
+  for (int n = 0; n < N; ++n) {
+    const float* sn = S + n * kLanes;
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int j = 0; j < kLanes; ++j) acc += q[j] * sn[j];
+    dc[n] += acc;
+  }
+}
+
+// One reverse step. h = dL/ds_t from the future, prev = s_{t-1} (null after a start: no dependence).
+//   hv = h + q C[n];  ge = hv prev e  (dL/d(delta A));  d(delta) += ge A + hv x B;  dA += ge delta;
+//   dx += hv delta B;  dB[n] += sum_j hv delta x;  h = hv e (0 after a start).
+MRL_NOINLINE void step_reverse(float* __restrict h, float* __restrict dA, float* __restrict dd,
+                               float* __restrict dxa, float* __restrict db, const float* __restrict E,
+                               const float* __restrict prev, const float* __restrict At,
+                               const float* __restrict delta, const float* __restrict xv,
+                               const float* __restrict q, const float* __restrict Bp, const float* __restrict Cp,
+                               int N) {
+  alignas(64) float hx[kLanes], ddl[kLanes] = {}, dxl[kLanes] = {};
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) hx[j] = delta[j] * xv[j];
+  for (int n = 0; n < N; ++n) {
+    const float bn = Bp[n], cn = Cp[n];
+    float* hn = h + n * kLanes;
+    float* dan = dA + n * kLanes;
+    const float* en = E + n * kLanes;
+    const float* an = At + n * kLanes;
+    float acc = 0.0f;
+    if (prev) {
+      const float* pn = prev + n * kLanes;
+#pragma omp simd reduction(+ : acc)
+      for (int j = 0; j < kLanes; ++j) {
+        const float hv = hn[j] + q[j] * cn;
+        const float ge = hv * pn[j] * en[j];
+        ddl[j] += ge * an[j] + hv * xv[j] * bn;
+        dan[j] += ge * delta[j];
+        dxl[j] += hv * delta[j] * bn;
+        acc += hv * hx[j];
+        hn[j] = hv * en[j];
+      }
+    } else {  // step t was an episode start: s_{t-1} was replaced by 0, nothing flows to it
+#pragma omp simd reduction(+ : acc)
+      for (int j = 0; j < kLanes; ++j) {
+        const float hv = hn[j] + q[j] * cn;
+        ddl[j] += hv * xv[j] * bn;
+        dxl[j] += hv * delta[j] * bn;
+        acc += hv * hx[j];
+        hn[j] = 0.0f;
+      }
+    }
+    db[n] += acc;
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    dd[j] = ddl[j];
+    dxa[j] = dxl[j];
+  }
+}
+
 }  // namespace
 
 void scan_fwd(const ScanFwdArgs& a) {
@@ -76,27 +205,10 @@ void scan_fwd(const ScanFwdArgs& a) {
         load_lanes(xv, a.x + (int64_t)b * a.x_sb + (int64_t)t * a.x_st + d0, nd);
         load_lanes(dtv, a.dt + (int64_t)b * a.dt_sb + (int64_t)t * a.dt_st + d0, nd);
         load_lanes(zv, a.z + (int64_t)b * a.z_sb + (int64_t)t * a.z_st + d0, nd);
-        const float* Bp = a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st;
-        const float* Cp = a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st;
-#pragma omp simd
-        for (int j = 0; j < kLanes; ++j) {
-          float dsp;
-          delta[j] = softplus_f(dtv[j] + bias[j], &dsp);
-          dx[j] = delta[j] * xv[j];
-          y[j] = 0.0f;
-        }
-        for (int n = 0; n < N; ++n) {
-          const float bn = Bp[n], cn = Cp[n];
-          float* sn = s + n * kLanes;
-          const float* an = At + n * kLanes;
-#pragma omp simd
-          for (int j = 0; j < kLanes; ++j) {
-            sn[j] = exp_f(delta[j] * an[j]) * sn[j] + dx[j] * bn;
-            y[j] += sn[j] * cn;
-          }
-        }
-#pragma omp simd
-        for (int j = 0; j < kLanes; ++j) o[j] = (y[j] + Dv[j] * xv[j]) * (zv[j] * sigmoid_f(zv[j]));
+        step_delta(delta, nullptr, dx, dtv, bias, xv);
+        step_state(s, y, nullptr, nullptr, At, delta, dx, a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st,
+                   a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st, N);
+        step_gate(o, y, Dv, xv, zv);
         store_lanes(a.out + ((int64_t)b * T + t) * D + d0, o, nd);
       }
       scatter_state(a.final_state + (int64_t)b * D * N, s, N, d0, nd);
@@ -134,7 +246,7 @@ void scan_bwd(const ScanBwdArgs& g) {
     float* Xl = SPl + CH * kLanes;  // [CH][L] x_t
     float* Ql = Xl + CH * kLanes;   // [CH][L] dq_t = dL/dy_t
     alignas(64) float bias[kLanes], Dv[kLanes], zv[kLanes], dtv[kLanes], go[kLanes], y[kLanes], dxv[kLanes],
-        tmp[kLanes], dDacc[kLanes], ddbacc[kLanes], dd[kLanes], dxa[kLanes], hx[kLanes];
+        tmp[kLanes], dDacc[kLanes], ddbacc[kLanes], dd[kLanes], dxa[kLanes];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < ntask; ++task) {
       const int b = (int)(task / G), grp = (int)(task % G);
@@ -162,96 +274,28 @@ void scan_bwd(const ScanBwdArgs& g) {
             if (is_start(a, b, t)) std::fill(s, s + NL, 0.0f);
             float* xl = Xl + i * kLanes;
             float* dl = Dl + i * kLanes;
-            float* spl = SPl + i * kLanes;
             float* ql = Ql + i * kLanes;
             load_lanes(xl, a.x + (int64_t)b * a.x_sb + (int64_t)t * a.x_st + d0, nd);
             load_lanes(dtv, a.dt + (int64_t)b * a.dt_sb + (int64_t)t * a.dt_st + d0, nd);
             load_lanes(zv, a.z + (int64_t)b * a.z_sb + (int64_t)t * a.z_st + d0, nd);
             load_lanes(go, g.dout + (int64_t)b * g.g_sb + (int64_t)t * g.g_st + d0, nd);
-            const float* Bp = a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st;
-            const float* Cp = a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st;
-#pragma omp simd
-            for (int j = 0; j < kLanes; ++j) {
-              dl[j] = softplus_f(dtv[j] + bias[j], &spl[j]);
-              dxv[j] = dl[j] * xl[j];
-              y[j] = 0.0f;
-            }
-            float* Si = S + i * NL;
-            float* Ei = E + i * NL;
-            for (int n = 0; n < N; ++n) {
-              const float bn = Bp[n], cn = Cp[n];
-              float* sn = s + n * kLanes;
-              const float* an = At + n * kLanes;
-              float* en = Ei + n * kLanes;
-              float* ssn = Si + n * kLanes;
-#pragma omp simd
-              for (int j = 0; j < kLanes; ++j) {
-                en[j] = exp_f(dl[j] * an[j]);
-                sn[j] = en[j] * sn[j] + dxv[j] * bn;
-                ssn[j] = sn[j];
-                y[j] += sn[j] * cn;
-              }
-            }
-#pragma omp simd
-            for (int j = 0; j < kLanes; ++j) {
-              const float sz = sigmoid_f(zv[j]);
-              const float q = y[j] + Dv[j] * xl[j];
-              ql[j] = go[j] * zv[j] * sz;                                  // dL/dy_t (also dL/d(D x))
-              tmp[j] = go[j] * q * sz * (1.0f + zv[j] * (1.0f - sz));     // dL/dz_t
-              dDacc[j] += ql[j] * xl[j];
-            }
+            step_delta(dl, SPl + i * kLanes, dxv, dtv, bias, xl);
+            step_state(s, y, E + i * NL, S + i * NL, At, dl, dxv, a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st,
+                       a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st, N);
+            step_gate_bwd(ql, tmp, dDacc, go, y, Dv, xl, zv);
             store_lanes(g.dz + (int64_t)b * g.dz_sb + (int64_t)t * g.dz_st + d0, tmp, nd);
-            float* dc = dCt + (int64_t)t * N;
-            for (int n = 0; n < N; ++n) {
-              const float* ssn = Si + n * kLanes;
-              float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-              for (int j = 0; j < kLanes; ++j) acc += ql[j] * ssn[j];
-              dc[n] += acc;
-            }
+            step_dC(dCt + (int64_t)t * N, ql, S + i * NL, N);
           }
           // ---- reverse through the chunk
           for (int i = len - 1; i >= 0; --i) {
             const int t = t0 + i;
-            const bool reset = is_start(a, b, t);
-            const float* xl = Xl + i * kLanes;
-            const float* dl = Dl + i * kLanes;
-            const float* ql = Ql + i * kLanes;
-            const float* prev = i > 0 ? S + (i - 1) * NL : sin;
-            const float* Ei = E + i * NL;
-            const float* Bp = a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st;
-            const float* Cp = a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st;
+            const float* prev = is_start(a, b, t) ? nullptr : (i > 0 ? S + (i - 1) * NL : sin);
+            step_reverse(h, dA, dd, dxa, dBt + (int64_t)t * N, E + i * NL, prev, At, Dl + i * kLanes,
+                         Xl + i * kLanes, Ql + i * kLanes, a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st,
+                         a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st, N);
 #pragma omp simd
             for (int j = 0; j < kLanes; ++j) {
-              dd[j] = 0.0f;
-              dxa[j] = 0.0f;
-              hx[j] = dl[j] * xl[j];
-            }
-            float* db = dBt + (int64_t)t * N;
-            for (int n = 0; n < N; ++n) {
-              const float bn = Bp[n], cn = Cp[n];
-              float* hn = h + n * kLanes;
-              const float* en = Ei + n * kLanes;
-              const float* pn = prev + n * kLanes;
-              const float* an = At + n * kLanes;
-              float* dan = dA + n * kLanes;
-              float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-              for (int j = 0; j < kLanes; ++j) {
-                const float hv = hn[j] + ql[j] * cn;           // dL/ds_t
-                const float sp = reset ? 0.0f : pn[j];         // s_{t-1} after the reset
-                const float ge = hv * sp * en[j];              // dL/d(delta A) through exp
-                dd[j] += ge * an[j] + hv * xl[j] * bn;
-                dan[j] += ge * dl[j];
-                dxa[j] += hv * dl[j] * bn;
-                acc += hv * hx[j];
-                hn[j] = reset ? 0.0f : hv * en[j];             // dL/ds_{t-1}
-              }
-              db[n] += acc;
-            }
-#pragma omp simd
-            for (int j = 0; j < kLanes; ++j) {
-              dxa[j] += ql[j] * Dv[j];
+              dxa[j] += Ql[i * kLanes + j] * Dv[j];
               dd[j] *= SPl[i * kLanes + j];  // ddt = d(delta) * softplus'
               ddbacc[j] += dd[j];
             }

@@ -94,8 +94,9 @@ void scan_step(const float* xc, const float* dt, const float* Bm, const float* C
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int n = 0; n < N; ++n) {
-          const float prev = reset ? 0.0f : s[n];  // select: a NaN of the old episode never leaks
-          const float v = exp_f(dl * a[n]) * prev + dx * Bp[n];
+          const float sv = s[n];                   // unconditional load, then select (vectorises):
+          const float prev = reset ? 0.0f : sv;    // a NaN of the old episode never leaks
+          const float v = exp_neg_f(dl * a[n]) * prev + dx * Bp[n];
           s[n] = v;
           sum += v * Cp[n];
         }

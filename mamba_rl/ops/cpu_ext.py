@@ -55,7 +55,7 @@ def _march() -> str:
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=fast", "-DNDEBUG"]
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-DNDEBUG"]
     if _march():
         flags.append(f"-march={_march()}")
     return flags
