@@ -146,6 +146,12 @@ inline void store_lanes(float* dst, const float* src, int nd) {
   }
 }
 
+// Lane helpers shared by scan.cpp and step.cpp (defined in scan.cpp, out of line on purpose):
+// delta = softplus(dt + bias), dsp = softplus'(dt + bias) (skipped when null), dx = delta * x;
+void lanes_delta(float* delta, float* dsp, float* dx, const float* dtv, const float* bias, const float* xv);
+// out = (y + D x) * SiLU(z)
+void lanes_gate(float* o, const float* y, const float* Dv, const float* xv, const float* zv);
+
 // ------------------------------------------------------------------------------------------- conv1d
 // out[b,t,d] = SiLU(bias[d] + sum_k w[d,k] * win[b, t-(K-1)+k, d]), win = x extended on the left by the
 // carried window init[b, d, :] (oldest first), zero before the latest episode start in [0, t] of row b.

@@ -50,19 +50,6 @@ inline bool is_start(const ScanFwdArgs& a, int b, int t) { return a.starts && a.
 
 // ---- per-step lane helpers (vectorised over the kLanes channels of a block; see MRL_NOINLINE) ----
 
-// delta = softplus(dt + bias), dsp = softplus' (may be null), dx = delta * x
-MRL_NOINLINE void step_delta(float* __restrict delta, float* __restrict dsp, float* __restrict dx,
-                             const float* __restrict dtv, const float* __restrict bias, const float* __restrict xv) {
-  alignas(64) float sp[kLanes];
-#pragma omp simd
-  for (int j = 0; j < kLanes; ++j) {
-    delta[j] = softplus_f(dtv[j] + bias[j], &sp[j]);
-    dx[j] = delta[j] * xv[j];
-  }
-  if (dsp)
-    for (int j = 0; j < kLanes; ++j) dsp[j] = sp[j];
-}
-
 // s[n] = exp(delta A[n]) s[n] + dx B[n];  y = sum_n s[n] C[n].  When E / S are given, also keep
 // E[n] = exp(delta A[n]) and S[n] = s[n] for the backward.
 MRL_NOINLINE void step_state(float* __restrict s, float* __restrict y, float* __restrict E, float* __restrict S,
@@ -97,14 +84,7 @@ MRL_NOINLINE void step_state(float* __restrict s, float* __restrict y, float* __
   for (int j = 0; j < kLanes; ++j) y[j] = acc[j];
 }
 
-// out = (y + D x) * SiLU(z)
-MRL_NOINLINE void step_gate(float* __restrict o, const float* __restrict y, const float* __restrict Dv,
-                            const float* __restrict xv, const float* __restrict zv) {
-#pragma omp simd
-  for (int j = 0; j < kLanes; ++j) o[j] = (y[j] + Dv[j] * xv[j]) * (zv[j] * sigmoid_f(zv[j]));
-}
-
-// Backward of step_gate: q = dL/dy = g SiLU(z) (also dL/d(D x)), dz = g (y + D x) SiLU'(z), dD += q x.
+// Backward of lanes_gate: q = dL/dy = g SiLU(z) (also dL/d(D x)), dz = g (y + D x) SiLU'(z), dD += q x.
 MRL_NOINLINE void step_gate_bwd(float* __restrict q, float* __restrict dz, float* __restrict dDacc,
                                 const float* __restrict go, const float* __restrict y, const float* __restrict Dv,
                                 const float* __restrict xv, const float* __restrict zv) {
@@ -179,6 +159,24 @@ MRL_NOINLINE void step_reverse(float* __restrict h, float* __restrict dA, float*
 
 }  // namespace
 
+void lanes_delta(float* __restrict delta, float* __restrict dsp, float* __restrict dx, const float* __restrict dtv,
+                 const float* __restrict bias, const float* __restrict xv) {
+  alignas(64) float sp[kLanes];
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) {
+    delta[j] = softplus_f(dtv[j] + bias[j], &sp[j]);
+    dx[j] = delta[j] * xv[j];
+  }
+  if (dsp)
+    for (int j = 0; j < kLanes; ++j) dsp[j] = sp[j];
+}
+
+void lanes_gate(float* __restrict o, const float* __restrict y, const float* __restrict Dv,
+                const float* __restrict xv, const float* __restrict zv) {
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) o[j] = (y[j] + Dv[j] * xv[j]) * (zv[j] * sigmoid_f(zv[j]));
+}
+
 void scan_fwd(const ScanFwdArgs& a) {
   const int nblk = num_blocks(a.D), N = a.N, T = a.T, D = a.D;
   const int nC = (T + kScanChunk - 1) / kScanChunk;
@@ -205,10 +203,10 @@ void scan_fwd(const ScanFwdArgs& a) {
         load_lanes(xv, a.x + (int64_t)b * a.x_sb + (int64_t)t * a.x_st + d0, nd);
         load_lanes(dtv, a.dt + (int64_t)b * a.dt_sb + (int64_t)t * a.dt_st + d0, nd);
         load_lanes(zv, a.z + (int64_t)b * a.z_sb + (int64_t)t * a.z_st + d0, nd);
-        step_delta(delta, nullptr, dx, dtv, bias, xv);
+        lanes_delta(delta, nullptr, dx, dtv, bias, xv);
         step_state(s, y, nullptr, nullptr, At, delta, dx, a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st,
                    a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st, N);
-        step_gate(o, y, Dv, xv, zv);
+        lanes_gate(o, y, Dv, xv, zv);
         store_lanes(a.out + ((int64_t)b * T + t) * D + d0, o, nd);
       }
       scatter_state(a.final_state + (int64_t)b * D * N, s, N, d0, nd);
@@ -279,7 +277,7 @@ void scan_bwd(const ScanBwdArgs& g) {
             load_lanes(dtv, a.dt + (int64_t)b * a.dt_sb + (int64_t)t * a.dt_st + d0, nd);
             load_lanes(zv, a.z + (int64_t)b * a.z_sb + (int64_t)t * a.z_st + d0, nd);
             load_lanes(go, g.dout + (int64_t)b * g.g_sb + (int64_t)t * g.g_st + d0, nd);
-            step_delta(dl, SPl + i * kLanes, dxv, dtv, bias, xl);
+            lanes_delta(dl, SPl + i * kLanes, dxv, dtv, bias, xl);
             step_state(s, y, E + i * NL, S + i * NL, At, dl, dxv, a.Bm + (int64_t)b * a.B_sb + (int64_t)t * a.B_st,
                        a.Cm + (int64_t)b * a.C_sb + (int64_t)t * a.C_st, N);
             step_gate_bwd(ql, tmp, dDacc, go, y, Dv, xl, zv);

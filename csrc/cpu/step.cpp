@@ -28,8 +28,29 @@ namespace {
 
 inline int num_blocks(int D) { return (D + kLanes - 1) / kLanes; }
 
-// xc[b, d] = SiLU(bias + sum_k w[d, k] win_k), win = (state[b, d, 0..K-2] or 0 at a start, x[b, d]);
-// the state becomes the last K-1 window entries. x rows have stride ldx (a view of xz).
+// Pre-activations of one block of channels: p_j = bias + sum_k w[d, k] win_k with win = (state[d, 0..K-2]
+// or zeros at a start, x[d]); the state becomes the last K-1 window entries. KK > 0 fixes K at compile
+// time (fully unrolled for the usual d_conv 4); KK = 0 is the general case. The SiLU over the block is
+// vectorised by the caller.
+template <int KK>
+MRL_NOINLINE void conv_block(float* __restrict p, float* __restrict st, const float* __restrict x,
+                             const float* __restrict w, const float* __restrict bias, int nd, int Kdyn, bool reset) {
+  const int K = KK > 0 ? KK : Kdyn, S = K - 1;
+  for (int j = 0; j < nd; ++j) {
+    float* sj = st + (int64_t)j * S;
+    const float* wj = w + (int64_t)j * K;
+    float acc = bias[j] + wj[S] * x[j];
+    if (!reset)
+      for (int k = 0; k < S; ++k) acc += wj[k] * sj[k];
+    for (int k = 0; k + 1 < S; ++k) sj[k] = reset ? 0.0f : sj[k + 1];
+    if (S > 0) sj[S - 1] = x[j];
+    p[j] = acc;
+  }
+  for (int j = nd; j < kLanes; ++j) p[j] = 0.0f;
+}
+
+// xc[b, d] = SiLU(bias + sum_k w[d, k] win_k) for every (b, d); conv state [B, D, K-1] in place. x rows
+// have stride ldx (a view of xz).
 void conv_step(const float* x, int64_t ldx, const float* w, const float* bias, float* state, const bool* starts,
                float* xc, int B, int D, int K, int nthreads) {
   const int nblk = num_blocks(D);
@@ -37,26 +58,55 @@ void conv_step(const float* x, int64_t ldx, const float* w, const float* bias, f
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntask));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    std::vector<float> W((size_t)K * kLanes);
     alignas(64) float p[kLanes], o[kLanes];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < ntask; ++task) {
       const int b = (int)(task / nblk), d0 = (int)(task % nblk) * kLanes, nd = std::min(kLanes, D - d0);
-      const bool reset = starts && starts[b];
       float* st = state + ((int64_t)b * D + d0) * (K - 1);
-      for (int k = 0; k + 1 < K; ++k)
-        for (int j = 0; j < kLanes; ++j) W[k * kLanes + j] = (!reset && j < nd) ? st[(int64_t)j * (K - 1) + k] : 0.0f;
-      load_lanes(W.data() + (K - 1) * kLanes, x + (int64_t)b * ldx + d0, nd);
-      load_lanes(p, bias + d0, nd);
-      for (int k = 0; k < K; ++k)
-        for (int j = 0; j < kLanes; ++j) p[j] += (j < nd ? w[(int64_t)(d0 + j) * K + k] : 0.0f) * W[k * kLanes + j];
+      const bool reset = starts && starts[b];
+      if (K == 4)
+        conv_block<4>(p, st, x + (int64_t)b * ldx + d0, w + (int64_t)d0 * K, bias + d0, nd, K, reset);
+      else
+        conv_block<0>(p, st, x + (int64_t)b * ldx + d0, w + (int64_t)d0 * K, bias + d0, nd, K, reset);
 #pragma omp simd
       for (int j = 0; j < kLanes; ++j) o[j] = p[j] * sigmoid_f(p[j]);
       store_lanes(xc + (int64_t)b * D + d0, o, nd);
-      for (int j = 0; j < nd; ++j)
-        for (int k = 0; k + 1 < K; ++k) st[(int64_t)j * (K - 1) + k] = W[(k + 1) * kLanes + j];
     }
   }
+}
+
+// The carried states of one block: for each of its nd channels (state row s_d of N contiguous floats),
+// s_d = exp(delta_d A_d) s_d + dx_d B (s_d := 0 first when reset), acc_d = s_d . C. NN > 0 fixes N at
+// compile time (no loop control or remainder per channel for the usual d_state 16 / 8); NN = 0 is the
+// general case. Out of line: see MRL_NOINLINE in kernels.h.
+template <int NN>
+MRL_NOINLINE void state_block(float* __restrict state, const float* __restrict A, const float* __restrict delta,
+                              const float* __restrict dx, const float* __restrict Bp, const float* __restrict Cp,
+                              float* __restrict acc, int nd, int Ndyn, bool reset) {
+  const int N = NN > 0 ? NN : Ndyn;
+  for (int j = 0; j < nd; ++j) {
+    float* s = state + (int64_t)j * N;
+    const float* a = A + (int64_t)j * N;
+    const float dl = delta[j], dxj = dx[j];
+    float sum = 0.0f;
+    if (reset) {  // select: the old episode's state (NaN or not) is never read
+#pragma omp simd reduction(+ : sum)
+      for (int n = 0; n < N; ++n) {
+        const float v = dxj * Bp[n];
+        s[n] = v;
+        sum += v * Cp[n];
+      }
+    } else {
+#pragma omp simd reduction(+ : sum)
+      for (int n = 0; n < N; ++n) {
+        const float v = exp_neg_f(dl * a[n]) * s[n] + dxj * Bp[n];
+        s[n] = v;
+        sum += v * Cp[n];
+      }
+    }
+    acc[j] = sum;
+  }
+  for (int j = nd; j < kLanes; ++j) acc[j] = 0.0f;
 }
 
 // One selective-scan step for every (b, d); state [B, D, N] in place, A = -exp(A_log) precomputed [D, N].
@@ -69,42 +119,28 @@ void scan_step(const float* xc, const float* dt, const float* Bm, const float* C
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, ntask));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    alignas(64) float xv[kLanes], dtv[kLanes], bias[kLanes], zv[kLanes], Dv[kLanes], delta[kLanes], acc[kLanes],
-        o[kLanes];
+    alignas(64) float xv[kLanes], dtv[kLanes], bias[kLanes], zv[kLanes], Dv[kLanes], delta[kLanes], dx[kLanes],
+        acc[kLanes], o[kLanes];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < ntask; ++task) {
       const int b = (int)(task / nblk), d0 = (int)(task % nblk) * kLanes, nd = std::min(kLanes, D - d0);
-      const bool reset = starts && starts[b];
       load_lanes(xv, xc + (int64_t)b * D + d0, nd);
       load_lanes(dtv, dt + (int64_t)b * D + d0, nd);
       load_lanes(bias, dt_b + d0, nd);
       load_lanes(zv, z + (int64_t)b * ldz + d0, nd);
       load_lanes(Dv, Dp + d0, nd);
-#pragma omp simd
-      for (int j = 0; j < kLanes; ++j) {
-        float dsp;
-        delta[j] = softplus_f(dtv[j] + bias[j], &dsp);
-      }
-      const float* Bp = Bm + (int64_t)b * ldbc;
-      const float* Cp = Cm + (int64_t)b * ldbc;
-      for (int j = 0; j < nd; ++j) {
-        float* s = state + ((int64_t)b * D + d0 + j) * N;
-        const float* a = A + (int64_t)(d0 + j) * N;
-        const float dl = delta[j], dx = delta[j] * xv[j];
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int n = 0; n < N; ++n) {
-          const float sv = s[n];                   // unconditional load, then select (vectorises):
-          const float prev = reset ? 0.0f : sv;    // a NaN of the old episode never leaks
-          const float v = exp_neg_f(dl * a[n]) * prev + dx * Bp[n];
-          s[n] = v;
-          sum += v * Cp[n];
-        }
-        acc[j] = sum;
-      }
-      for (int j = nd; j < kLanes; ++j) acc[j] = 0.0f;
-#pragma omp simd
-      for (int j = 0; j < kLanes; ++j) o[j] = (acc[j] + Dv[j] * xv[j]) * (zv[j] * sigmoid_f(zv[j]));
+      lanes_delta(delta, nullptr, dx, dtv, bias, xv);
+      float* sb = state + ((int64_t)b * D + d0) * N;
+      const float* Ab = A + (int64_t)d0 * N;
+      const float *Bb = Bm + (int64_t)b * ldbc, *Cb = Cm + (int64_t)b * ldbc;
+      const bool reset = starts && starts[b];
+      if (N == 16)
+        state_block<16>(sb, Ab, delta, dx, Bb, Cb, acc, nd, N, reset);
+      else if (N == 8)
+        state_block<8>(sb, Ab, delta, dx, Bb, Cb, acc, nd, N, reset);
+      else
+        state_block<0>(sb, Ab, delta, dx, Bb, Cb, acc, nd, N, reset);
+      lanes_gate(o, acc, Dv, xv, zv);
       store_lanes(y + (int64_t)b * D + d0, o, nd);
     }
   }
