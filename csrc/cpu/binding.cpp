@@ -1,0 +1,400 @@
+// The torch-facing file of the CPU kernels: the same Python functions, argument order, defaults and return
+// lists as the CUDA binding (../binding.cpp), so mamba_rl/fused.py and ops/step.py can drive either one.
+//
+// It checks every shape / dtype / device (c10::ValueError -> Python ValueError, message naming the
+// argument, the expected and the received value), allocates outputs with torch, and calls the torch-free
+// kernels in conv.cpp / scan.cpp / norm.cpp (and step.cpp for the one-token step) with
+// nthreads = at::get_num_threads(), so torch.set_num_threads governs them like torch's own ops.
+//
+// Differences from the CUDA binding: float32 only (activations and weights); any d_state >= 1 and
+// d_conv >= 1 (CUDA: 8/16 and 4); any number of layers in backbone_step; rows_per_block is ignored; the
+// scan checkpoint interval (scan_chunk()) is the CPU kernel's own, so a ckpt tensor is only valid for the
+// backend that produced it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <vector>
+
+#include "kernels.h"
+#include "step.h"
+
+using at::Tensor;
+using OptT = std::optional<Tensor>;
+
+namespace {
+
+std::string shape_str(const Tensor& t) {
+  std::ostringstream o;
+  o << t.sizes();
+  return o.str();
+}
+
+int nthreads() { return std::max(1, at::get_num_threads()); }
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.defined(), name, ": expected a CPU float32 tensor, got None");
+  TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
+}
+
+void check_dtype_f32(const Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, name, ": expected dtype float32 (the CPU kernels are float32 "
+                    "only), got ", t.scalar_type());
+}
+
+// [B, T, C] float32 activation with unit last-dim stride (row and time strides are free).
+void check_act(const Tensor& t, const char* name, int64_t B, int64_t T, int64_t C) {
+  check_cpu(t, name);
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == B && t.size(1) == T && t.size(2) == C, name, ": expected shape [",
+                    B, ", ", T, ", ", C, "], got ", shape_str(t));
+  check_dtype_f32(t, name);
+  TORCH_CHECK_VALUE(C <= 1 || t.stride(2) == 1, name, ": expected last-dim stride 1, got strides ", t.strides());
+  TORCH_CHECK_VALUE(t.stride(0) >= 0 && t.stride(1) >= 0, name, ": expected non-negative strides, got ",
+                    t.strides());
+}
+
+// contiguous float32 tensor of an exact shape
+void check_f32(const Tensor& t, const char* name, at::IntArrayRef shape) {
+  check_cpu(t, name);
+  check_dtype_f32(t, name);
+  TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
+}
+
+void check_starts(const OptT& s, int64_t B, int64_t T) {
+  if (!s) return;
+  check_cpu(*s, "episode_starts");
+  TORCH_CHECK_VALUE(s->scalar_type() == at::kBool, "episode_starts: expected dtype bool, got ", s->scalar_type());
+  TORCH_CHECK_VALUE(s->dim() == 2 && s->size(0) == B && s->size(1) == T, "episode_starts: expected shape [", B,
+                    ", ", T, "], got ", shape_str(*s));
+  TORCH_CHECK_VALUE(s->is_contiguous(), "episode_starts: expected a contiguous tensor");
+}
+
+// Debug aid for the tests: outputs and workspaces start as NaN so an element a kernel forgets shows.
+bool g_poison = false;
+void set_poison(bool on) { g_poison = on; }
+Tensor new_empty(at::IntArrayRef shape, const at::TensorOptions& opt) {
+  auto t = at::empty(shape, opt);
+  if (g_poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
+  return t;
+}
+
+template <typename T> const T* ptr_or_null(const OptT& t) { return (t && t->numel()) ? t->data_ptr<T>() : nullptr; }
+const float* fptr(const Tensor& t) { return t.data_ptr<float>(); }
+
+// ---------------- causal conv1d ----------------
+struct ConvShapes { int64_t B, T, D, K; };
+
+ConvShapes conv_check(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init, const OptT& starts) {
+  check_cpu(x, "causal_conv1d: x");
+  TORCH_CHECK_VALUE(x.dim() == 3, "causal_conv1d: x: expected shape [B, T, D], got ", shape_str(x));
+  const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
+  TORCH_CHECK_VALUE(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: x: expected B, T, D >= 1, got ", shape_str(x));
+  check_act(x, "causal_conv1d: x", B, T, D);
+  check_cpu(w, "causal_conv1d: weight");
+  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(0) == D && w.size(1) >= 1, "causal_conv1d: weight: expected shape [", D,
+                    ", d_conv >= 1], got ", shape_str(w));
+  const int64_t K = w.size(1);
+  check_f32(w, "causal_conv1d: weight", {D, K});
+  check_f32(bias, "causal_conv1d: bias", {D});
+  if (init) check_f32(*init, "causal_conv1d: conv_state", {B, D, K - 1});
+  check_starts(starts, B, T);
+  return {B, T, D, K};
+}
+
+mrl_cpu::ConvFwdArgs conv_args(const ConvShapes& s, const Tensor& x, const Tensor& w, const Tensor& bias,
+                               const OptT& init, const OptT& starts) {
+  mrl_cpu::ConvFwdArgs a{};
+  a.x = fptr(x); a.x_sb = x.stride(0); a.x_st = x.stride(1);
+  a.w = fptr(w); a.bias = fptr(bias); a.init = ptr_or_null<float>(init); a.starts = ptr_or_null<bool>(starts);
+  a.B = (int)s.B; a.T = (int)s.T; a.D = (int)s.D; a.K = (int)s.K; a.nthreads = nthreads();
+  return a;
+}
+
+std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                             const OptT& starts) {
+  const auto s = conv_check(x, w, bias, init, starts);
+  auto out = new_empty({s.B, s.T, s.D}, x.options());
+  auto fin = new_empty({s.B, s.D, s.K - 1}, x.options());
+  auto a = conv_args(s, x, w, bias, init, starts);
+  a.out = out.data_ptr<float>(); a.final_state = fin.data_ptr<float>();
+  mrl_cpu::conv_fwd(a);
+  return {out, fin};
+}
+
+std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                             const OptT& starts, const Tensor& dout, const OptT& dfinal, bool need_dinit,
+                             const OptT& dx_out, const OptT& dw_acc, const OptT& db_acc) {
+  const auto s = conv_check(x, w, bias, init, starts);
+  check_act(dout, "causal_conv1d: grad_out", s.B, s.T, s.D);
+  if (dfinal) check_f32(*dfinal, "causal_conv1d: grad_final_state", {s.B, s.D, s.K - 1});
+  if (dx_out) check_act(*dx_out, "causal_conv1d: dx_out", s.B, s.T, s.D);
+  TORCH_CHECK_VALUE(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or "
+                    "neither, got dw_acc=", dw_acc ? "tensor" : "None", ", db_acc=", db_acc ? "tensor" : "None");
+  if (dw_acc) {
+    check_f32(*dw_acc, "causal_conv1d: dw_acc", {s.D, s.K});
+    check_f32(*db_acc, "causal_conv1d: db_acc", {s.D});
+  }
+  auto f32 = x.options();
+  auto dx = dx_out ? *dx_out : new_empty({s.B, s.T, s.D}, f32);
+  auto dw = dw_acc ? *dw_acc : new_empty({s.D, s.K}, f32);
+  auto db = db_acc ? *db_acc : new_empty({s.D}, f32);
+  Tensor dinit = need_dinit ? new_empty({s.B, s.D, s.K - 1}, f32) : Tensor();
+  mrl_cpu::ConvBwdArgs g{};
+  g.f = conv_args(s, x, w, bias, init, starts);
+  g.dout = fptr(dout); g.g_sb = dout.stride(0); g.g_st = dout.stride(1);
+  g.dfinal = ptr_or_null<float>(dfinal);
+  g.dx = dx.data_ptr<float>(); g.dx_sb = dx.stride(0); g.dx_st = dx.stride(1);
+  g.dinit = (need_dinit && dinit.numel()) ? dinit.data_ptr<float>() : nullptr;
+  g.dw = dw.data_ptr<float>(); g.dbias = db.data_ptr<float>(); g.accumulate = dw_acc.has_value();
+  mrl_cpu::conv_bwd(g);
+  return {dx, dw, db, dinit};
+}
+
+// ---------------- selective scan ----------------
+struct ScanShapes { int64_t B, T, D, N; };
+
+ScanShapes scan_check(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm, const Tensor& Cm,
+                      const Tensor& Dp, const Tensor& z, const Tensor& dt_bias, const OptT& init, const OptT& starts) {
+  check_cpu(x, "selective_scan: x");
+  TORCH_CHECK_VALUE(x.dim() == 3, "selective_scan: x: expected shape [B, T, D], got ", shape_str(x));
+  ScanShapes s{x.size(0), x.size(1), x.size(2), 0};
+  TORCH_CHECK_VALUE(s.T >= 1 && s.B >= 1 && s.D >= 1, "selective_scan: x: expected B, T, D >= 1, got ", shape_str(x));
+  check_act(x, "selective_scan: x", s.B, s.T, s.D);
+  check_act(dt, "selective_scan: dt", s.B, s.T, s.D);
+  check_cpu(A_log, "selective_scan: A_log");
+  TORCH_CHECK_VALUE(A_log.dim() == 2 && A_log.size(0) == s.D && A_log.size(1) >= 1, "selective_scan: A_log: "
+                    "expected shape [", s.D, ", d_state >= 1], got ", shape_str(A_log));
+  s.N = A_log.size(1);
+  check_f32(A_log, "selective_scan: A_log", {s.D, s.N});
+  check_act(Bm, "selective_scan: Bm", s.B, s.T, s.N);
+  check_act(Cm, "selective_scan: Cm", s.B, s.T, s.N);
+  check_f32(Dp, "selective_scan: D", {s.D});
+  check_act(z, "selective_scan: z", s.B, s.T, s.D);
+  check_f32(dt_bias, "selective_scan: dt_bias", {s.D});
+  if (init) check_f32(*init, "selective_scan: ssm_state", {s.B, s.D, s.N});
+  check_starts(starts, s.B, s.T);
+  return s;
+}
+
+int64_t num_chunks(int64_t T) { return (T + mrl_cpu::kScanChunk - 1) / mrl_cpu::kScanChunk; }
+
+mrl_cpu::ScanFwdArgs scan_args(const ScanShapes& s, const Tensor& x, const Tensor& dt, const Tensor& A_log,
+                               const Tensor& Bm, const Tensor& Cm, const Tensor& Dp, const Tensor& z,
+                               const Tensor& dt_bias, const OptT& init, const OptT& starts) {
+  mrl_cpu::ScanFwdArgs a{};
+  a.x = fptr(x); a.x_sb = x.stride(0); a.x_st = x.stride(1);
+  a.dt = fptr(dt); a.dt_sb = dt.stride(0); a.dt_st = dt.stride(1);
+  a.Bm = fptr(Bm); a.B_sb = Bm.stride(0); a.B_st = Bm.stride(1);
+  a.Cm = fptr(Cm); a.C_sb = Cm.stride(0); a.C_st = Cm.stride(1);
+  a.z = fptr(z); a.z_sb = z.stride(0); a.z_st = z.stride(1);
+  a.A_log = fptr(A_log); a.Dskip = fptr(Dp); a.dt_bias = fptr(dt_bias);
+  a.init = ptr_or_null<float>(init); a.starts = ptr_or_null<bool>(starts);
+  a.B = (int)s.B; a.T = (int)s.T; a.D = (int)s.D; a.N = (int)s.N; a.nthreads = nthreads();
+  return a;
+}
+
+std::vector<Tensor> scan_fwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
+                             const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
+                             const OptT& init, const OptT& starts, bool need_ckpt) {
+  const auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  auto out = new_empty({s.B, s.T, s.D}, x.options());
+  auto fin = new_empty({s.B, s.D, s.N}, x.options());
+  Tensor ckpt = need_ckpt ? new_empty({s.B, num_chunks(s.T), s.D, s.N}, x.options()) : Tensor();
+  auto a = scan_args(s, x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  a.out = out.data_ptr<float>(); a.final_state = fin.data_ptr<float>();
+  a.ckpt = need_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  mrl_cpu::scan_fwd(a);
+  return {out, fin, ckpt};
+}
+
+std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
+                             const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
+                             const OptT& init, const OptT& starts, const Tensor& ckpt, const Tensor& dout,
+                             const OptT& dfinal, bool need_dinit, const OptT& dz_out,
+                             const std::optional<std::vector<Tensor>>& acc) {
+  const auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  TORCH_CHECK_VALUE(ckpt.defined(), "selective_scan: checkpoints: expected the ckpt of scan_fwd(..., "
+                    "need_ckpt=True), got None");
+  check_f32(ckpt, "selective_scan: checkpoints", {s.B, num_chunks(s.T), s.D, s.N});
+  check_act(dout, "selective_scan: grad_out", s.B, s.T, s.D);
+  if (dfinal) check_f32(*dfinal, "selective_scan: grad_final_state", {s.B, s.D, s.N});
+  if (dz_out) check_act(*dz_out, "selective_scan: dz_out", s.B, s.T, s.D);
+  if (acc) {
+    TORCH_CHECK_VALUE(acc->size() == 3, "selective_scan: acc: expected [dA_log_acc, dD_acc, ddt_bias_acc], got ",
+                      acc->size(), " tensors");
+    check_f32((*acc)[0], "selective_scan: dA_log_acc", {s.D, s.N});
+    check_f32((*acc)[1], "selective_scan: dD_acc", {s.D});
+    check_f32((*acc)[2], "selective_scan: ddt_bias_acc", {s.D});
+  }
+  auto f32 = x.options();
+  auto dx = new_empty({s.B, s.T, s.D}, f32);
+  auto ddt = new_empty({s.B, s.T, s.D}, f32);
+  auto dz = dz_out ? *dz_out : new_empty({s.B, s.T, s.D}, f32);
+  auto dB = new_empty({s.B, s.T, s.N}, f32);
+  auto dC = new_empty({s.B, s.T, s.N}, f32);
+  auto dA = acc ? (*acc)[0] : new_empty({s.D, s.N}, f32);
+  auto dD = acc ? (*acc)[1] : new_empty({s.D}, f32);
+  auto ddb = acc ? (*acc)[2] : new_empty({s.D}, f32);
+  Tensor dinit = need_dinit ? new_empty({s.B, s.D, s.N}, f32) : Tensor();
+  mrl_cpu::ScanBwdArgs g{};
+  g.f = scan_args(s, x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  g.f.ckpt = ckpt.data_ptr<float>();
+  g.dout = fptr(dout); g.g_sb = dout.stride(0); g.g_st = dout.stride(1);
+  g.dfinal = ptr_or_null<float>(dfinal);
+  g.dx = dx.data_ptr<float>(); g.ddt = ddt.data_ptr<float>();
+  g.dz = dz.data_ptr<float>(); g.dz_sb = dz.stride(0); g.dz_st = dz.stride(1);
+  g.dB = dB.data_ptr<float>(); g.dC = dC.data_ptr<float>();
+  g.dA_log = dA.data_ptr<float>(); g.dD = dD.data_ptr<float>(); g.ddt_bias = ddb.data_ptr<float>();
+  g.accumulate = acc.has_value();
+  g.dinit = need_dinit ? dinit.data_ptr<float>() : nullptr;
+  mrl_cpu::scan_bwd(g);
+  return {dx, ddt, dA, dB, dC, dD, dz, ddb, dinit};
+}
+
+// ---------------- one-token backbone step ----------------
+Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                     const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
+                     const OptT& starts, double eps, int64_t rows_per_block) {
+  (void)rows_per_block;  // a CUDA launch-shape knob; nothing to choose on the CPU
+  check_cpu(x, "backbone_step: x_t");
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "backbone_step: x_t: expected shape "
+                    "[B, input_dim], got ", shape_str(x));
+  const int64_t B = x.size(0), in_dim = x.size(1);
+  check_f32(x, "backbone_step: x_t", {B, in_dim});
+  check_cpu(inp_w, "backbone_step: input_proj.weight");
+  TORCH_CHECK_VALUE(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight: expected shape "
+                    "[d_model, ", in_dim, "], got ", shape_str(inp_w));
+  const int64_t dm = inp_w.size(0);
+  check_f32(inp_w, "backbone_step: input_proj.weight", {dm, in_dim});
+  check_f32(inp_b, "backbone_step: input_proj.bias", {dm});
+  check_f32(normf_w, "backbone_step: norm_f.weight", {dm});
+  const int64_t L = (int64_t)layers.size();
+  TORCH_CHECK_VALUE(L >= 1, "backbone_step: layers: expected at least 1 layer, got ", L);
+  check_cpu(conv_state, "backbone_step: conv_state");
+  TORCH_CHECK_VALUE(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B &&
+                    conv_state.size(2) >= 1, "backbone_step: conv_state: expected shape [", L, ", ", B,
+                    ", d_inner, d_conv-1], got ", shape_str(conv_state));
+  const int64_t D = conv_state.size(2), K = conv_state.size(3) + 1;
+  check_f32(conv_state, "backbone_step: conv_state", {L, B, D, K - 1});
+  check_cpu(ssm_state, "backbone_step: ssm_state");
+  TORCH_CHECK_VALUE(ssm_state.dim() == 4 && ssm_state.size(3) >= 1, "backbone_step: ssm_state: expected shape [",
+                    L, ", ", B, ", ", D, ", d_state], got ", shape_str(ssm_state));
+  const int64_t N = ssm_state.size(3);
+  check_f32(ssm_state, "backbone_step: ssm_state", {L, B, D, N});
+  if (starts) {
+    check_cpu(*starts, "backbone_step: episode_starts");
+    TORCH_CHECK_VALUE(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
+                      "backbone_step: episode_starts: expected a contiguous [", B, "] bool tensor, got shape ",
+                      shape_str(*starts), " dtype ", starts->scalar_type());
+  }
+  int64_t rank = -1;
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& t = layers[l];
+    TORCH_CHECK_VALUE(t.size() == 10, "backbone_step: layer ", l, ": expected 10 tensors, got ", t.size());
+    if (rank < 0) {
+      check_cpu(t[5], "backbone_step: dt_proj.weight");
+      rank = t[5].dim() == 2 ? t[5].size(1) : -1;
+    }
+    TORCH_CHECK_VALUE(rank >= 1, "backbone_step: dt_proj.weight: expected shape [", D, ", dt_rank], got ",
+                      shape_str(t[5]));
+    check_f32(t[0], "backbone_step: norm.weight", {dm});
+    check_f32(t[1], "backbone_step: in_proj.weight", {2 * D, dm});
+    check_f32(t[2], "backbone_step: conv1d.weight (as [d_inner, d_conv])", {D, K});
+    check_f32(t[3], "backbone_step: conv1d.bias", {D});
+    check_f32(t[4], "backbone_step: x_proj.weight", {rank + 2 * N, D});
+    check_f32(t[5], "backbone_step: dt_proj.weight", {D, rank});
+    check_f32(t[6], "backbone_step: dt_proj.bias", {D});
+    check_f32(t[7], "backbone_step: A_log", {D, N});
+    check_f32(t[8], "backbone_step: D", {D});
+    check_f32(t[9], "backbone_step: out_proj.weight", {dm, D});
+  }
+  return mrl_cpu::backbone_step(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, ptr_or_null<bool>(starts),
+                                (float)eps, nthreads());
+}
+
+// ---------------- RMSNorm ----------------
+std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
+  check_cpu(x, "rms_norm: x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
+                    shape_str(x));
+  check_dtype_f32(x, "rms_norm: x");
+  TORCH_CHECK_VALUE(x.is_contiguous(), "rms_norm: x: expected a contiguous tensor, got strides ", x.strides());
+  const int64_t C = x.size(-1), rows = x.numel() / C;
+  check_f32(w, "rms_norm: weight", {C});
+  TORCH_CHECK_VALUE(out_dtype == at::kFloat, "rms_norm: out_dtype: expected float32 (the CPU kernels are float32 "
+                    "only), got ", out_dtype);
+  auto out = new_empty(x.sizes(), x.options());
+  std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
+  rshape.back() = 1;
+  auto rstd = new_empty(rshape, x.options());
+  if (rows)
+    mrl_cpu::rmsnorm_fwd(fptr(x), rows, (int)C, fptr(w), (float)eps, out.data_ptr<float>(), rstd.data_ptr<float>(),
+                         nthreads());
+  return {out, rstd};
+}
+
+Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
+                   const OptT& dx_acc) {
+  check_cpu(x, "rms_norm: x");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
+                    shape_str(x));
+  check_dtype_f32(x, "rms_norm: x");
+  TORCH_CHECK_VALUE(x.is_contiguous(), "rms_norm: x: expected a contiguous tensor, got strides ", x.strides());
+  const int64_t C = x.size(-1), rows = x.numel() / C;
+  check_cpu(dy, "rms_norm: grad_out");
+  check_dtype_f32(dy, "rms_norm: grad_out");
+  TORCH_CHECK_VALUE(dy.numel() == x.numel() && dy.size(-1) == C && dy.is_contiguous(), "rms_norm: grad_out: expected "
+                    "a contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(dy));
+  check_cpu(rstd, "rms_norm: rstd");
+  check_dtype_f32(rstd, "rms_norm: rstd");
+  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.is_contiguous(), "rms_norm: rstd: expected a contiguous tensor "
+                    "with ", rows, " elements, got ", shape_str(rstd));
+  check_f32(w, "rms_norm: weight", {C});
+  check_cpu(dw_acc, "rms_norm: dw_acc");
+  check_dtype_f32(dw_acc, "rms_norm: dw_acc");
+  TORCH_CHECK_VALUE(dw_acc.numel() == C && dw_acc.is_contiguous(), "rms_norm: dw_acc: expected a contiguous [", C,
+                    "] tensor, got ", shape_str(dw_acc));
+  if (dx_acc) {
+    check_cpu(*dx_acc, "rms_norm: dh_acc");
+    check_dtype_f32(*dx_acc, "rms_norm: dh_acc");
+    TORCH_CHECK_VALUE(dx_acc->numel() == x.numel() && dx_acc->is_contiguous(), "rms_norm: dh_acc: expected a "
+                      "contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(*dx_acc));
+  }
+  auto dx = new_empty(x.sizes(), x.options());
+  if (rows)
+    mrl_cpu::rmsnorm_bwd(fptr(dy), fptr(x), fptr(rstd), fptr(w), rows, (int)C, dx.data_ptr<float>(),
+                         ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(), nthreads());
+  return dx;
+}
+
+int scan_chunk() { return mrl_cpu::kScanChunk; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "mamba_rl CPU kernels (csrc/cpu/; loaded by mamba_rl/ops/cpu_ext.py): the CUDA binding's functions, "
+            "float32, OpenMP";
+  m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> [out [B,T,D], final_state [B,D,K-1]]");
+  m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> [dx, dweight, dbias, dinit or None]; optional "
+        "strided dx_out (written) and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("init"), py::arg("starts"), py::arg("dout"), py::arg("dfinal"), py::arg("need_dinit"),
+        py::arg("dx_out") = py::none(), py::arg("dw_acc") = py::none(), py::arg("db_acc") = py::none());
+  m.def("scan_fwd", &scan_fwd, "selective scan forward -> [y [B,T,D], final_state [B,D,N], ckpt [B,nC,D,N] or "
+        "None]; ckpt[b, c] is the state entering step c * scan_chunk()");
+  m.def("scan_bwd", &scan_bwd, "selective scan backward -> [dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit or "
+        "None]; optional strided dz_out (written) and acc=[dA_log, dD, ddt_bias] (added into)", py::arg("x"),
+        py::arg("dt"), py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"),
+        py::arg("dt_bias"), py::arg("init"), py::arg("starts"), py::arg("ckpt"), py::arg("dout"), py::arg("dfinal"),
+        py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
+  m.def("backbone_step", &backbone_step, "one token through the whole backbone; conv_state / ssm_state updated in "
+        "place -> features [B, d_model] (rows_per_block is ignored on the CPU)");
+  m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> [out (float32), rstd [..., 1]]");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc");
+  m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
+  m.def("scan_chunk", &scan_chunk, "checkpoint interval of the scan backward (steps)");
+}
