@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mamba_rl.config import MambaConfig
-from mamba_rl.ops.cpu_ext import load_cpu_extension
+from mamba_rl.ops.extension import load_extension
 from mamba_rl.ops.step import _LAYER_KEYS, backbone_step_ref
 
 
@@ -199,7 +199,7 @@ def main():
     ap.add_argument("--calls", type=int, default=10, help="calls per timed batch of the fast columns")
     ap.add_argument("--no-reference", action="store_true", help="skip the (slow) reference column")
     args = ap.parse_args()
-    ext = load_cpu_extension()
+    ext = load_extension("cpu")
     cfg = MambaConfig()  # d_model 128, 3 layers, d_state 16, d_conv 4, expand 2, dt_rank 8
     in_dim = 8
     for nt in args.threads:

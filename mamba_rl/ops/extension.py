@@ -5,7 +5,9 @@ Two extensions, both built with ``torch.utils.cpp_extension`` (ninja) on first u
 - ``cuda``: ``csrc/*.cu`` + ``csrc/binding.cpp``; sm_90 machine code plus compute_90 PTX (newer GPUs JIT
   the PTX), override with ``MAMBA_RL_CUDA_ARCH`` (e.g. ``"80;90"``). Each .cu file is torch-free and each
   dtype its own file, so ninja compiles them in parallel (``MAX_JOBS`` caps the jobs).
-- ``cpu``: ``csrc/cpu/*.cpp`` (ATen + OpenMP), the same Python functions as the CUDA binding.
+- ``cpu``: ``csrc/cpu/*.cpp`` (ATen + OpenMP), the same Python functions as the CUDA binding; built with
+  ``-march=native`` (``MAMBA_RL_CPU_MARCH`` overrides, empty for the compiler default), so the key includes
+  the host CPU model and flags. ``MAMBA_RL_DISABLE_CPU=1`` forces the reference.
 
 A build is keyed by a hash of its sources and headers, the torch / CUDA / Python versions, the flags and
 (for CUDA) the archs: a changed kernel or a new torch rebuilds, anything else reuses the cached module.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -50,8 +54,35 @@ def _arch_flags() -> list[str]:
     return flags
 
 
+def _march() -> str:
+    return os.environ.get("MAMBA_RL_CPU_MARCH", "native").strip()
+
+
 def _cpu_flags() -> list[str]:
-    return ["-O3", "-std=c++17", "-fopenmp"]
+    """-O3 with OpenMP; math flags that let GCC vectorise exp/SiLU loops; ``-march=$MAMBA_RL_CPU_MARCH``
+    (default native; empty for the compiler's default target)."""
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
+             "-DNDEBUG"]
+    return flags + ([f"-march={_march()}"] if _march() else [])
+
+
+def _host_cpu() -> str:
+    """CPU model and feature flags (what -march=native resolves from), for the build key."""
+    model = flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                key = key.strip()
+                if key == "model name" and not model:
+                    model = val.strip()
+                elif key in ("flags", "Features") and not flags:
+                    flags = val.strip()
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{model or platform.processor()}|{flags}"
 
 
 def source_files(kind: str = "cuda") -> list[Path]:
@@ -84,6 +115,9 @@ def build_key(kind: str = "cuda") -> str:
         h.update(" ".join(_arch_flags() + _CUDA_FLAGS).encode())
     else:
         h.update(" ".join(_cpu_flags()).encode())
+        h.update(os.environ.get("CXX", "c++").encode())
+        if _march() == "native":
+            h.update(_host_cpu().encode())
     return h.hexdigest()[:16]
 
 
@@ -111,6 +145,14 @@ def load_extension(kind: str = "cuda", verbose: bool = False):
     from torch.utils.cpp_extension import load
     if kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("mamba_rl CUDA extension: CUDA is not available")
+    if kind == "cpu":
+        from torch.utils.cpp_extension import is_ninja_available
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            raise RuntimeError(f"mamba_rl CPU kernels: no C++ compiler found (looked for {cxx!r} on PATH); fix: "
+                               f"install one with OpenMP (e.g. `apt-get install g++` or build-essential)")
+        if not is_ninja_available():
+            raise RuntimeError("mamba_rl CPU kernels: ninja was not found; fix: `pip install ninja`")
     srcs = source_files(kind)
     if not srcs:
         raise RuntimeError(f"mamba_rl {kind} extension: no sources found under {_csrc_dir()}")
@@ -131,7 +173,7 @@ def load_extension(kind: str = "cuda", verbose: bool = False):
         else:
             mod = load(name=name, sources=[str(s) for s in srcs], build_directory=str(bdir),
                        extra_cflags=_cpu_flags(), extra_ldflags=["-fopenmp"],
-                       extra_include_paths=[str(_csrc_dir() / "cpu")], verbose=verbose)
+                       extra_include_paths=[str(_csrc_dir() / "cpu")], with_cuda=False, verbose=verbose)
     except Exception as e:
         fix = ("install a C++ compiler with OpenMP (e.g. `apt-get install g++` or build-essential) and ninja "
                "(`pip install ninja`)" if kind == "cpu" else "check nvcc and the CUDA toolkit version")
