@@ -147,10 +147,15 @@ class RecurrentPPO:
 
     @property
     def num_updates(self) -> int:
-        """Updates in the run: ceil(total_timesteps / (batch_size * world_size)); ``total_timesteps`` and
-        ``global_step`` count the env steps of all ranks together."""
+        """Updates in the run: ``update`` + the updates of ``batch_size * world_size`` env steps still needed
+        to reach ``total_timesteps`` (fixed when :meth:`learn` starts). ``total_timesteps`` and ``global_step``
+        count the env steps of all ranks together, so a run resumed on another world size still stops at
+        (about) ``total_timesteps``; on the same world size this is ceil(total_timesteps / (batch_size * world))."""
+        if getattr(self, "_num_updates", None) is not None:
+            return self._num_updates
         c = self.config
-        return -(-c.total_timesteps // (c.batch_size * self.world_size))
+        left = max(0, c.total_timesteps - self.global_step)
+        return self.update + -(-left // (c.batch_size * self.world_size))
 
     # ------------------------------------------------------------------ envs
     def _make_envs(self) -> gym.vector.VectorEnv:
@@ -250,6 +255,8 @@ class RecurrentPPO:
         if total_timesteps is not None and total_timesteps != self.config.total_timesteps:
             self.config = self.config.replace(total_timesteps=int(total_timesteps))
         c = self.config
+        self._num_updates = None
+        self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
         lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
         if lead:
             claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
