@@ -5,6 +5,7 @@ Ranks are spawned with ``torch.multiprocessing`` (gloo on the CPU, NCCL on 2 GPU
 
 from __future__ import annotations
 
+import shutil
 import socket
 
 import numpy as np
@@ -38,7 +39,7 @@ def test_shard_permutation_matches_the_ranks_minibatches():
 
 
 def _one_process(tmp_path, device: str, updates: int):
-    cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path), checkpoint_dir=str(tmp_path))
+    cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"))
     agent = RecurrentPPO(config=cfg)
     agent.updater.shards = 2  # minibatch k = the envs of both ranks' minibatch k
     init, metrics = flat_state(agent), []
@@ -81,9 +82,11 @@ def _check_resume(tmp_path, device: str) -> None:
     _spawn(learn_worker, str(tmp_path / "a"), device, None, 2 * per_update)
     first = torch.load(tmp_path / "a" / "learn0.pt")
     assert first["same"] and first["update"] == 2 and first["global_step"] == 2 * per_update
-    ckpt = f"{first['root']}/final"
+    ckpt = str(tmp_path / "saved")  # a copy: a resumed run writes its own `final` into the run's folder
+    shutil.copytree(f"{first['root']}/final", ckpt)
     # 1 rank: weights, optimizer state and counters load; one more update of 64 steps reaches the total
-    agent = RecurrentPPO.load(ckpt, total_timesteps=2 * per_update + 64, device=device)
+    agent = RecurrentPPO.load(ckpt, total_timesteps=2 * per_update + 64, device=device,
+                              checkpoint_dir=str(tmp_path / "one"), runs_dir=str(tmp_path / "one"))
     assert agent.update == 2 and agent.global_step == 2 * per_update and agent.world_size == 1
     assert torch.equal(flat_state(agent), first["final"])
     agent.learn()
