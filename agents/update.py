@@ -27,6 +27,8 @@ per rank (rank 0's is logged).
 
 from __future__ import annotations
 
+import os
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,7 +86,19 @@ class PPOUpdate:
         self.dp = getattr(agent, "dp", None)  # a DataParallel when this is one rank of several
         self.shards = 1  # > 1: one process lays its envs out as `shards` ranks would (shard_permutation)
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
-        if capture:
+        self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
+        if capture and self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "1") == "0":
+            self.capture_error = "MAMBA_RL_DDP_CAPTURE=0"
+        elif capture and self.dp is not None:
+            err = None
+            try:  # the all-reduces inside the graph need NCCL >= 2.9.6 and a warmed-up process group
+                self.capture()
+            except RuntimeError as e:
+                err = e
+            failed = torch.tensor([float(err is not None)], device=self.device)
+            if float(self.dp.sum_(failed)) > 0:  # every rank captures, or none does
+                self._fallback(err if err is not None else RuntimeError("another rank's capture failed"))
+        elif capture:
             self.capture()
 
     # ------------------------------------------------------------------------------------ the body
@@ -171,6 +185,16 @@ class PPOUpdate:
         torch.cuda.synchronize()
         self.trainer.restore(snap)
         self._graphs.seal()
+
+    def _fallback(self, err: Exception) -> None:
+        """Data-parallel capture failed: run the minibatch body eagerly (same numbers, one launch per
+        kernel). Every rank must agree, or their collectives would not match: a rank whose capture
+        failed makes every rank fall back (one all-reduce of the failure flags)."""
+        self._graphs.clear()
+        torch.cuda.synchronize()
+        self.capture_error = f"{type(err).__name__}: {err}"
+        warnings.warn(f"PPOUpdate: capturing the data-parallel minibatch failed ({self.capture_error}); "
+                      "running it eagerly", RuntimeWarning, stacklevel=3)
 
     def _run_eager_once(self) -> None:
         self.mb_index.zero_()
