@@ -51,7 +51,7 @@ def _one_process(tmp_path, device: str, updates: int):
     return init, final, metrics
 
 
-def _check_update_identity(tmp_path, device: str) -> None:
+def _check_update_identity(tmp_path, device: str, rtol: float = 1e-4, atol: float = 2e-5) -> None:
     updates = 2
     _spawn(update_worker, str(tmp_path), device, updates)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
@@ -60,11 +60,11 @@ def _check_update_identity(tmp_path, device: str) -> None:
     init, final, metrics = _one_process(tmp_path, device, updates)
     assert torch.equal(r0["init"], init)  # same weights from the config seed
     assert (final - init).abs().max() > 1e-4  # the updates did move the weights
-    torch.testing.assert_close(r0["final"], final, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(r0["final"], final, rtol=rtol, atol=atol)
     for m_dp, m_one in zip(r0["metrics"], metrics):
         for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
                   "losses/clipfrac", "backbone/grad_norm"):
-            assert m_dp[k] == pytest.approx(m_one[k], rel=1e-4, abs=1e-6), k
+            assert m_dp[k] == pytest.approx(m_one[k], rel=10 * rtol, abs=1e-6), k
 
 
 def test_two_ranks_equal_one_process_gloo(tmp_path):
@@ -74,7 +74,14 @@ def test_two_ranks_equal_one_process_gloo(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_ranks_equal_one_process_nccl(tmp_path):
-    _check_update_identity(tmp_path, "cuda")
+    # the CUDA kernels reduce a minibatch of 2 rows per rank in another order than one of 4: looser f32 tolerance
+    _check_update_identity(tmp_path, "cuda", rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_resume_two_rank_checkpoint_nccl(tmp_path):
+    _check_resume(tmp_path, "cuda")
 
 
 def _check_resume(tmp_path, device: str) -> None:
