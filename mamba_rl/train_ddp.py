@@ -28,9 +28,11 @@ def launch(nproc: int, cli_argv: Sequence[str]) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             argv.append(a)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun.main(["--standalone", "--nproc-per-node", str(nproc), "-m", "mamba_rl", *argv])
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SignalException):  # torchrun passed the signal on as SIGTERM; rank 0 saved
         return 130
     except Exception as err:  # torchrun's ChildFailedError has already printed the failing rank's traceback
         print(f"mamba-rl train: error: a rank failed ({type(err).__name__})", file=sys.stderr)
