@@ -47,13 +47,13 @@ def flat_state(agent) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in parts])
 
 
-def _join(rank: int, world: int, port: int, device: str) -> None:
+def _join(rank: int, world: int, port: int, device: str, timeout_s: float = 120) -> None:
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from mamba_rl.agents.distributed import init_from_env
 
-    assert init_from_env(device, timeout_s=120)
+    assert init_from_env(device, timeout_s=timeout_s)
 
 
 def update_worker(rank: int, world: int, port: int, out: str, device: str, updates: int) -> None:
@@ -101,3 +101,24 @@ def learn_worker(rank: int, world: int, port: int, out: str, device: str, resume
         agent.close()
     finally:
         dist.destroy_process_group()
+
+
+def hang_worker(rank: int, world: int, port: int, out: str, hang_s: float) -> None:
+    """Rank 1 hangs (sleeps ``hang_s``) instead of joining an all-reduce; rank 0 records the error it gets
+    and after how long (the group timeout is 3 s)."""
+    import time
+
+    import torch.distributed as dist
+
+    _join(rank, world, port, "cpu", timeout_s=3)
+    if rank == 1:
+        time.sleep(hang_s)
+        os._exit(0)
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test looks at what it was
+        err = f"{type(e).__name__}: {e}"
+    torch.save({"err": err, "dt": time.perf_counter() - t0}, os.path.join(out, "hang.pt"))
+    os._exit(0)
