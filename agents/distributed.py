@@ -131,6 +131,16 @@ class DataParallel:
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.backend = dist.get_backend()
 
+    def check_same(self, what: str, value: Any) -> None:
+        """Raise ValueError unless ``value`` (picklable, compared with ==) is the same on every rank: ranks
+        with different configs would post collectives of different sizes and hang. One all_gather_object."""
+        out: list = [None] * self.world
+        dist.all_gather_object(out, value)
+        bad = [r for r, v in enumerate(out) if v != out[0]]
+        if bad:
+            raise ValueError(f"data-parallel ranks disagree on {what}: rank 0 has {out[0]!r}, rank {bad[0]} has "
+                             f"{out[bad[0]]!r} (every rank must run the same config)")
+
     def warm_up(self, device: torch.device) -> None:
         """One all-reduce on ``device``, so NCCL's communicator exists before a graph captures one."""
         t = torch.ones(1, device=device)

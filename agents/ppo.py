@@ -139,6 +139,9 @@ class RecurrentPPO:
     def _sync_ranks(self) -> None:
         """Rank 0's weights on every rank (equal from the seed anyway) and per-rank sampling RNGs."""
         net = self.net
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in ("runs_dir", "checkpoint_dir", "device")}
+        self.dp.check_same("the PPOConfig", cfg)
+        self.dp.check_same("the parameter count", (net.arena.numel(), sum(p.numel() for p in self.heads.parameters())))
         ts = [net.arena] + [p.data for p in self.heads.parameters()]
         if getattr(net, "compute_arena", None) is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
             ts.append(net.compute_arena)
