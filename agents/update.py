@@ -181,7 +181,8 @@ class PPOUpdate:
         warm_up(self._run_eager_once, warmup)
         self.trainer.restore(snap)
         self._graphs.clear()
-        self._graphs.capture("minibatch", self._minibatch)
+        # data-parallel: thread-local capture mode, so NCCL's watchdog thread may poll events meanwhile
+        self._graphs.capture("minibatch", self._minibatch, mode="thread_local" if self.dp is not None else "global")
         torch.cuda.synchronize()
         self.trainer.restore(snap)
         self._graphs.seal()
