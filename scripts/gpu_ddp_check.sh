@@ -32,7 +32,7 @@ timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs test
 rc=${PIPESTATUS[0]}
 echo "pytest rc=$rc wall=$(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest_ddp.log"
 t0=$(date +%s)
-timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/sps.py --nproc 2 --envs 64 --updates 8 --no-sb3 \
+timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/sps.py --nproc 2 --envs 64 --updates 16 --no-sb3 \
   --out "$OUT/sps_ddp.json" ${SPS_ARGS:-} 2>&1 | tee "$OUT/sps_ddp.log"
 brc=${PIPESTATUS[0]}
 echo "sps rc=$brc wall=$(( $(date +%s) - t0 )) s" | tee -a "$OUT/sps_ddp.log"
