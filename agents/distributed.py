@@ -12,8 +12,8 @@ Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`, inside its CUDA 
    advantages are normalised with the *global* minibatch mean/std and every rank's loss is its share
    of the global masked mean (its sums / the global count), so the sum over ranks of the gradients is
    exactly the gradient of the one-process minibatch of ``world * envs_per_minibatch`` envs;
-2. after the backbone backward and before the clip (``MambaTrainer.grad_hook``): an all-reduce (SUM)
-   of the backbone's flat gradient arena and one of the heads' flat gradient (:meth:`reduce_grads`);
+2. after the backbone backward and before the clip (``MambaTrainer.grad_hook``): ONE all-reduce (SUM)
+   of [backbone gradient arena | heads' flat gradient] (``PPOUpdate.comm``, :meth:`reduce_grads`);
    the global clip, AdamW, the f16 scaler's overflow check and the head Adam then see the same numbers
    on every rank.
 

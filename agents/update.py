@@ -20,8 +20,8 @@ The host reads the table once per update (one sync), plus once per epoch only wh
 
 Data-parallel (``agent.dp``, :mod:`mamba_rl.agents.distributed`): step 2 uses the count and advantage
 statistics of every rank's minibatch (one all-reduce), and ``trainer.grad_hook`` sums the backbone's
-gradient arena and the heads' flat gradient over the ranks between the backbone backward and the clip
-(inside the same CUDA graph). The table is summed over ranks once per update; explained variance stays
+gradient arena and the heads' flat gradient over the ranks (ONE all-reduce of both, packed in ``comm``)
+between the backbone backward and the clip (inside the same CUDA graph). The table is summed over ranks once per update; explained variance stays
 per rank (rank 0's is logged).
 """
 
@@ -84,6 +84,9 @@ class PPOUpdate:
         self.table = torch.zeros(self.max_steps, len(_COLS), device=dev)
         self.flat_heads = isinstance(agent.head_optimizer, FlatHeadAdam)
         self.dp = getattr(agent, "dp", None)  # a DataParallel when this is one rank of several
+        n_heads = sum(q.numel() for q in self.head_params)
+        # data-parallel: [backbone gradient arena | head gradient], summed over ranks by one all-reduce
+        self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if self.dp is not None else None
         self.shards = 1  # > 1: one process lays its envs out as `shards` ranks would (shard_permutation)
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
         self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
@@ -128,10 +131,17 @@ class PPOUpdate:
         tr.d_buf.copy_(grads[0])
         flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
         if dp is not None:  # after the backbone backward, before the clip: sum the gradients over ranks
-            def reduce() -> None:
-                dp.reduce_grads(tr.net.grad_arena, flat)
-                tr.extra_sq_buf.copy_(flat.square().sum())
+            arena, nb = tr.net.grad_arena, tr.net.grad_arena.numel()
+            head_sum, head_grad = self.comm[nb:], flat
+
+            def reduce() -> None:  # ONE all-reduce of [backbone gradient arena | head gradient]
+                self.comm[:nb].copy_(arena)
+                head_sum.copy_(head_grad)
+                dp.reduce_grads(self.comm)
+                arena.copy_(self.comm[:nb])
+                tr.extra_sq_buf.copy_(head_sum.square().sum())
             tr.grad_hook = reduce
+            flat = head_sum  # the heads step with the summed gradient
         elif self.flat_heads:
             tr.extra_sq_buf.copy_(flat.square().sum())
         else:
@@ -161,7 +171,7 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         opt = self.agent.head_optimizer
         heads = (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t) if self.flat_heads else ()
-        return self.trainer.graph_buffers() + heads + (self.inputs, self.starts, self.pack, self.init_state.conv,
+        return self.trainer.graph_buffers() + heads + (self.comm, self.inputs, self.starts, self.pack, self.init_state.conv,
                                                        self.init_state.ssm, self.perm, self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
