@@ -122,3 +122,20 @@ def hang_worker(rank: int, world: int, port: int, out: str, hang_s: float) -> No
         err = f"{type(e).__name__}: {e}"
     torch.save({"err": err, "dt": time.perf_counter() - t0}, os.path.join(out, "hang.pt"))
     os._exit(0)
+
+
+def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 asks for other num_envs than rank 0: both must refuse with a ValueError at start."""
+    import torch.distributed as dist
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    _join(rank, world, port, "cpu", timeout_s=30)
+    try:
+        RecurrentPPO(config=PPOConfig(**dict(TINY, num_envs=4 if rank == 0 else 2), device="cpu",
+                                      runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt")))
+        err = None
+    except ValueError as e:
+        err = str(e)
+    torch.save({"err": err}, os.path.join(out, f"mismatch{rank}.pt"))
+    dist.destroy_process_group()

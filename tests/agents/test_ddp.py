@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.distributed import shard_permutation
 
-from .ddp_cases import TINY, fake_rollout, flat_state, hang_worker, learn_worker, update_worker
+from .ddp_cases import TINY, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker, update_worker
 
 
 def _port() -> int:
@@ -125,3 +125,10 @@ def test_a_hanging_rank_is_an_error_within_the_timeout(tmp_path):
     _spawn(hang_worker, str(tmp_path), 10.0)
     r = torch.load(tmp_path / "hang.pt")
     assert r["err"] is not None and r["dt"] < 9.0, r  # the 3 s group timeout, not the 10 s hang
+
+
+def test_ranks_with_different_configs_refuse_to_start(tmp_path):
+    _spawn(mismatch_worker, str(tmp_path))
+    for r in range(2):
+        err = torch.load(tmp_path / f"mismatch{r}.pt")["err"]
+        assert err is not None and "disagree on the PPOConfig" in err and "num_envs" in err, err
