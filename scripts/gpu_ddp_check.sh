@@ -3,7 +3,8 @@
 # the package, build the CUDA extension, run the data-parallel tests (NCCL 2-GPU identity + gloo resume), then
 # the SPS of 2 ranks x 64 envs against 1 GPU x 64 envs.
 # Usage on the 2-GPU device: scripts/gpu_ddp_check.sh ; logs and JSON go to $OUT (or ./gpu_out).
-# Env knobs: TEST_TIMEOUT (s, default 150), BENCH_TIMEOUT (s, default 200), SPS_ARGS (extra sps.py arguments).
+# Env knobs: TEST_K (pytest -k of tests/agents/test_ddp.py, default "nccl": the 2-GPU identity and resume tests),
+# TEST_TIMEOUT (s, default 150), BENCH_TIMEOUT (s, default 180), SPS_ARGS (extra sps.py arguments).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -28,11 +29,11 @@ echo "build rc=$brc wall=$(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
 [ "$brc" -ne 0 ] && exit "$brc"
 t0=$(date +%s)
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rs tests/agents/test_ddp.py \
-  -k "nccl or shard or bad_world" 2>&1 | tee "$OUT/pytest_ddp.log"
+  -k "${TEST_K:-nccl}" 2>&1 | tee "$OUT/pytest_ddp.log"
 rc=${PIPESTATUS[0]}
 echo "pytest rc=$rc wall=$(( $(date +%s) - t0 )) s" | tee -a "$OUT/pytest_ddp.log"
 t0=$(date +%s)
-timeout "${BENCH_TIMEOUT:-200}" python3 benchmarks/sps.py --nproc 2 --envs 64 --updates 16 --no-sb3 \
+timeout "${BENCH_TIMEOUT:-180}" python3 benchmarks/sps.py --nproc 2 --envs 64 --updates 16 --no-sb3 \
   --out "$OUT/sps_ddp.json" ${SPS_ARGS:-} 2>&1 | tee "$OUT/sps_ddp.log"
 brc=${PIPESTATUS[0]}
 echo "sps rc=$brc wall=$(( $(date +%s) - t0 )) s" | tee -a "$OUT/sps_ddp.log"
