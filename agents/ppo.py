@@ -146,7 +146,8 @@ class RecurrentPPO:
         if getattr(net, "compute_arena", None) is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
             ts.append(net.compute_arena)
         self.dp.broadcast_weights(ts)
-        torch.manual_seed(self.config.seed + 1000 * getattr(self, "update", 0) + self.rank)  # device sampling differs per rank
+        # device sampling (CUDA graph actor) differs per rank
+        torch.manual_seed(self.config.seed + 1000 * getattr(self, "update", 0) + self.rank)
 
     @property
     def num_updates(self) -> int:
@@ -163,7 +164,8 @@ class RecurrentPPO:
     # ------------------------------------------------------------------ envs
     def _make_envs(self) -> gym.vector.VectorEnv:
         c = self.config
-        return make_vec_env(c.env_id, c.num_envs, seed=self.env_seed, async_=c.async_envs, capture_video=c.capture_video,
+        return make_vec_env(c.env_id, c.num_envs, seed=self.env_seed, async_=c.async_envs,
+                            capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
                             start_method=c.async_start_method)

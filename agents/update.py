@@ -21,8 +21,8 @@ The host reads the table once per update (one sync), plus once per epoch only wh
 Data-parallel (``agent.dp``, :mod:`mamba_rl.agents.distributed`): step 2 uses the count and advantage
 statistics of every rank's minibatch (one all-reduce), and ``trainer.grad_hook`` sums the backbone's
 gradient arena and the heads' flat gradient over the ranks (ONE all-reduce of both, packed in ``comm``)
-between the backbone backward and the clip (inside the same CUDA graph). The table is summed over ranks once per update; explained variance stays
-per rank (rank 0's is logged).
+between the backbone backward and the clip (inside the same CUDA graph). The table is summed over ranks
+once per update; explained variance stays per rank (rank 0's is logged).
 """
 
 from __future__ import annotations
@@ -171,8 +171,9 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         opt = self.agent.head_optimizer
         heads = (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t) if self.flat_heads else ()
-        return self.trainer.graph_buffers() + heads + (self.comm, self.inputs, self.starts, self.pack, self.init_state.conv,
-                                                       self.init_state.ssm, self.perm, self.mb_index, self.table)
+        return self.trainer.graph_buffers() + heads + (self.comm, self.inputs, self.starts, self.pack,
+                                                       self.init_state.conv, self.init_state.ssm, self.perm,
+                                                       self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture :meth:`_minibatch` as one CUDA graph; every buffer it changes is restored afterwards.

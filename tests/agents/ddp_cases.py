@@ -64,7 +64,8 @@ def update_worker(rank: int, world: int, port: int, out: str, device: str, updat
 
     _join(rank, world, port, device)
     try:
-        agent = RecurrentPPO(config=PPOConfig(**TINY, device=device, runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt")))
+        agent = RecurrentPPO(config=PPOConfig(**TINY, device=device, runs_dir=os.path.join(out, "runs"),
+                                              checkpoint_dir=os.path.join(out, "ckpt")))
         init = flat_state(agent)
         metrics, same = [], []
         for u in range(updates):
@@ -87,7 +88,8 @@ def learn_worker(rank: int, world: int, port: int, out: str, device: str, resume
 
     _join(rank, world, port, device)
     try:
-        kw = dict(runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt"), total_timesteps=total, device=device)
+        kw = dict(runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt"),
+                  total_timesteps=total, device=device)
         if resume is None:
             agent = RecurrentPPO(config=PPOConfig(**dict(TINY, **kw)))
         else:

@@ -39,7 +39,8 @@ def test_shard_permutation_matches_the_ranks_minibatches():
 
 
 def _one_process(tmp_path, device: str, updates: int):
-    cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"))
+    cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path / "runs"),
+                    checkpoint_dir=str(tmp_path / "ckpt"))
     agent = RecurrentPPO(config=cfg)
     agent.updater.shards = 2  # minibatch k = the envs of both ranks' minibatch k
     init, metrics = flat_state(agent), []
