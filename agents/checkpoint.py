@@ -11,6 +11,11 @@ A checkpoint is a folder holding:
   asked for (``RecurrentPPO.load(restore_envs=True)``, ``mamba-rl train --resume PATH --resume-envs``),
   for checkpoints you trust. Everything else is safetensors + JSON.
 
+Data-parallel runs (:mod:`mamba_rl.agents.distributed`): rank 0 writes the checkpoint; its carry and
+RNG states are rank 0's. It resumes on any world size: weights, both optimizers, counters and the
+minibatch RNG load on every rank; the per-rank envs, carry and sampling RNGs are re-created (the
+envs are rebuilt and reset with each rank's seeds), never restored.
+
 The functions here read and write the attributes of a :class:`mamba_rl.agents.RecurrentPPO`
 (``agent``), which builds itself; this module sits below ``ppo.py`` in the import graph.
 """
@@ -120,7 +125,8 @@ def save_agent(agent: Any, path: str | Path) -> tuple[Path, Exception | None]:
              "np_rng": agent.np_rng.bit_generator.state,
              "head_optimizer_param_groups": opt_sd["param_groups"],
              "head_optimizer_state_keys": {str(k): sorted(v) for k, v in opt_sd["state"].items()},
-             "recent_returns": [float(r) for r in agent.recent_returns]}
+             "recent_returns": [float(r) for r in agent.recent_returns],
+             "world_size": getattr(agent, "world_size", 1)}  # informative: a checkpoint loads on any world size
     save_checkpoint(str(path / "agent.safetensors"), agent.trainer, extra=extra, extra_tensors=_extra_tensors(agent))
     env_file = path / "envs.pkl"
     if agent.env_started and isinstance(agent.envs.unwrapped, gym.vector.SyncVectorEnv) \

@@ -39,12 +39,13 @@ class PPOConfig:
         env_id: any id gymnasium.make accepts: registered (CartPole-v1), mamba_rl/...NoVel, popgym-..., or module:EnvId (list them: mamba-rl envs).
         exp_name: experiment name, part of the run folder name.
         seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
-        total_timesteps: env steps to train for, all envs together [steps]; rounded up to whole rollouts of num_envs * num_steps.
+        total_timesteps: env steps to train for, all envs (of all ranks) together [steps]; rounded up to whole rollouts of num_envs * num_steps.
         device: "auto" (cuda if available else cpu), "cpu", "cuda" or "cuda:N".
         dtype: backbone compute dtype, "f32" | "bf16" | "f16".
         backend: backbone backend, "auto" | "cuda" | "reference".
         cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
-        num_envs: parallel envs; must be divisible by num_minibatches.
+        num_envs: parallel envs; must be divisible by num_minibatches. Per rank in a data-parallel run
+            (torchrun / ``mamba-rl train --nproc N``: N * num_envs envs in all; mamba_rl.agents.distributed).
         num_steps: steps per env per rollout, the BPTT length [steps].
         async_envs: one process per env (gymnasium AsyncVectorEnv).
         async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).

@@ -22,14 +22,18 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tor
 
 
 def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: SimpleNamespace,
-             mask: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             mask: torch.Tensor, count: torch.Tensor,
+             adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CleanRL's PPO loss on one minibatch, averaged over its valid steps.
 
     Args:
         c: the config (clip_coef, norm_adv, clip_vloss, ent_coef, vf_coef).
         dist: the actor's distributions [rows, T]. newvalue: critic values [rows, T].
         mb: the minibatch's stored ``actions``, ``logprobs``, ``values``, ``advantages``, ``returns``.
-        mask: [rows, T] float, 1 at valid steps. count: number of valid steps (>= 1).
+        mask: [rows, T] float, 1 at valid steps. count: number of valid steps (>= 1); data-parallel
+            runs pass the count over every rank, so each rank's loss is its share of the global mean.
+        adv_norm: (mean, std) 0-d tensors to normalise the advantages with (data-parallel: over every
+            rank's minibatch); None computes them from this minibatch.
 
     Returns:
         (loss, stats): stats holds detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``
@@ -44,7 +48,9 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: SimpleN
         approx_kl = masked_mean((ratio - 1) - logratio, mask, count)
         clipfrac = masked_mean(((ratio - 1.0).abs() > c.clip_coef).float(), mask, count)
     mb_adv = mb.advantages
-    if c.norm_adv:
+    if c.norm_adv and adv_norm is not None:
+        mb_adv = (mb_adv - adv_norm[0]) / (adv_norm[1] + 1e-8)
+    elif c.norm_adv:
         mean = masked_mean(mb_adv, mask, count)
         var = ((mb_adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
         mb_adv = (mb_adv - mean) / (var.sqrt() + 1e-8)

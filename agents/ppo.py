@@ -41,6 +41,7 @@ from mamba_rl.envs import adopt_vec_env, finished_episodes, make_vec_env
 from .checkpoint import checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
 from .config import PPOConfig
 from .device_actor import GraphActor
+from .distributed import DataParallel, rank as dist_rank, world_size as dist_world_size
 from .evaluate import EvalResult, evaluate_policy
 from .head_optim import FlatHeadAdam
 from .logger import TensorBoardLogger, run_name_for
@@ -85,6 +86,12 @@ class RecurrentPPO:
             config = config.replace(**overrides)
         self.config = config
         self.device = resolve_device(config.device)
+        # data-parallel (agents/distributed.py): num_envs is per rank, rank r's envs are seeded as envs
+        # r*num_envs.. of one process; weights, minibatch order and lr schedule are shared by all ranks
+        self.world_size, self.rank = dist_world_size(), dist_rank()
+        self.env_seed = config.seed + self.rank * config.num_envs
+        if self.world_size > 1 and self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.run_name = run_name_for(config)
         self._logger: TensorBoardLogger | None = None
         self.envs = self._make_envs() if env is None or isinstance(env, str) else adopt_vec_env(env, config.num_envs)
@@ -105,12 +112,15 @@ class RecurrentPPO:
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,
                                     no_decay="reference", max_grad_norm=config.max_grad_norm)
+        self.dp = DataParallel() if self.world_size > 1 else None
+        if self.dp is not None:
+            self._sync_ranks()
         self.stepper = self.net.stepper(batch=config.num_envs)
         self._graphs = config.cuda_graphs and self.device.type == "cuda"
         self._warned_pickle = False
 
         # the eager path samples on the CPU with this generator; the graph path with the device's RNG
-        self.sample_generator = torch.Generator().manual_seed(config.seed)
+        self.sample_generator = torch.Generator().manual_seed(config.seed + self.rank)
         self.np_rng = np.random.default_rng(config.seed)
         self.buffer = RolloutBuffer(config.num_envs, config.num_steps, p.input_dim, p.obs_dim, p.action_dim,
                                     p.discrete_actions, self.stepper.state, self.device,
@@ -126,10 +136,36 @@ class RecurrentPPO:
         self.recent_returns: deque = deque(maxlen=100)
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
 
+    def _sync_ranks(self) -> None:
+        """Rank 0's weights on every rank (equal from the seed anyway) and per-rank sampling RNGs."""
+        net = self.net
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in ("runs_dir", "checkpoint_dir", "device")}
+        self.dp.check_same("the PPOConfig", cfg)
+        self.dp.check_same("the parameter count", (net.arena.numel(), sum(p.numel() for p in self.heads.parameters())))
+        ts = [net.arena] + [p.data for p in self.heads.parameters()]
+        if getattr(net, "compute_arena", None) is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
+            ts.append(net.compute_arena)
+        self.dp.broadcast_weights(ts)
+        # device sampling (CUDA graph actor) differs per rank
+        torch.manual_seed(self.config.seed + 1000 * getattr(self, "update", 0) + self.rank)
+
+    @property
+    def num_updates(self) -> int:
+        """Updates in the run: ``update`` + the updates of ``batch_size * world_size`` env steps still needed
+        to reach ``total_timesteps`` (fixed when :meth:`learn` starts). ``total_timesteps`` and ``global_step``
+        count the env steps of all ranks together, so a run resumed on another world size still stops at
+        (about) ``total_timesteps``; on the same world size this is ceil(total_timesteps / (batch_size * world))."""
+        if getattr(self, "_num_updates", None) is not None:
+            return self._num_updates
+        c = self.config
+        left = max(0, c.total_timesteps - self.global_step)
+        return self.update + -(-left // (c.batch_size * self.world_size))
+
     # ------------------------------------------------------------------ envs
     def _make_envs(self) -> gym.vector.VectorEnv:
         c = self.config
-        return make_vec_env(c.env_id, c.num_envs, seed=c.seed, async_=c.async_envs, capture_video=c.capture_video,
+        return make_vec_env(c.env_id, c.num_envs, seed=self.env_seed, async_=c.async_envs,
+                            capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
                             start_method=c.async_start_method)
@@ -146,7 +182,7 @@ class RecurrentPPO:
         self.prev_reward = torch.zeros(n)
 
     def _reset_envs(self) -> None:
-        obs, _ = self.envs.reset(seed=self.config.seed)
+        obs, _ = self.envs.reset(seed=self.env_seed)
         self._reset_carry(torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(self.config.num_envs,
                                                                                    self.obs_dim)))
         self.stepper.reset()
@@ -176,7 +212,7 @@ class RecurrentPPO:
         c = self.config
         if not c.anneal_lr:
             return c.learning_rate
-        frac = 1.0 - (update - 1.0) / c.num_updates
+        frac = 1.0 - (update - 1.0) / self.num_updates
         return frac * c.learning_rate
 
     def minibatch_rows(self) -> list[torch.Tensor]:
@@ -224,14 +260,19 @@ class RecurrentPPO:
         if total_timesteps is not None and total_timesteps != self.config.total_timesteps:
             self.config = self.config.replace(total_timesteps=int(total_timesteps))
         c = self.config
-        claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
-        logger = self.logger
+        self._num_updates = None
+        self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
+        lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
+        if lead:
+            claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
+        logger = self.logger if lead else None
         # the bar follows global_step from a thread, so it moves during the rollout too
-        bar = StepProgress(c.planned_timesteps, self.global_step, lambda: self.global_step) if progress else None
+        planned = self.num_updates * c.batch_size * self.world_size
+        bar = StepProgress(planned, self.global_step, lambda: self.global_step) if progress and lead else None
         start_time, start_step = time.perf_counter(), self.global_step
         update_start_step = self.global_step
         try:
-            while self.update < c.num_updates:
+            while self.update < self.num_updates:
                 update_start_step = self.global_step
                 update = self.update + 1
                 lr = self.current_lr(update)
@@ -242,32 +283,40 @@ class RecurrentPPO:
                 metrics = self.update_policy()
                 update_ms = (time.perf_counter() - t0) * 1e3
                 self.update = update
-                sps = (self.global_step - start_step) / max(time.perf_counter() - start_time, 1e-9)
+                sps = (self.global_step - start_step) / self.world_size / max(time.perf_counter() - start_time, 1e-9)
+                if self.dp is not None:  # once per update: every rank's episodes, SPS summed over ranks
+                    local = len(episodes)
+                    episodes, sps = self.dp.gather_episodes(episodes, sps)
+                    self.recent_returns.extend(ret for _, ret, _ in episodes[local:])
                 metrics.update({"charts/SPS": sps, "charts/learning_rate": lr, "perf/rollout_ms": rollout_ms,
                                 "perf/update_ms": update_ms, "global_step": self.global_step, "update": update})
                 self.history.append(metrics)
-                logger.episodes(episodes)
-                logger.scalars({k: v for k, v in metrics.items()
-                                if "/" in k and not k.startswith("debug/")}, self.global_step)
+                if logger is not None:
+                    logger.episodes(episodes)
+                    logger.scalars({k: v for k, v in metrics.items()
+                                    if "/" in k and not k.startswith("debug/")}, self.global_step)
                 if bar is not None:
                     recent = np.mean(self.recent_returns) if self.recent_returns else float("nan")
                     bar.sync(SPS=f"{sps:.0f}", ret=f"{recent:.1f}")
                 if callback is not None:
                     callback(self, metrics)
-                if c.checkpoint_every and update % c.checkpoint_every == 0 and update < c.num_updates:
+                if lead and c.checkpoint_every and update % c.checkpoint_every == 0 and update < self.num_updates:
                     self.save(self.checkpoint_root / f"update_{update:06d}")
         except KeyboardInterrupt:
             if self.global_step != update_start_step and self.update < update:
                 # interrupted inside an update: its partial rollout is dropped, so the counters (and a
                 # resume) say what was trained on: `update` whole updates of batch_size steps
                 self.global_step = update_start_step
-            self.save(self.checkpoint_root / "interrupted")
+            if lead:
+                self.save(self.checkpoint_root / "interrupted")
             raise
         finally:
             if bar is not None:
                 bar.close()
-            logger.flush()
-        self.save(self.checkpoint_root / "final")
+            if logger is not None:
+                logger.flush()
+        if lead:
+            self.save(self.checkpoint_root / "final")
         return self
 
     # ------------------------------------------------------ acting (delegated)
@@ -336,13 +385,18 @@ class RecurrentPPO:
         """
         ckpt, config = read_agent_config(path, **overrides)
         env_file = ckpt.parent / "envs.pkl"
-        restore = restore_envs and env is None and env_file.exists()
+        # data-parallel: every rank loads the same weights, optimizer state and counters (any world size);
+        # the per-rank env carry and sampling RNGs are re-created, never restored
+        restore = restore_envs and env is None and env_file.exists() and dist_world_size() == 1
         if restore:
             agent = cls(load_envs(env_file), config=config)
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
         try:
             restore_agent(agent, ckpt, restore_carry=restore)
+            if agent.dp is not None:
+                agent.sample_generator.manual_seed(config.seed + 1000 * agent.update + agent.rank)
+                agent._sync_ranks()
         except BaseException:
             agent.close()  # a checkpoint that does not fit: do not leak the envs just built
             raise

@@ -244,7 +244,7 @@ def collect_rollout(agent: Any, actor: Any) -> tuple[list[tuple[int, float, int]
         e0 = time.perf_counter()
         obs, reward, term, trunc, info = agent.envs.step(stager.to_env(prev_action))
         env_s += time.perf_counter() - e0
-        agent.global_step += n
+        agent.global_step += n * getattr(agent, "world_size", 1)  # all ranks together
         rewards[:, t] = reward
         terms[:, t] = term
         truncs[:, t] = trunc

@@ -17,19 +17,27 @@ ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
 5. the step's metrics go to row ``k`` of a device table; ``mb_index += 1``.
 
 The host reads the table once per update (one sync), plus once per epoch only when ``target_kl`` is set.
+
+Data-parallel (``agent.dp``, :mod:`mamba_rl.agents.distributed`): step 2 uses the count and advantage
+statistics of every rank's minibatch (one all-reduce), and ``trainer.grad_hook`` sums the backbone's
+gradient arena and the heads' flat gradient over the ranks (ONE all-reduce of both, packed in ``comm``)
+between the backbone backward and the clip (inside the same CUDA graph). The table is summed over ranks
+once per update; explained variance stays per rank (rank 0's is logged).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import torch
 
 from mamba_rl.graphs import GraphSet, warm_up
 from mamba_rl.ops.optim import CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE
 
+from .distributed import shard_permutation
 from .head_optim import FlatHeadAdam
 from .loss import explained_variance, ppo_loss
 
@@ -75,8 +83,25 @@ class PPOUpdate:
         self.mb_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.table = torch.zeros(self.max_steps, len(_COLS), device=dev)
         self.flat_heads = isinstance(agent.head_optimizer, FlatHeadAdam)
+        self.dp = getattr(agent, "dp", None)  # a DataParallel when this is one rank of several
+        n_heads = sum(q.numel() for q in self.head_params)
+        # data-parallel: [backbone gradient arena | head gradient], summed over ranks by one all-reduce
+        self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if self.dp is not None else None
+        self.shards = 1  # > 1: one process lays its envs out as `shards` ranks would (shard_permutation)
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
-        if capture:
+        self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
+        if capture and self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "1") == "0":
+            self.capture_error = "MAMBA_RL_DDP_CAPTURE=0"
+        elif capture and self.dp is not None:
+            err = None
+            try:  # the all-reduces inside the graph need NCCL >= 2.9.6 and a warmed-up process group
+                self.capture()
+            except RuntimeError as e:
+                err = e
+            failed = torch.tensor([float(err is not None)], device=self.device)
+            if float(self.dp.sum_(failed)) > 0:  # every rank captures, or none does
+                self._fallback(err if err is not None else RuntimeError("another rank's capture failed"))
+        elif capture:
             self.capture()
 
     # ------------------------------------------------------------------------------------ the body
@@ -91,26 +116,49 @@ class PPOUpdate:
         mb = SimpleNamespace(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1],
                              advantages=pk[..., a + 2], returns=pk[..., a + 3])
         mask = pk[..., a + 4]
-        count = mask.sum().clamp_min(1.0)
+        dp, adv_norm = self.dp, None
+        if dp is not None:  # global count and advantage statistics over every rank's minibatch
+            count, mean, std = dp.minibatch_stats(mb.advantages, mask)
+            adv_norm = (mean, std)
+        else:
+            count = mask.sum().clamp_min(1.0)
         y = tr.forward_body().detach().float().requires_grad_()
         dist = self.actor(y)
         newvalue = self.critic(y)
-        loss, st = ppo_loss(c, dist, newvalue, mb, mask, count)
+        loss, st = ppo_loss(c, dist, newvalue, mb, mask, count, adv_norm)
         grads = torch.autograd.grad(loss, [y] + self.head_params)
         head_grads = grads[1:]
         tr.d_buf.copy_(grads[0])
-        if self.flat_heads:
-            flat = self.agent.head_optimizer.flat_grad(head_grads)
+        flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
+        if dp is not None:  # after the backbone backward, before the clip: sum the gradients over ranks
+            arena, nb = tr.net.grad_arena, tr.net.grad_arena.numel()
+            head_sum, head_grad = self.comm[nb:], flat
+
+            def reduce() -> None:  # ONE all-reduce of [backbone gradient arena | head gradient]
+                self.comm[:nb].copy_(arena)
+                head_sum.copy_(head_grad)
+                dp.reduce_grads(self.comm)
+                arena.copy_(self.comm[:nb])
+                tr.extra_sq_buf.copy_(head_sum.square().sum())
+            tr.grad_hook = reduce
+            flat = head_sum  # the heads step with the summed gradient
+        elif self.flat_heads:
             tr.extra_sq_buf.copy_(flat.square().sum())
         else:
             tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
-        tr.backward_body()
+        try:
+            tr.backward_body()
+        finally:
+            tr.grad_hook = None
         s, hyper = tr.scalars, tr.hyper
         skip = (s[FOUND_INF] > 0) & (hyper[6] > 0)
         if self.flat_heads:
             self.agent.head_optimizer.flat_step(flat, hyper[0], s[CLIP_COEF], skip)
         elif not bool(skip):  # CPU: reading the flag is free; a skipped step skips the heads too
+            if flat is not None:  # the summed gradient, back into per-parameter views
+                head_grads = torch.split(flat, [p.numel() for p in self.head_params])
             for p, g in zip(self.head_params, head_grads):
+                g = g.view_as(p)
                 p.grad = g * s[CLIP_COEF].to(g.dtype) if c.max_grad_norm is not None else g
             self.agent.head_optimizer.step()
         with torch.no_grad():
@@ -123,8 +171,9 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         opt = self.agent.head_optimizer
         heads = (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t) if self.flat_heads else ()
-        return self.trainer.graph_buffers() + heads + (self.inputs, self.starts, self.pack, self.init_state.conv,
-                                                       self.init_state.ssm, self.perm, self.mb_index, self.table)
+        return self.trainer.graph_buffers() + heads + (self.comm, self.inputs, self.starts, self.pack,
+                                                       self.init_state.conv, self.init_state.ssm, self.perm,
+                                                       self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture :meth:`_minibatch` as one CUDA graph; every buffer it changes is restored afterwards.
@@ -137,14 +186,27 @@ class PPOUpdate:
         opt = self.agent.head_optimizer
         mine = [self.table, self.mb_index, opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t]
         snap = self.trainer.snapshot() + [(b, b.detach().clone()) for b in mine]
+        if self.dp is not None:
+            self.dp.warm_up(self.device)  # NCCL's communicator exists before the capture records a collective
         torch.cuda.synchronize()
         warm_up(self._run_eager_once, warmup)
         self.trainer.restore(snap)
         self._graphs.clear()
-        self._graphs.capture("minibatch", self._minibatch)
+        # data-parallel: thread-local capture mode, so NCCL's watchdog thread may poll events meanwhile
+        self._graphs.capture("minibatch", self._minibatch, mode="thread_local" if self.dp is not None else "global")
         torch.cuda.synchronize()
         self.trainer.restore(snap)
         self._graphs.seal()
+
+    def _fallback(self, err: Exception) -> None:
+        """Data-parallel capture failed: run the minibatch body eagerly (same numbers, one launch per
+        kernel). Every rank must agree, or their collectives would not match: a rank whose capture
+        failed makes every rank fall back (one all-reduce of the failure flags)."""
+        self._graphs.clear()
+        torch.cuda.synchronize()
+        self.capture_error = f"{type(err).__name__}: {err}"
+        warnings.warn(f"PPOUpdate: capturing the data-parallel minibatch failed ({self.capture_error}); "
+                      "running it eagerly", RuntimeWarning, stacklevel=3)
 
     def _run_eager_once(self) -> None:
         self.mb_index.zero_()
@@ -164,6 +226,11 @@ class PPOUpdate:
             torch.cat(cols, dim=-1, out=self.pack)
             self.mb_index.zero_()
 
+    def _kl(self, row: int) -> float:
+        """approx_kl of minibatch ``row`` over every rank (each rank holds its share)."""
+        kl = self.table[row, _COLS.index("kl")].clone()
+        return float(self.dp.sum_(kl) if self.dp is not None else kl)
+
     def run(self) -> dict[str, float]:
         """``update_epochs`` x ``num_minibatches`` minibatch steps over the agent's buffer.
 
@@ -175,19 +242,22 @@ class PPOUpdate:
         """
         c = self.config
         self._load_rollout()
-        m, e = c.num_minibatches, c.envs_per_minibatch
+        m = c.num_minibatches
         done = 0
         for epoch in range(c.update_epochs):
-            perm = self.agent.np_rng.permutation(c.num_envs)
-            self._perm_host[epoch * m:(epoch + 1) * m].copy_(torch.from_numpy(perm).view(m, e))
+            self._perm_host[epoch * m:(epoch + 1) * m].copy_(
+                shard_permutation(self.agent.np_rng, c.num_envs, m, self.shards))
             self.perm[epoch * m:(epoch + 1) * m].copy_(self._perm_host[epoch * m:(epoch + 1) * m], non_blocking=True)
             for _ in range(m):
                 if not self._graphs.replay("minibatch"):
                     self._minibatch()
                 done += 1
-            if c.target_kl is not None and float(self.table[done - 1, _COLS.index("kl")]) > c.target_kl:
+            if c.target_kl is not None and self._kl(done - 1) > c.target_kl:
                 break
         a = self.action_dim
+        if self.dp is not None:  # losses are each rank's share of the global mean: sum them (one call)
+            self.dp.sum_(self.table[:done])
+            self.table[:done, len(_COLS) - 3:].div_(self.dp.world)  # grad_norm, skipped: equal; parity: mean
         with torch.no_grad():
             ev = explained_variance(self.pack[..., a + 3], self.pack[..., a + 1], self.pack[..., a + 4] > 0.5)
             tail = torch.stack([ev.float(), self.trainer.scalars[LOSS_SCALE].float()])

@@ -24,6 +24,7 @@ agent_sps / sb3_sps (target >= 30; issue #9). The default rows finish in a few m
 Usage:
     python benchmarks/sps.py --out $OUT/sps.json            # cuda if available, 16 / 64 / 256 / 1024 envs
     python benchmarks/sps.py --device cpu --envs 8 --updates 4 --d-model 64 --n-layers 2 --no-sb3   # CPU check
+    python benchmarks/sps.py --nproc 2 --envs 64 --no-sb3 --out $OUT/sps_ddp.json   # 2 GPUs vs 1 (sps_ddp.py)
 Writes JSON to ``--out`` (and ``$OUT/sps.json`` when OUT is set); prints a table and the JSON.
 """
 
@@ -187,8 +188,12 @@ def main(argv=None) -> dict:
     p.add_argument("--no-sb3", action="store_true", help="skip sb3-contrib even if installed")
     p.add_argument("--sb3-max-envs", type=int, default=64, help="skip sb3-contrib above this many envs (too slow)")
     p.add_argument("--out", "--json", dest="out", default=None, help="write the JSON here")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="> 1: data-parallel SPS of N ranks x --envs envs (torchrun) next to 1 process (sps_ddp.py)")
     a = p.parse_args(argv)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
+    if a.nproc > 1:
+        return _ddp(a, device)
 
     results = []
     for n in a.envs:
@@ -219,17 +224,39 @@ def main(argv=None) -> dict:
                     "host_overhead_us": "<= 100 at 16 envs", "update_ms_per_2048": "<= 15"},
         "results": results, "table": _table(results),
     }
-    text = json.dumps(report, indent=2)
     print(report["table"], file=sys.stderr)
+    _write(report, a.out, "sps.json")
+    return report
+
+
+def _ddp(a: argparse.Namespace, device: str) -> dict:
+    """``--nproc N``: one row per ``--envs`` value from benchmarks/sps_ddp.py (N ranks vs 1 process)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sps_ddp import compare
+
+    rows = []
+    for n in a.envs:
+        rows.append(compare(a.nproc, n, a.updates or 8, a.num_steps, device, a.dtype, a.d_model, a.n_layers,
+                            agent_sps))
+        r = rows[-1]
+        print(f"{a.nproc} ranks x {n} envs: {r['ddp_sps']:,.0f} SPS (sum over ranks) vs 1 x {n} envs: "
+              f"{r['single_sps']:,.0f} SPS -> {r['speedup']:.2f}x (target {r['speedup_target']})",
+              file=sys.stderr, flush=True)
+    report = {"benchmark": f"CartPole-v1 data-parallel SPS, {a.nproc} ranks vs 1 (issue #12)", "results": rows}
+    _write(report, a.out, "sps_ddp.json")
+    return report
+
+
+def _write(report: dict, out: str | None, name: str) -> None:
+    text = json.dumps(report, indent=2)
     print(text)
-    paths = [a.out] if a.out else []
+    paths = [out] if out else []
     if os.environ.get("OUT"):
-        paths.append(os.path.join(os.environ["OUT"], "sps.json"))
+        paths.append(os.path.join(os.environ["OUT"], name))
     for path in dict.fromkeys(os.path.abspath(x) for x in paths):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w") as f:
             f.write(text + "\n")
-    return report
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import sys
 import typing
 from typing import Any, Callable, Iterator, Sequence
@@ -192,6 +193,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --resume: also restore the envs mid-episode from the checkpoint's envs.pkl (a pickle: "
                         "only for checkpoints you trust); by default the envs are rebuilt and reset")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="data-parallel over N processes on this machine (one GPU each on CUDA, gloo on CPU): "
+                        "launches torchrun --nproc-per-node N -m mamba_rl train ...; --num-envs is per process")
     _add_config_flags(p)
 
 
@@ -207,11 +211,20 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.runs import claim_run
 
+    from mamba_rl import train_ddp
+    from mamba_rl.agents import distributed
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return train_ddp.launch(args.nproc, args._argv)
     overrides = _config_overrides(args)
     with _user_input():
         config = read_agent_config(args.resume, **overrides)[1] if args.resume else PPOConfig(**overrides)
         _check_device(config)
         threads = apply_thread_policy(config.threads)  # before anything builds a model
+        if distributed.init_from_env(config.device):  # under torchrun: one rank of a data-parallel job
+            return train_ddp.train_rank(args.resume, overrides, not args.no_progress, _user_input)
         if args.resume:
             agent = RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides)
         else:
@@ -219,12 +232,12 @@ def _run_train(args: argparse.Namespace) -> int:
         claim_run(agent)  # the run's folders, created exclusively, before the name is printed
     c = agent.config
     if args.resume:
-        print(f"resuming {agent.run_name} after update {agent.update} of {c.num_updates} "
+        print(f"resuming {agent.run_name} after update {agent.update} of {agent.num_updates} "
               f"({_steps(agent.global_step)} of {_steps(c.planned_timesteps)} env steps done)", file=sys.stderr)
     rounded = "" if c.planned_timesteps == c.total_timesteps else \
         f" (--total-timesteps {_steps(c.total_timesteps)} rounded up to whole rollouts)"
     print(f"run {agent.run_name}: {c.env_id}, device {agent.device}, dtype {c.dtype}, backend {agent.net.backend}, "
-          f"{threads} CPU thread{'s' * (threads != 1)}; {c.num_updates} updates of {c.num_envs}x{c.num_steps} "
+          f"{threads} CPU thread{'s' * (threads != 1)}; {agent.num_updates} updates of {c.num_envs}x{c.num_steps} "
           f"= {_steps(c.planned_timesteps)} env steps{rounded}", file=sys.stderr)
     if c.track:
         print(f"TensorBoard: tensorboard --logdir {c.runs_dir}", file=sys.stderr)
@@ -378,6 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     anything else (a bug) keeps its traceback.
     """
     args = build_parser().parse_args(argv)
+    args._argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return int(args._run(args) or 0)
     except UsageError as err:

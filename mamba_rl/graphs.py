@@ -42,11 +42,13 @@ class GraphSet:
     def _pointers(self) -> tuple:
         return tuple(None if b is None else b.data_ptr() for b in self._buffers())
 
-    def capture(self, name: str, body: Callable[[], object], pool=None):
+    def capture(self, name: str, body: Callable[[], object], pool=None, mode: str = "global"):
         """Capture ``body`` as graph ``name`` (in memory pool ``pool`` when given) and return its result
-        (the graph's static outputs). Call :meth:`seal` once every graph is captured."""
+        (the graph's static outputs). ``mode``: torch.cuda.graph's ``capture_error_mode`` ("thread_local"
+        lets other threads, e.g. NCCL's watchdog, query events meanwhile). Call :meth:`seal` once every
+        graph is captured."""
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool):
+        with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
             out = body()
         self._graphs[name] = g
         return out

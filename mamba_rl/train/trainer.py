@@ -8,6 +8,7 @@ after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -113,6 +114,9 @@ class MambaTrainer:
         self.d_buf = torch.zeros(batch, seq_len, c.d_model, device=dev)
         self.starts_buf = torch.zeros(batch, seq_len, dtype=torch.bool, device=dev)
         self.extra_sq_buf = torch.zeros((), dtype=torch.float32, device=dev)
+        # called after the backbone backward and before the clip + AdamW of an optimizer step (data-parallel
+        # PPO sums grad_arena and sets extra_sq_buf there); no arguments, must not sync in a captured graph
+        self.grad_hook: Callable[[], None] | None = None
         self.state = net.initial_state(batch)  # the carried state (input of the next call)
         self._state_used = net.initial_state(batch)  # what the current forward started from (saved by autograd)
         self._feat = None
@@ -179,6 +183,8 @@ class MambaTrainer:
             net.attach_grads()  # a parent's zero_grad() may have set p.grad = None
         self._feat.backward(g, retain_graph=retain_graph)
         if optimizer_step:
+            if self.grad_hook is not None:  # e.g. the data-parallel all-reduce, before the clip sees the arena
+                self.grad_hook()
             grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
             adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
                        self.n_decay, net.compute_arena)

@@ -1,0 +1,143 @@
+"""Workers of the data-parallel tests (tests/agents/test_ddp.py), one function per spawned rank.
+
+Each worker joins the group through :func:`mamba_rl.agents.distributed.init_from_env` (the env vars
+torchrun would set) and writes what it saw to ``out/rank{r}.pt`` for the parent to compare.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TINY = dict(env_id="CartPole-v1", num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16,
+            n_layers=2, d_state=4, seed=7, total_timesteps=10_000, checkpoint_every=0)
+
+
+def fake_rollout(agent, total_envs: int, offset: int, seed: int) -> None:
+    """Fill ``agent.buffer`` with rows ``offset..offset+num_envs`` of a fixed rollout of ``total_envs`` envs
+    (the same tensors whatever the split), so an update is compared on identical data."""
+    b, c = agent.buffer, agent.config
+    g = torch.Generator().manual_seed(seed)
+    n, t = total_envs, c.num_steps
+    rows = slice(offset, offset + c.num_envs)
+    full = {
+        "inputs": torch.randn(n, t, agent.input_dim, generator=g),
+        "episode_starts": torch.rand(n, t, generator=g) < 0.1,
+        "actions": torch.randint(0, 2, (n, t, 1), generator=g),
+        "logprobs": torch.log(torch.full((n, t), 0.5)) + 0.1 * torch.randn(n, t, generator=g),
+        "values": torch.randn(n, t, generator=g),
+        "advantages": torch.randn(n, t, generator=g) + 0.3,
+        "returns": torch.randn(n, t, generator=g),
+        "valid": torch.rand(n, t, generator=g) > 0.15,
+    }
+    for k, v in full.items():
+        dst = getattr(b, k)
+        dst.copy_(v[rows].to(dst.dtype))
+    st = b.initial_state
+    for buf in (st.conv, st.ssm):
+        full_state = torch.randn((buf.shape[0], n) + tuple(buf.shape[2:]), generator=g)
+        buf.copy_(full_state[:, rows].to(buf.dtype))
+
+
+def flat_state(agent) -> torch.Tensor:
+    """Backbone weights + AdamW moments + head weights as one flat float32 tensor."""
+    tr = agent.trainer
+    parts = [agent.net.arena, tr.exp_avg, tr.exp_avg_sq] + [p.detach().reshape(-1) for p in agent.heads.parameters()]
+    return torch.cat([p.detach().float().reshape(-1).cpu() for p in parts])
+
+
+def _join(rank: int, world: int, port: int, device: str, timeout_s: float = 120) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from mamba_rl.agents.distributed import init_from_env
+
+    assert init_from_env(device, timeout_s=timeout_s)
+
+
+def update_worker(rank: int, world: int, port: int, out: str, device: str, updates: int) -> None:
+    """``updates`` PPO updates on fixed rollouts; checks bit-identical state across ranks after each."""
+    import torch.distributed as dist
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    _join(rank, world, port, device)
+    try:
+        agent = RecurrentPPO(config=PPOConfig(**TINY, device=device, runs_dir=os.path.join(out, "runs"),
+                                              checkpoint_dir=os.path.join(out, "ckpt")))
+        init = flat_state(agent)
+        metrics, same = [], []
+        for u in range(updates):
+            fake_rollout(agent, world * agent.config.num_envs, rank * agent.config.num_envs, seed=100 + u)
+            metrics.append(agent.update_policy())
+            same.append(agent.dp.check_identical(flat_state(agent).to(agent.device)))
+        torch.save({"init": init, "final": flat_state(agent), "metrics": metrics, "same": same},
+                   os.path.join(out, f"rank{rank}.pt"))
+        agent.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def learn_worker(rank: int, world: int, port: int, out: str, device: str, resume: str | None,
+                 total: int) -> None:
+    """``learn`` to ``total`` env steps (all ranks), from scratch or from the checkpoint ``resume``."""
+    import torch.distributed as dist
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    _join(rank, world, port, device)
+    try:
+        kw = dict(runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt"),
+                  total_timesteps=total, device=device)
+        if resume is None:
+            agent = RecurrentPPO(config=PPOConfig(**dict(TINY, **kw)))
+        else:
+            agent = RecurrentPPO.load(resume, **kw)
+        start = flat_state(agent)
+        agent.learn()
+        same = agent.dp.check_identical(flat_state(agent).to(agent.device))
+        torch.save({"start": start, "final": flat_state(agent), "same": same, "update": agent.update,
+                    "global_step": agent.global_step, "run": agent.run_name,
+                    "root": str(agent.checkpoint_root)}, os.path.join(out, f"learn{rank}.pt"))
+        agent.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def hang_worker(rank: int, world: int, port: int, out: str, hang_s: float) -> None:
+    """Rank 1 hangs (sleeps ``hang_s``) instead of joining an all-reduce; rank 0 records the error it gets
+    and after how long (the group timeout is 3 s)."""
+    import time
+
+    import torch.distributed as dist
+
+    _join(rank, world, port, "cpu", timeout_s=3)
+    if rank == 1:
+        time.sleep(hang_s)
+        os._exit(0)
+    t0 = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(1))
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test looks at what it was
+        err = f"{type(e).__name__}: {e}"
+    torch.save({"err": err, "dt": time.perf_counter() - t0}, os.path.join(out, "hang.pt"))
+    os._exit(0)
+
+
+def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 1 asks for other num_envs than rank 0: both must refuse with a ValueError at start."""
+    import torch.distributed as dist
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    _join(rank, world, port, "cpu", timeout_s=30)
+    try:
+        RecurrentPPO(config=PPOConfig(**dict(TINY, num_envs=4 if rank == 0 else 2), device="cpu",
+                                      runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt")))
+        err = None
+    except ValueError as e:
+        err = str(e)
+    torch.save({"err": err}, os.path.join(out, f"mismatch{rank}.pt"))
+    dist.destroy_process_group()
