@@ -12,6 +12,6 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || echo "editable install failed"
-python3 -m mamba_rl.build --kind cuda || exit 1
+python3 -m mamba_rl.build --kind all || exit 1
 python3 benchmarks/learning/sweep.py --out "/tmp/$NAME" "$@" 2>&1 | tee "$OUT/$NAME.md"
 tar -czf "$OUT/$NAME.tgz" -C /tmp "$NAME"
