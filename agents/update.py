@@ -90,8 +90,10 @@ class PPOUpdate:
         self.shards = 1  # > 1: one process lays its envs out as `shards` ranks would (shard_permutation)
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
         self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
-        if capture and self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "1") == "0":
-            self.capture_error = "MAMBA_RL_DDP_CAPTURE=0"
+        # Capturing the NCCL all-reduce inside the minibatch graph hung on 2 H200s (torch 2.11, NCCL of
+        # cu130): off unless asked for with MAMBA_RL_DDP_CAPTURE=1; eager minibatches passed the same tests.
+        if capture and self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "0") != "1":
+            self.capture_error = "capture of the all-reduce is off (MAMBA_RL_DDP_CAPTURE=1 turns it on)"
         elif capture and self.dp is not None:
             err = None
             try:  # the all-reduces inside the graph need NCCL >= 2.9.6 and a warmed-up process group
