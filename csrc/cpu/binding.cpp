@@ -10,6 +10,13 @@
 // d_conv >= 1 (CUDA: 8/16 and 4); any number of layers in backbone_step; rows_per_block is ignored; the
 // scan checkpoint interval (scan_chunk()) is the CPU kernel's own, so a ckpt tensor is only valid for the
 // backend that produced it.
+// This file is argument checking and pybind11 glue: nothing in it is hot. At -O3, GCC spends more time
+// optimising pybind11's template instantiations than parsing the torch headers (~19 s vs ~15 s on a
+// 2-core machine), and this file is the critical path of the one-time build; O1 keeps that under 10 s.
+// The kernels (the other .cpp files) keep -O3.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("O1")
+#endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -214,12 +221,14 @@ std::vector<Tensor> scan_fwd(const Tensor& x, const Tensor& dt, const Tensor& A_
 
 std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
                              const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
-                             const OptT& init, const OptT& starts, const Tensor& ckpt, const Tensor& dout,
+                             const OptT& init, const OptT& starts, const OptT& ckpt_opt, const Tensor& dout,
                              const OptT& dfinal, bool need_dinit, const OptT& dz_out,
                              const std::optional<std::vector<Tensor>>& acc) {
   const auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
-  TORCH_CHECK_VALUE(ckpt.defined(), "selective_scan: checkpoints: expected the ckpt of scan_fwd(..., "
-                    "need_ckpt=True), got None");
+  // ckpt is optional in the signature only so that None gets this message instead of pybind's TypeError
+  TORCH_CHECK_VALUE(ckpt_opt.has_value() && ckpt_opt->defined(), "selective_scan: checkpoints: expected the ckpt "
+                    "of scan_fwd(..., need_ckpt=True), got None");
+  const Tensor& ckpt = *ckpt_opt;
   check_f32(ckpt, "selective_scan: checkpoints", {s.B, num_chunks(s.T), s.D, s.N});
   check_act(dout, "selective_scan: grad_out", s.B, s.T, s.D);
   if (dfinal) check_f32(*dfinal, "selective_scan: grad_final_state", {s.B, s.D, s.N});

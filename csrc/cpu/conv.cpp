@@ -55,6 +55,23 @@ inline void window_dot(float* p, const float* W, const float* wT, const float* b
   }
 }
 
+// o = SiLU(p) over a block (out of line: see MRL_NOINLINE in kernels.h)
+MRL_NOINLINE void lanes_silu(float* __restrict o, const float* __restrict p) {
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) o[j] = p[j] * sigmoid_f(p[j]);
+}
+
+// dp = go * SiLU'(p), db += dp
+MRL_NOINLINE void lanes_dsilu(float* __restrict dp, float* __restrict db, const float* __restrict go,
+                              const float* __restrict p) {
+#pragma omp simd
+  for (int j = 0; j < kLanes; ++j) {
+    const float s = sigmoid_f(p[j]);
+    dp[j] = go[j] * (s + p[j] * s * (1.0f - s));  // d SiLU(p) / dp
+    db[j] += dp[j];
+  }
+}
+
 void load_weights(float* wT, float* bias, const ConvFwdArgs& a, int d0, int nd) {
   const int K = a.K;
   for (int k = 0; k < K; ++k)
@@ -83,8 +100,7 @@ void conv_fwd(const ConvFwdArgs& a) {
       for (int t = 0; t < a.T; ++t) {
         advance_window(W, a, b, t, d0, nd);
         window_dot(p, W, wT, bias, K);
-#pragma omp simd
-        for (int j = 0; j < kLanes; ++j) o[j] = p[j] * sigmoid_f(p[j]);
+        lanes_silu(o, p);
         store_lanes(out + (int64_t)t * a.D, o, nd);
       }
       for (int j = 0; j < nd; ++j)
@@ -122,12 +138,7 @@ void conv_bwd(const ConvBwdArgs& g) {
         window_dot(p, W, wT, bias, K);
         load_lanes(go, g.dout + (int64_t)b * g.g_sb + (int64_t)t * g.g_st + d0, nd);
         float* dp = DP + (int64_t)t * kLanes;
-#pragma omp simd
-        for (int j = 0; j < kLanes; ++j) {
-          const float s = sigmoid_f(p[j]);
-          dp[j] = go[j] * (s + p[j] * s * (1.0f - s));  // d SiLU(p) / dp
-          db[j] += dp[j];
-        }
+        lanes_dsilu(dp, db, go, p);
         for (int k = 0; k < K; ++k) {
           float* dwk = dw.data() + k * kLanes;
           const float* xk = W + k * kLanes;
