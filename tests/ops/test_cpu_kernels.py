@@ -1,4 +1,4 @@
-"""CPU kernels (csrc/cpu via mamba_rl.ops.cpu_ext) vs the float64 references, forward and backward.
+"""CPU kernels (csrc/cpu via mamba_rl.ops.extension) vs the float64 references, forward and backward.
 
 Every case draws fresh random inputs (never zeros: initial states, upstream gradients and accumulators
 included) and compares float32 kernel results with the float64 references (gradients from the refs'
@@ -25,10 +25,10 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def cpu_ext():
     """The CPU kernel module (built on first use) with output poisoning on."""
-    from mamba_rl.ops.cpu_ext import cpu_extension, cpu_extension_error
-    e = cpu_extension()
+    from mamba_rl.ops.extension import extension, extension_error
+    e = extension("cpu")
     if e is None:
-        err = cpu_extension_error()
+        err = extension_error("cpu")
         if "no C++ compiler" in str(err):
             pytest.skip(f"CPU kernels cannot be built here: {err}")
         pytest.fail(f"CPU kernels failed to build: {err!r}")
