@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from mamba_rl.config import MambaConfig
 from mamba_rl.ops.extension import load_extension
-from mamba_rl.ops.step import _LAYER_KEYS, backbone_step_ref
+from mamba_rl.ops.step import LAYER_KEYS, backbone_step_ref
 
 
 class _Cfg:
@@ -42,7 +42,7 @@ def step_case(ext, B, cfg, in_dim, g):
     net = MambaBackbone(cfg, in_dim, seed=0, backend="reference")
     w = {k: v.detach() for k, v in net.step_weights().items()}
     L, di, N, K = cfg.n_layers, cfg.d_inner, cfg.d_state, cfg.d_conv
-    layers = [[w[f"layers.{i}.{k}"].contiguous() for k in _LAYER_KEYS] for i in range(L)]
+    layers = [[w[f"layers.{i}.{k}"].contiguous() for k in LAYER_KEYS] for i in range(L)]
     for t in layers:
         t[2] = t[2].reshape(di, K)
     cs, ss = torch.zeros(L, B, di, K - 1), torch.zeros(L, B, di, N)

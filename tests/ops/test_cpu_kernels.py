@@ -343,8 +343,8 @@ def seq_forward_ref(x, w, L, starts, conv0, ssm0, eps=1e-5):
 
 
 def step_args(w, L, di, K):
-    from mamba_rl.ops.step import _LAYER_KEYS
-    layers = [[w[f"layers.{i}.{k}"] for k in _LAYER_KEYS] for i in range(L)]
+    from mamba_rl.ops.step import LAYER_KEYS
+    layers = [[w[f"layers.{i}.{k}"] for k in LAYER_KEYS] for i in range(L)]
     for t in layers:
         t[2] = t[2].reshape(di, K)
     return w["input_proj.weight"], w["input_proj.bias"], w["norm_f.weight"], layers
