@@ -35,6 +35,15 @@ namespace mrl_cpu {
 #ifndef MRL_CPU_LANES
 #define MRL_CPU_LANES 32
 #endif
+// For the helpers whose inner loops end in a sum over lanes (and use no exp_f rounding trick, which
+// reassociation would break): lets GCC finish `omp simd` reductions with a shuffle tree instead of an
+// in-order chain of scalar adds.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MRL_REASSOC __attribute__((optimize("associative-math", "no-signed-zeros", "no-trapping-math")))
+#else
+#define MRL_REASSOC
+#endif
+
 constexpr int kLanes = MRL_CPU_LANES;  // channels per block (32: four AVX2 / two AVX-512 float vectors)
 #ifndef MRL_CPU_SCAN_CHUNK
 #define MRL_CPU_SCAN_CHUNK 64

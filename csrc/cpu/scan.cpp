@@ -98,7 +98,7 @@ MRL_NOINLINE void step_gate_bwd(float* __restrict q, float* __restrict dz, float
 }
 
 // dC[n] += sum_j q[j] S[n][j]  (the reduction over channels)
-MRL_NOINLINE void step_dC(float* __restrict dc, const float* __restrict q, const float* __restrict S, int N) {
+MRL_NOINLINE MRL_REASSOC void step_dC(float* __restrict dc, const float* __restrict q, const float* __restrict S, int N) {
   for (int n = 0; n < N; ++n) {
     const float* sn = S + n * kLanes;
     float acc = 0.0f;
@@ -111,7 +111,7 @@ MRL_NOINLINE void step_dC(float* __restrict dc, const float* __restrict q, const
 // One reverse step. h = dL/ds_t from the future, prev = s_{t-1} (null after a start: no dependence).
 //   hv = h + q C[n];  ge = hv prev e  (dL/d(delta A));  d(delta) += ge A + hv x B;  dA += ge delta;
 //   dx += hv delta B;  dB[n] += sum_j hv delta x;  h = hv e (0 after a start).
-MRL_NOINLINE void step_reverse(float* __restrict h, float* __restrict dA, float* __restrict dd,
+MRL_NOINLINE MRL_REASSOC void step_reverse(float* __restrict h, float* __restrict dA, float* __restrict dd,
                                float* __restrict dxa, float* __restrict db, const float* __restrict E,
                                const float* __restrict prev, const float* __restrict At,
                                const float* __restrict delta, const float* __restrict xv,

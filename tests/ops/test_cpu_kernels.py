@@ -450,3 +450,12 @@ def test_bad_inputs_name_expected_and_received(cpu_ext):
     raises(r"backbone_step: in_proj.weight: expected dtype float32.*got Double", cpu_ext.backbone_step,
            torch.ones(B, 3), inp_w, inp_b, nf, [[t.double() if i == 1 else t for i, t in enumerate(layers[0])]],
            cs, ss, None, 1e-5, 0)
+
+
+def test_missing_compiler_error_names_cause_and_fix(monkeypatch):
+    """Without a C++ compiler the loader's error (which the caller's fallback warning shows) says what is
+    missing and how to install it."""
+    from mamba_rl.ops import cpu_ext
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found.*g\+\+.*build-essential"):
+        cpu_ext._check_toolchain()
