@@ -133,6 +133,17 @@ def build_dir(kind: str = "cuda") -> Path:
     return root / build_key(kind)
 
 
+def check_cpu_toolchain() -> None:
+    """Raise RuntimeError naming what the CPU kernels' build lacks (``$CXX`` or c++, ninja) and the fix."""
+    from torch.utils.cpp_extension import is_ninja_available
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"mamba_rl CPU kernels: no C++ compiler found (looked for {cxx!r} on PATH); fix: "
+                           f"install one with OpenMP (e.g. `apt-get install g++` or build-essential)")
+    if not is_ninja_available():
+        raise RuntimeError("mamba_rl CPU kernels: ninja was not found; fix: `pip install ninja`")
+
+
 def load_extension(kind: str = "cuda", verbose: bool = False):
     """Build (first use; tens of seconds) or load the cached extension ``kind``.
 
@@ -146,13 +157,7 @@ def load_extension(kind: str = "cuda", verbose: bool = False):
     if kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("mamba_rl CUDA extension: CUDA is not available")
     if kind == "cpu":
-        from torch.utils.cpp_extension import is_ninja_available
-        cxx = os.environ.get("CXX", "c++")
-        if shutil.which(cxx) is None:
-            raise RuntimeError(f"mamba_rl CPU kernels: no C++ compiler found (looked for {cxx!r} on PATH); fix: "
-                               f"install one with OpenMP (e.g. `apt-get install g++` or build-essential)")
-        if not is_ninja_available():
-            raise RuntimeError("mamba_rl CPU kernels: ninja was not found; fix: `pip install ninja`")
+        check_cpu_toolchain()
     srcs = source_files(kind)
     if not srcs:
         raise RuntimeError(f"mamba_rl {kind} extension: no sources found under {_csrc_dir()}")

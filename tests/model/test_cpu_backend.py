@@ -102,3 +102,22 @@ def test_trainer_step_on_cpu_backend_matches_reference_trainer():
             tr.step(x, d, episode_starts=s)
     assert rel(nets[0].arena, nets[1].arena) <= 1e-5
     assert rel(trs[0].state.ssm, trs[1].state.ssm) <= 1e-4
+
+
+def test_auto_falls_back_to_the_reference_with_one_warning(monkeypatch):
+    """Where the CPU kernels cannot load, backend="auto" runs the reference and warns once, naming the cause
+    and the fix; backend="cpu" raises instead."""
+    from mamba_rl.model import backbone as bb
+    from mamba_rl.ops import extension as ext
+    monkeypatch.setattr(ext, "_LOADED", {})
+    monkeypatch.setattr(ext, "_ERRORS", {"cpu": RuntimeError("mamba_rl CPU kernels: no C++ compiler found")})
+    monkeypatch.setattr(bb, "_WARNED", set())
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*Fix: install a C\\+\\+ compiler"):
+        net = MambaBackbone(CFG, IN)
+    assert net.backend == "reference"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MambaBackbone(CFG, IN).backend == "reference"  # the warning comes once per process
+    with pytest.raises(RuntimeError, match="cpu kernels could not load"):
+        MambaBackbone(CFG, IN, backend="cpu")

@@ -455,7 +455,7 @@ def test_bad_inputs_name_expected_and_received(cpu_ext):
 def test_missing_compiler_error_names_cause_and_fix(monkeypatch):
     """Without a C++ compiler the loader's error (which the caller's fallback warning shows) says what is
     missing and how to install it."""
-    from mamba_rl.ops import cpu_ext
+    from mamba_rl.ops.extension import check_cpu_toolchain
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.raises(RuntimeError, match=r"no C\+\+ compiler found.*g\+\+.*build-essential"):
-        cpu_ext._check_toolchain()
+        check_cpu_toolchain()
