@@ -3,7 +3,9 @@
 The module exposes the CUDA binding's kernel functions with the same Python signatures (see
 ``csrc/cpu/binding.cpp``): ``conv_fwd``, ``conv_bwd``, ``scan_fwd``, ``scan_bwd``, ``rmsnorm_fwd``,
 ``rmsnorm_bwd``, ``backbone_step``, plus ``scan_chunk`` and ``set_poison``. float32 only; C++17 over ATen,
-OpenMP over (row, channel block), ``torch.set_num_threads`` sets their thread count.
+OpenMP over (row, channel block), ``torch.set_num_threads`` sets their thread count (as for torch's
+own ops; on cores shared with other busy processes, fewer threads than cores avoids stalls at every
+OpenMP barrier).
 
 Cache: one folder per build key, ``<root>/mamba_rl_cpu_<key>``, where the key hashes the sources and
 headers, the torch and Python versions, the compiler flags and (because of ``-march=native``) the host CPU
