@@ -15,7 +15,13 @@
 // a multiple of kLanes is padded with inert zeros in local buffers), so GCC turns them into full SIMD
 // vectors. Channels, not d_state, are the vector dimension: in the [B, T, D] layout the channels of a step
 // are contiguous, the softplus / SiLU / exp work of a step vectorises with them, and the recurrence over
-// the d_state entries needs no horizontal sum (only the dB / dC reductions over channels do).
+// the d_state entries needs no horizontal sum (only the dB / dC reductions over channels do). The
+// one-token step (step.cpp) is the exception: its carried state keeps the API's [B, D, N] layout, so there
+// the recurrence of each channel is vectorised over its N contiguous d_state entries.
+//
+// Threads: nthreads comes from at::get_num_threads(), i.e. torch.set_num_threads, like torch's own ops.
+// On a machine whose cores are shared with other busy processes, OpenMP teams as wide as the core count
+// stall at every barrier (as torch's do); use fewer threads there.
 #pragma once
 #include <cmath>
 #include <cstdint>

@@ -7,7 +7,8 @@ Two extensions, both built with ``torch.utils.cpp_extension`` (ninja) on first u
   dtype its own file, so ninja compiles them in parallel (``MAX_JOBS`` caps the jobs).
 - ``cpu``: ``csrc/cpu/*.cpp`` (ATen + OpenMP), the same Python functions as the CUDA binding; built with
   ``-march=native`` (``MAMBA_RL_CPU_MARCH`` overrides, empty for the compiler default), so the key includes
-  the host CPU model and flags. ``MAMBA_RL_DISABLE_CPU=1`` forces the reference.
+  the host CPU model and flags. ``MAMBA_RL_DISABLE_CPU=1`` forces the reference. The kernels follow
+  ``torch.set_num_threads`` (on oversubscribed cores every OpenMP barrier stalls: give each process its own).
 
 A build is keyed by a hash of its sources and headers, the torch / CUDA / Python versions, the flags and
 (for CUDA) the archs: a changed kernel or a new torch rebuilds, anything else reuses the cached module.
