@@ -39,10 +39,10 @@ class PPOConfig:
         env_id: any id gymnasium.make accepts: registered (CartPole-v1), mamba_rl/...NoVel, popgym-..., or module:EnvId (list them: mamba-rl envs).
         exp_name: experiment name, part of the run folder name.
         seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
-        total_timesteps: env steps to train for, all envs (of all ranks) together [steps]; rounded up to whole rollouts of num_envs * num_steps.
+        total_timesteps: env steps to train for, all envs (of all ranks) together [steps]; at least one rollout, rounded up to whole rollouts of num_envs * num_steps.
         device: "auto" (cuda if available else cpu), "cpu", "cuda" or "cuda:N".
         dtype: backbone compute dtype, "f32" | "bf16" | "f16".
-        backend: backbone backend, "auto" | "cuda" | "reference".
+        backend: backbone backend, "auto" | "cuda" | "cpu" | "reference" (auto: the kernels of the device).
         cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
         num_envs: parallel envs; must be divisible by num_minibatches. Per rank in a data-parallel run
             (torchrun / ``mamba-rl train --nproc N``: N * num_envs envs in all; mamba_rl.agents.distributed).
