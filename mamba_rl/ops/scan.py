@@ -112,7 +112,6 @@ class _SelectiveScanKernel(torch.autograd.Function):
         need_dinit = init is not None and ctx.needs_input_grad[9]
         dx, ddt, dA, dB, dC, dD, dz, ddb, dinit = ctx.ext.scan_bwd(
             x, dt, A32, Bm, Cm, D32, z, db32, init, starts, ctx.ckpt, dy, dfinal, need_dinit)
-        ctx.ckpt = None
         t = ctx.dtypes
         return (None, dx, ddt, dA.to(t[1]), dB, dC, dD.to(t[4]), dz, ddb.to(t[6]),
                 dinit.to(t[7]) if need_dinit else None, None)

@@ -121,3 +121,24 @@ def test_auto_falls_back_to_the_reference_with_one_warning(monkeypatch):
         assert MambaBackbone(CFG, IN).backend == "reference"  # the warning comes once per process
     with pytest.raises(RuntimeError, match="cpu kernels could not load"):
         MambaBackbone(CFG, IN, backend="cpu")
+
+
+def test_double_backward_with_retained_graph_and_initial_state_grad():
+    """A retained graph backpropagates twice (the scan keeps its checkpoints), giving twice the gradient."""
+    g = torch.Generator().manual_seed(11)
+    net = MambaBackbone(CFG, IN, backend="cpu")
+    x = torch.randn(3, 8, IN, generator=g, requires_grad=True)
+    s = RecurrentState(torch.randn(CFG.n_layers, 3, CFG.d_inner, CFG.d_conv - 1, generator=g).requires_grad_(),
+                       torch.randn(CFG.n_layers, 3, CFG.d_inner, CFG.d_state, generator=g).requires_grad_())
+    f, fs = net(x, initial_state=s, episode_starts=torch.rand(3, 8, generator=g) < 0.3)
+    loss = f.sum() + fs.ssm.pow(2).sum()
+    loss.backward(retain_graph=True)
+    once = (x.grad.clone(), s.ssm.grad.clone())
+    loss.backward()
+    assert torch.allclose(x.grad, 2 * once[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(s.ssm.grad, 2 * once[1], rtol=1e-5, atol=1e-6)
+
+
+def test_empty_batch_on_cpu_backend():
+    y, st = MambaBackbone(CFG, IN, backend="cpu")(torch.randn(0, 5, IN))
+    assert y.shape == (0, 5, CFG.d_model) and st.ssm.shape == (CFG.n_layers, 0, CFG.d_inner, CFG.d_state)
