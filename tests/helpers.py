@@ -1,8 +1,10 @@
 """Shared helpers of the core tests: tiny float64-capable reference models and an oracle that runs each
 episode on its own."""
 import torch
+import torch.nn.functional as F
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
+from mamba_rl.ops import causal_conv1d_ref, rms_norm_ref, selective_scan_ref
 
 F64 = torch.float64
 SMALL_CFG = MambaConfig(d_model=8, n_layers=2, d_state=4, d_conv=3, expand=2)
@@ -40,3 +42,26 @@ def per_episode_oracle(net, x, starts, init):
         finals_c.append(st.conv)
         finals_s.append(st.ssm)
     return feats, RecurrentState(torch.cat(finals_c, 1), torch.cat(finals_s, 1))
+
+
+def seq_forward_ref(x, w, L, starts, conv0, ssm0, eps=1e-5):
+    """The sequence forward in float64 from the per-op references over all T at once."""
+    d = {k: v.double() for k, v in w.items()}
+    h = F.linear(x.double(), d["input_proj.weight"], d["input_proj.bias"])
+    di, N = d["layers.0.mixer.conv1d.weight"].shape[0], d["layers.0.mixer.A_log"].shape[1]
+    r = d["layers.0.mixer.dt_proj.weight"].shape[1]
+    cf_all, sf_all = [], []
+    for i in range(L):
+        q = lambda k: d[f"layers.{i}.{k}"]
+        u = rms_norm_ref(h, q("norm.weight"), eps)
+        xi, z = F.linear(u, q("mixer.in_proj.weight")).split(di, -1)
+        xc, cf = causal_conv1d_ref(xi, q("mixer.conv1d.weight").reshape(di, -1), q("mixer.conv1d.bias"),
+                                   conv0[i].double(), starts)
+        dt_r, Bm, Cm = F.linear(xc, q("mixer.x_proj.weight")).split([r, N, N], -1)
+        dt = F.linear(dt_r, q("mixer.dt_proj.weight"))
+        y, sf = selective_scan_ref(xc, dt, q("mixer.A_log"), Bm, Cm, q("mixer.D"), z, q("mixer.dt_proj.bias"),
+                                   ssm0[i].double(), starts)
+        h = h + F.linear(y, q("mixer.out_proj.weight"))
+        cf_all.append(cf)
+        sf_all.append(sf)
+    return rms_norm_ref(h, d["norm_f.weight"], eps), torch.stack(cf_all), torch.stack(sf_all)

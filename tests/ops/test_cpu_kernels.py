@@ -13,11 +13,11 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mamba_rl.ops.conv import causal_conv1d_ref
 from mamba_rl.ops.norm import rms_norm_ref
 from mamba_rl.ops.scan import selective_scan_ref
+from tests.helpers import seq_forward_ref
 
 TOL = 1e-4
 
@@ -327,29 +327,6 @@ def make_weights(g, in_dim, dm, L, N, K):
         w[p + "mixer.D"] = rn(g, di, scale=0.1, shift=1.0)
         w[p + "mixer.out_proj.weight"] = rn(g, dm, di, scale=di ** -0.5)
     return w
-
-
-def seq_forward_ref(x, w, L, starts, conv0, ssm0, eps=1e-5):
-    """The sequence forward in float64 from the per-op references over all T at once."""
-    d = {k: v.double() for k, v in w.items()}
-    h = F.linear(x.double(), d["input_proj.weight"], d["input_proj.bias"])
-    di, N = d["layers.0.mixer.conv1d.weight"].shape[0], d["layers.0.mixer.A_log"].shape[1]
-    r = d["layers.0.mixer.dt_proj.weight"].shape[1]
-    cf_all, sf_all = [], []
-    for i in range(L):
-        q = lambda k: d[f"layers.{i}.{k}"]
-        u = rms_norm_ref(h, q("norm.weight"), eps)
-        xi, z = F.linear(u, q("mixer.in_proj.weight")).split(di, -1)
-        xc, cf = causal_conv1d_ref(xi, q("mixer.conv1d.weight").reshape(di, -1), q("mixer.conv1d.bias"),
-                                   conv0[i].double(), starts)
-        dt_r, Bm, Cm = F.linear(xc, q("mixer.x_proj.weight")).split([r, N, N], -1)
-        dt = F.linear(dt_r, q("mixer.dt_proj.weight"))
-        y, sf = selective_scan_ref(xc, dt, q("mixer.A_log"), Bm, Cm, q("mixer.D"), z, q("mixer.dt_proj.bias"),
-                                   ssm0[i].double(), starts)
-        h = h + F.linear(y, q("mixer.out_proj.weight"))
-        cf_all.append(cf)
-        sf_all.append(sf)
-    return rms_norm_ref(h, d["norm_f.weight"], eps), torch.stack(cf_all), torch.stack(sf_all)
 
 
 def step_args(w, L, di, K):

@@ -3,7 +3,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
+
+from tests.helpers import seq_forward_ref
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
@@ -37,33 +38,6 @@ def make_weights(in_dim, dm=128, L=3, N=16, K=4, seed=0, gemm_dtype=torch.float3
         if any(s in k for s in gemm) and not k.endswith("dt_proj.bias"):
             w[k] = w[k].to(gemm_dtype)
     return w
-
-
-def seq_forward_ref(x, w, L, starts, conv0, ssm0):
-    """The sequence forward in float64 (per-op references over T)."""
-    from mamba_rl.ops.conv import causal_conv1d_ref
-    from mamba_rl.ops.norm import rms_norm_ref
-    from mamba_rl.ops.scan import selective_scan_ref
-    d = {k: v.double() for k, v in w.items()}
-    h = F.linear(x.double(), d["input_proj.weight"], d["input_proj.bias"])
-    di = d["layers.0.mixer.conv1d.weight"].shape[0]
-    N = d["layers.0.mixer.A_log"].shape[1]
-    r = d["layers.0.mixer.dt_proj.weight"].shape[1]
-    cf_all, sf_all = [], []
-    for i in range(L):
-        q = lambda k: d[f"layers.{i}.{k}"]
-        u = rms_norm_ref(h, q("norm.weight"), 1e-5)
-        xi, z = F.linear(u, q("mixer.in_proj.weight")).split(di, -1)
-        xc, cf = causal_conv1d_ref(xi, q("mixer.conv1d.weight").reshape(di, -1), q("mixer.conv1d.bias"),
-                                   conv0[i].double(), starts)
-        dt_r, Bm, Cm = F.linear(xc, q("mixer.x_proj.weight")).split([r, N, N], -1)
-        dt = F.linear(dt_r, q("mixer.dt_proj.weight"))
-        y, sf = selective_scan_ref(xc, dt, q("mixer.A_log"), Bm, Cm, q("mixer.D"), z, q("mixer.dt_proj.bias"),
-                                   ssm0[i].double(), starts)
-        h = h + F.linear(y, q("mixer.out_proj.weight"))
-        cf_all.append(cf)
-        sf_all.append(sf)
-    return rms_norm_ref(h, d["norm_f.weight"], 1e-5), torch.stack(cf_all), torch.stack(sf_all)
 
 
 def rel(a, b):
