@@ -31,7 +31,9 @@ import torch
 __all__ = ["kernels_for", "extension", "load_extension", "extension_error", "source_files", "build_dir", "build_key"]
 
 _PKG = Path(__file__).resolve().parent.parent
-_CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xptxas=-O3"]
+# No -std flag: torch.utils.cpp_extension sets the C++ standard its own headers need (C++17 up to torch 2.11,
+# C++20 from 2.12 on); a flag of ours after torch's would override it and break the build on newer torch.
+_CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xptxas=-O3"]
 _LOADED: dict[str, object] = {}
 _ERRORS: dict[str, BaseException] = {}
 
@@ -62,7 +64,7 @@ def _march() -> str:
 def _cpu_flags() -> list[str]:
     """-O3 with OpenMP; math flags that let GCC vectorise exp/SiLU loops; ``-march=$MAMBA_RL_CPU_MARCH``
     (default native; empty for the compiler's default target)."""
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
              "-DNDEBUG"]
     return flags + ([f"-march={_march()}"] if _march() else [])
 
