@@ -8,17 +8,28 @@ heads, acting), :func:`evaluate_policy`, :func:`compute_gae`, :class:`RolloutBuf
 
 from __future__ import annotations
 
-from .config import PPOConfig
-from .evaluate import EvalResult, evaluate_policy
-from .gae import compute_gae
-from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim, encode_prev_action
-from .logger import SCALAR_TAGS, TensorBoardLogger, hparams_markdown, run_name_for
-from .policy import Policy, PolicyState
-from .ppo import RecurrentPPO
-from .rollout import RolloutBuffer
+import importlib
 
-__all__ = [
-    "PPOConfig", "RecurrentPPO", "Policy", "PolicyState", "EvalResult", "evaluate_policy", "compute_gae",
-    "RolloutBuffer", "ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim",
-    "encode_prev_action", "SCALAR_TAGS", "TensorBoardLogger", "hparams_markdown", "run_name_for",
-]
+# Public name -> defining submodule, imported on first use (PEP 562): the CLI's ``--help`` needs only the
+# configs, not torch or gymnasium.
+_EXPORTS = {
+    "PPOConfig": ".config", "RecurrentPPO": ".ppo", "Policy": ".policy", "PolicyState": ".policy",
+    "EvalResult": ".evaluate", "evaluate_policy": ".evaluate", "compute_gae": ".gae", "RolloutBuffer": ".rollout",
+    "ActionDist": ".heads", "ActorHead": ".heads", "CriticHead": ".heads", "action_dim": ".heads",
+    "action_input_dim": ".heads", "encode_prev_action": ".heads", "SCALAR_TAGS": ".logger",
+    "TensorBoardLogger": ".logger", "hparams_markdown": ".logger", "run_name_for": ".logger",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mamba_rl.agents' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -8,13 +8,31 @@ Public API: :class:`MambaConfig`, :class:`MambaBackbone`, :class:`RecurrentState
 :class:`MambaTrainer`, :class:`StepMetrics`, :func:`save_checkpoint`, :func:`load_checkpoint`,
 :func:`read_checkpoint`, :class:`CheckpointError`.
 """
-from .config import MambaConfig
-from .model import MambaBackbone, MambaBlock, RecurrentState, Stepper
-from .train import (CheckpointError, MambaTrainer, StepMetrics, load_checkpoint, read_checkpoint,
-                    save_checkpoint)
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["MambaConfig", "RecurrentState", "MambaBackbone", "MambaBlock", "Stepper", "MambaTrainer",
-           "StepMetrics", "save_checkpoint", "load_checkpoint", "read_checkpoint", "CheckpointError",
-           "__version__"]
+# Public name -> the submodule that defines it. Imported on first use (PEP 562), so that ``import
+# mamba_rl.config`` or the CLI's ``--help`` does not pay for importing torch.
+_EXPORTS = {
+    "MambaConfig": ".config",
+    "MambaBackbone": ".model", "MambaBlock": ".model", "RecurrentState": ".model", "Stepper": ".model",
+    "MambaTrainer": ".train", "StepMetrics": ".train", "save_checkpoint": ".train", "load_checkpoint": ".train",
+    "read_checkpoint": ".train", "CheckpointError": ".train",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mamba_rl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,9 +1,5 @@
-"""``python -m mamba_rl`` = the ``mamba-rl`` command (see :mod:`mamba_rl.cli`)."""
+"""``python -m mamba_rl`` = the ``mamba-rl`` command (``mamba_rl.agents.cli``): an entry point, not a library
+module, so the core's modules still never import the agent layer."""
+import runpy
 
-from __future__ import annotations
-
-import sys
-
-from .cli import main
-
-sys.exit(main())
+runpy.run_module("mamba_rl.agents.cli", run_name="__main__", alter_sys=True)

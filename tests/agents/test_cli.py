@@ -6,7 +6,7 @@ import sys
 import pytest
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 
-from mamba_rl.cli import build_parser, main
+from mamba_rl.agents.cli import build_parser, main
 
 TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1",
         "--d-model", "16", "--n-layers", "1", "--d-state", "4", "--device", "cpu", "--no-progress"]
@@ -26,7 +26,7 @@ def test_every_config_field_has_a_flag_and_defaults_match():
     for name in names:
         assert "--" + name.replace("_", "-") in help_text, name
     # no flag given -> PPOConfig's defaults (env mamba_rl/CartPoleNoVel-v1, device auto, dtype f32)
-    from mamba_rl.cli import _config_overrides
+    from mamba_rl.agents.cli import _config_overrides
 
     assert _config_overrides(args) == {}
     c = PPOConfig()

@@ -10,7 +10,7 @@ import gymnasium as gym
 import pytest
 import torch
 
-from mamba_rl.cli import build_parser, main
+from mamba_rl.agents.cli import build_parser, main
 
 TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1",
         "--d-model", "16", "--n-layers", "1", "--d-state", "4", "--device", "cpu", "--no-progress"]
@@ -39,7 +39,7 @@ def test_every_option_has_help_and_one_default(command):
 
 def test_help_comes_from_the_config_docstrings():
     from mamba_rl.agents import PPOConfig
-    from mamba_rl.cli import field_docs
+    from mamba_rl.agents.cli import field_docs
 
     docs = field_docs(PPOConfig)
     help_text = " ".join(_subparsers()["train"].format_help().split())
@@ -220,7 +220,7 @@ def test_plot_a_tiny_run(tmp_path, capsys):
     assert main(["train", "--env", "CartPole-v1", "--total-timesteps", "64", *TINY, *_dirs(tmp_path)]) == 0
     capsys.readouterr()
     (run,) = (tmp_path / "runs").iterdir()
-    from mamba_rl.plot import read_scalars
+    from mamba_rl.agents.plot import read_scalars
 
     scalars = read_scalars(run)
     assert scalars["losses/value_loss"][0] == [32, 64] and scalars["charts/episodic_return"][1]

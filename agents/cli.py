@@ -172,6 +172,18 @@ def _user_input() -> Iterator[None]:
         raise UsageError(str(err).strip() or type(err).__name__) from err
 
 
+@contextlib.contextmanager
+def _checkpoint_input() -> Iterator[None]:
+    """Turn a checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit
+    file, found only once its tensors are read) into :class:`UsageError`; every other error passes."""
+    from mamba_rl.train.checkpoint import CheckpointError
+
+    try:
+        yield
+    except CheckpointError as err:
+        raise UsageError(str(err).strip()) from err
+
+
 def _check_device(config: Any) -> None:
     """Raise UsageError when the config asks for CUDA (device or backend) and there is none."""
     import torch
@@ -206,30 +218,32 @@ def _steps(n: int) -> str:
 def _run_train(args: argparse.Namespace) -> int:
     import time
 
-    from mamba_rl.agents import PPOConfig, RecurrentPPO
+    from mamba_rl.agents import PPOConfig, RecurrentPPO, distributed, train_ddp
     from mamba_rl.agents.checkpoint import read_agent_config
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.runs import claim_run
-
-    from mamba_rl import train_ddp
-    from mamba_rl.agents import distributed
+    from mamba_rl.envs import check_env_id, check_start_method
 
     if args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return train_ddp.launch(args.nproc, args._argv)
     overrides = _config_overrides(args)
+    # the user-input scope covers reading and validating what the user asked for, nothing after it: an
+    # error while building the model, capturing graphs or training is a bug and keeps its traceback
     with _user_input():
         config = read_agent_config(args.resume, **overrides)[1] if args.resume else PPOConfig(**overrides)
         _check_device(config)
-        threads = apply_thread_policy(config.threads)  # before anything builds a model
-        if distributed.init_from_env(config.device):  # under torchrun: one rank of a data-parallel job
-            return train_ddp.train_rank(args.resume, overrides, not args.no_progress, _user_input)
-        if args.resume:
-            agent = RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides)
-        else:
-            agent = RecurrentPPO(config=config)
-        claim_run(agent)  # the run's folders, created exclusively, before the name is printed
+        check_env_id(config.env_id)
+        if config.async_envs:
+            check_start_method(config.async_start_method)
+    threads = apply_thread_policy(config.threads)  # before anything builds a model
+    if distributed.init_from_env(config.device):  # under torchrun: one rank of a data-parallel job
+        return train_ddp.train_rank(args.resume, overrides, not args.no_progress, _checkpoint_input)
+    with _checkpoint_input():
+        agent = (RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides) if args.resume
+                 else RecurrentPPO(config=config))
+    claim_run(agent)  # the run's folders, created exclusively, before the name is printed
     c = agent.config
     if args.resume:
         print(f"resuming {agent.run_name} after update {agent.update} of {agent.num_updates} "
@@ -343,7 +357,7 @@ def _plot_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_plot(args: argparse.Namespace) -> int:
-    from mamba_rl.plot import plot_run
+    from mamba_rl.agents.plot import plot_run
 
     with _user_input():
         out = plot_run(args.run_dir, args.out)

@@ -1,4 +1,4 @@
-"""``mamba-rl train`` data-parallel (issue #12): the ``--nproc`` launcher and the per-rank body under torchrun.
+"""``mamba-rl train`` data-parallel: the ``--nproc`` launcher and the per-rank body under torchrun.
 
 ``mamba-rl train --nproc 2 --num-envs 64`` runs ``torchrun --standalone --nproc-per-node 2 -m mamba_rl train
 --num-envs 64`` (64 envs per rank). Each rank joins the group from torchrun's environment
@@ -41,16 +41,18 @@ def launch(nproc: int, cli_argv: Sequence[str]) -> int:
 
 
 def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
-               user_input: Callable[[], ContextManager[None]]) -> int:
-    """One rank of ``torchrun -m mamba_rl train`` (the process group is initialised): build or resume the
-    agent, learn, destroy the group. Rank 0 prints, logs and checkpoints. ``user_input``: the CLI's
-    context that turns user mistakes into its one-line errors. Returns the exit code (130 on Ctrl-C)."""
+               checkpoint_input: Callable[[], ContextManager[None]]) -> int:
+    """One rank of ``torchrun -m mamba_rl train`` (the process group is initialised, the config validated):
+    build or resume the agent, learn, destroy the group. Rank 0 prints, logs and checkpoints.
+    ``checkpoint_input``: the CLI's context that turns a refused checkpoint into its one-line error; it
+    covers the load alone, so an error while training keeps its traceback and ends the rank with a non-2
+    exit code. Returns the exit code (130 on Ctrl-C)."""
     import torch.distributed as dist
 
     from mamba_rl.agents import RecurrentPPO
 
     try:
-        with user_input():
+        with checkpoint_input():
             agent = (RecurrentPPO.load(resume, restore_envs=False, **overrides) if resume
                      else RecurrentPPO(**overrides))
         lead = agent.rank == 0
