@@ -237,6 +237,7 @@ class RecurrentPPO:
             self._logger = TensorBoardLogger(os.path.join(c.runs_dir, self.run_name), enabled=c.track)
             hparams = c.to_dict()
             hparams.update(hparams.pop("backbone"))  # one flat table, as CleanRL's
+            hparams.update(backend=f"{c.backend} (ran: {self.net.backend})", device=f"{c.device} (ran: {self.device})")
             self._logger.hparams(hparams)
         return self._logger
 
