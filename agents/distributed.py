@@ -271,6 +271,6 @@ class RunningStatsSync:
             dm = m[1:1 + k] / count
             mean = b[0].reshape(-1) + dm
             var = np.maximum(m[1 + k:] / count - dm * dm, 0.0)
-            shape = np.shape(s.mean)
-            s.mean, s.var, s.count = mean.reshape(shape), var.reshape(shape), count
+            shape, dtype = np.shape(s.mean), np.asarray(s.mean).dtype  # gymnasium keeps the obs dtype (float32)
+            s.mean, s.var, s.count = mean.reshape(shape).astype(dtype), var.reshape(shape).astype(dtype), count
         self.rebase()
