@@ -233,7 +233,10 @@ class RecurrentPPO:
         if not c.anneal_lr:
             return c.learning_rate
         u0, f0, end = self.lr_plan if self.lr_plan is not None else (1.0, 1.0, self.num_updates + 1.0)
-        frac = f0 * (end - update) / (end - u0)
+        if u0 == 1.0 and f0 == 1.0:  # never re-planned: CleanRL's expression, bit for bit
+            frac = 1.0 - (update - 1.0) / (end - 1.0)
+        else:
+            frac = f0 * (end - update) / (end - u0)
         return max(frac, 0.0) * c.learning_rate
 
     def _plan_lr(self) -> None:
@@ -414,7 +417,7 @@ class RecurrentPPO:
                 while space is None and e is not None:
                     space = e._inner_space if isinstance(e, FlattenObs) else None
                     e = getattr(e, "env", None)
-                space = space or self.envs.unwrapped.envs[0].unwrapped.observation_space
+                space = space or self.envs.unwrapped.envs[0].observation_space
             else:  # async workers: build one env of the id here
                 env = make_env(self.config.env_id, flatten_obs=False)
                 space = env.observation_space
