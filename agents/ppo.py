@@ -395,7 +395,10 @@ class RecurrentPPO:
     def predict(self, obs: np.ndarray, state: PolicyState | None = None, episode_start: np.ndarray | None = None,
                 deterministic: bool = False, reward: np.ndarray | None = None) -> tuple[np.ndarray, PolicyState]:
         """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments).
-        ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
+        ``obs``: flat float rows [B, obs_dim] / [obs_dim], or raw observations of the env's space (a Dict /
+        Tuple observation, a batch of them as its vector env returns, or a list of them), flattened as in
+        training (:func:`mamba_rl.envs.flatten_observation`); anything else raises ValueError naming the
+        space. ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
         (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
         if getattr(self, "_predict_generator", None) is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
