@@ -50,6 +50,14 @@ METRIC_NAMES = ("losses/value_loss", "losses/policy_loss", "losses/entropy", "lo
                 "backbone/loss_scale", "backbone/overflow_skipped", "debug/rollout_parity")
 
 
+def _flag_nonfinite_heads(grad_arena: torch.Tensor, head_sq: torch.Tensor) -> None:
+    """A NaN / inf head gradient (``head_sq``: its squared norm, 0-d) makes the backbone gradient non-finite
+    too (one element set to NaN, a select: no sync, capturable), so that the trainer's found_inf check,
+    which reads the backbone arena alone, skips the whole step: a non-finite update is never applied
+    (the agent sets the trainer's skip-on-overflow flag in every dtype)."""
+    grad_arena[:1].add_(torch.where(torch.isfinite(head_sq), 0.0, float("nan")).to(grad_arena.dtype))
+
+
 class PPOUpdate:
     """PPO epochs over an agent's rollout buffer, one body per minibatch (captured on CUDA).
 
@@ -142,12 +150,15 @@ class PPOUpdate:
                 dp.reduce_grads(self.comm)
                 arena.copy_(self.comm[:nb])
                 tr.extra_sq_buf.copy_(head_sum.square().sum())
-            tr.grad_hook = reduce
+            tr.grad_hook = lambda: (reduce(), _flag_nonfinite_heads(arena, tr.extra_sq_buf))
             flat = head_sum  # the heads step with the summed gradient
         elif self.flat_heads:
             tr.extra_sq_buf.copy_(flat.square().sum())
         else:
             tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
+        if dp is None:
+            arena = tr.net.grad_arena
+            tr.grad_hook = lambda: _flag_nonfinite_heads(arena, tr.extra_sq_buf)
         try:
             tr.backward_body()
         finally:

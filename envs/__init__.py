@@ -21,6 +21,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
+from .guards import EnvGuard, EnvWorkerDied, NonFiniteEnvError, flatten_observation  # noqa: F401 (re-export)
 from .pomdp import POMDP_ENV_IDS, MaskObservation, make_masked_env, register_pomdp_envs
 
 __all__ = [
@@ -40,6 +41,10 @@ __all__ = [
     "POMDP_ENV_IDS",
     "make_masked_env",
     "register_pomdp_envs",
+    "EnvGuard",
+    "EnvWorkerDied",
+    "NonFiniteEnvError",
+    "flatten_observation",
 ]
 
 register_pomdp_envs()
@@ -226,12 +231,14 @@ def make_vec_env(
     normalize_reward: bool = False,
     gamma: float = 0.99,
     start_method: str | None = None,
+    nonfinite: str = "raise",
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
     The stack, innermost first: per env ``make_env`` (gym.make, RecordVideo on env 0,
     FlattenObservation); ``SyncVectorEnv`` (or ``AsyncVectorEnv`` with ``async_``) in
-    gymnasium's default NextStep autoreset mode; vector ``RecordEpisodeStatistics`` (raw
+    gymnasium's default NextStep autoreset mode; :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite
+    observations / rewards, dead async workers); vector ``RecordEpisodeStatistics`` (raw
     returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` and
     ``NormalizeReward`` (discounted-return scaling with ``gamma``) if asked. Episode statistics
     are recorded before any normalisation, so they are the raw returns.
@@ -253,15 +260,19 @@ def make_vec_env(
             ("fork", "spawn", "forkserver"; None: the platform's default). Under "spawn" and
             "forkserver" each worker imports this package and, for a ``module:EnvId`` id, that
             module, so it must be importable there (on ``sys.path`` / ``PYTHONPATH``).
+        nonfinite: what a NaN / inf observation or reward does: "raise" (NonFiniteEnvError naming the
+            env and the step) or "zero" (replaced by 0 and counted); see :class:`EnvGuard`.
 
     Returns:
         A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
         Box when ``flatten_obs`` is set.
 
     Raises:
-        ValueError: ``num_envs < 1`` or an unknown start method.
+        ValueError: ``num_envs < 1``, an unknown start method or nonfinite policy.
         ImportError / gymnasium.error.NameNotFound: see ``make_env``.
     """
+    if nonfinite not in ("raise", "zero"):
+        raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
     check_start_method(start_method)
@@ -282,6 +293,7 @@ def make_vec_env(
         envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP, context=start_method)
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP)
+    envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
     if normalize_obs:
         envs = gym.wrappers.vector.NormalizeObservation(envs)
@@ -312,11 +324,13 @@ def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type) -> gym.ve
         env = inner
 
 
-def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int) -> gym.vector.VectorEnv:
+def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int, nonfinite: str = "raise") -> gym.vector.VectorEnv:
     """Check that a caller-built vector env fits an agent of ``num_envs`` envs and flatten its observations.
 
     Returns:
-        ``envs``, wrapped in :class:`FlattenVecObs` when its observations are not 1-D float32 Box.
+        ``envs``, wrapped in :class:`FlattenVecObs` when its observations are not 1-D float32 Box, then in
+        an :class:`EnvGuard` with ``nonfinite`` unless it holds one already (outermost: wrappers of the
+        caller's, such as a normalisation, see the values before the guard does).
 
     Raises:
         ValueError: not a VectorEnv, another sub-env count, or an autoreset mode other than NextStep.
@@ -332,6 +346,8 @@ def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int) -> gym.vector.Vecto
     space = envs.single_observation_space
     if needs_flatten(space):
         envs = FlattenVecObs(envs)
+    if find_vector_wrapper(envs, EnvGuard) is None:
+        envs = EnvGuard(envs, nonfinite)
     return envs
 
 
