@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.capability import kernel_support
 
 __all__ = ["fused_backbone"]
 
@@ -38,6 +39,35 @@ def _acc_mm(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
         dst.add_(torch.mm(a, b))
 
 
+def _norm_fwd(ext, ok, h, w, eps, out_dtype):
+    """(RMSNorm(h) in out_dtype, rstd [rows, 1]): the kernel, or torch ops where it does not take d_model."""
+    if ok:
+        return ext.rmsnorm_fwd(h, w, eps, out_dtype)
+    rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (h * rstd * w).to(out_dtype), rstd
+
+
+def _norm_bwd(ext, ok, dy, x, rstd, w, dw_acc, dx_acc):
+    """dx (+ dx_acc) of RMSNorm, with sum_rows dy * xhat added into dw_acc: the kernel, or torch ops."""
+    if ok:
+        return ext.rmsnorm_bwd(dy, x, rstd, w, dw_acc, dx_acc)
+    dyf = dy.float()
+    xh = x * rstd
+    g = dyf * w
+    dx = rstd * (g - xh * (g * xh).mean(-1, keepdim=True))
+    if dx_acc is not None:
+        dx = dx + dx_acc
+    dw_acc.add_((dyf * xh).sum(0))
+    return dx
+
+
+def _norm_ok(net, out_dtype):
+    """(forward ok, backward ok) of the norm kernels for this backbone's d_model."""
+    kw = dict(d_model=net.cfg.d_model, dtype=torch.float32)
+    return (bool(kernel_support(net.backend, "rms_norm_fwd", out_dtype=out_dtype, **kw)),
+            bool(kernel_support(net.backend, "rms_norm_bwd", **kw)))
+
+
 class _Backbone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, net, conv0, ssm0, starts):
@@ -52,13 +82,15 @@ class _Backbone(torch.autograd.Function):
         def w(name, src=W):
             return net.arena_view(src, name)
 
+        nf_ok, nb_ok = _norm_ok(net, cdt)
+        nff_ok = _norm_ok(net, torch.float32)[0]
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
         saved = []
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            u, rstd = ext.rmsnorm_fwd(h, w(p + "norm.weight", M), eps, cdt)
+            u, rstd = _norm_fwd(ext, nf_ok, h, w(p + "norm.weight", M), eps, cdt)
             xz = torch.mm(u, w(p + "mixer.in_proj.weight").t())  # [BT, 2di]
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
@@ -79,11 +111,12 @@ class _Backbone(torch.autograd.Function):
             saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
             conv_f.append(cf)
             ssm_f.append(sf)
-        feat, rstd_f = ext.rmsnorm_fwd(h, w("norm_f.weight", M), eps, torch.float32)
+        feat, rstd_f = _norm_fwd(ext, nff_ok, h, w("norm_f.weight", M), eps, torch.float32)
         ctx.net, ctx.saved, ctx.shape = net, saved, (B, T)
         ctx.h_last, ctx.rstd_f, ctx.x2 = h, rstd_f, x2
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
         ctx.x_dtype = x.dtype
+        ctx.norm_bwd_ok = nb_ok
         return feat.view(B, T, -1), torch.stack(conv_f), torch.stack(ssm_f)
 
     @staticmethod
@@ -100,8 +133,9 @@ class _Backbone(torch.autograd.Function):
         def w(name, src=W):
             return net.arena_view(src, name)
 
-        dh = ext.rmsnorm_bwd(dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f, w("norm_f.weight", M),
-                             w("norm_f.weight", G), None)
+        nb_ok = ctx.norm_bwd_ok
+        dh = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f, w("norm_f.weight", M),
+                       w("norm_f.weight", G), None)
         for i in reversed(range(c.n_layers)):
             p = f"layers.{i}."
             h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
@@ -134,7 +168,7 @@ class _Backbone(torch.autograd.Function):
                          w(p + "mixer.conv1d.bias", G))
             _acc_mm(w(p + "mixer.in_proj.weight", G), dxz.t(), u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
-            dh = ext.rmsnorm_bwd(du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh)
+            dh = _norm_bwd(ext, nb_ok, du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh)
         dh_c = dh.to(cdt)
         _acc_mm(w("input_proj.weight", G), dh_c.t(), ctx.x2)
         w("input_proj.bias", G).add_(dh.sum(0))
