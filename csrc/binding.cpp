@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <array>
 #include <optional>
-#include <sstream>
 #include <limits>
 #include "binding_common.h"
 #include "ops.h"
@@ -62,7 +61,7 @@ void check_starts(const OptT& s, const Tensor& ref, int64_t B, int64_t T) {
 
 // A launcher's error string (a failed launch or attribute call) -> RuntimeError; argument errors are
 // ValueErrors raised by MRL_CHECK before anything is launched.
-void raise_if(const char* err) { TORCH_CHECK(err == nullptr, "mamba_rl CUDA kernel failed: ", err ? err : ""); }
+void raise_if(const char* err) { MRL_RAISE_IF(err); }
 
 // ---------------- causal conv1d ----------------
 // The checks shared by the conv forward and backward; returns {B, T, D, K, dtype code}.

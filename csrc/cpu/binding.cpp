@@ -26,7 +26,6 @@
 
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <vector>
 
 #include "../binding_common.h"

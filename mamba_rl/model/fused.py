@@ -186,5 +186,13 @@ def fused_backbone(net, x, conv0, ssm0, starts):
     backward; the gradient of x is returned when x requires grad. No gradient flows into the initial state
     (truncated BPTT).
     """
-    anchor = net.norm_f.weight  # any parameter: makes the output require grad so backward runs
+    # The anchor makes the output require grad (so backward runs) when the parameters do. It is a fresh
+    # zero-size leaf per call, not a Parameter: autograd caches a leaf's AccumulateGrad node while any graph
+    # through it lives, together with the stream current when that node was made, and at the end of every
+    # backward syncs the caller's stream with that stream. A Parameter anchor used once through autograd on
+    # the default stream (a user's `y, _ = net(x); y.sum().backward()` with y still alive) thus put an event
+    # on the default stream inside the trainer's graph capture and invalidated it (issue 18).
+    anchor = None
+    if torch.is_grad_enabled() and net.norm_f.weight.requires_grad:
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
     return _Backbone.apply(x, anchor, net, conv0, ssm0, starts)

@@ -34,12 +34,13 @@ def test_capture_after_autograd_use(B, T, dtype):
     g = torch.Generator().manual_seed(B * T)
     xs = [torch.randn(B, T, 6, generator=g).cuda() for _ in range(4)]
     ds = [torch.randn(B, T, 64, generator=g).cuda() for _ in range(4)]
-    nets = []
+    nets, alive = [], []
     for _ in range(2):
         net = MambaBackbone(cfg, 6, device="cuda", seed=0, backend="cuda")
         y, _ = net(xs[0])
         y.sum().backward()
         nets.append(net)
+        alive.append(y)  # the autograd graph of that use stays alive during the capture (as in issue 18)
     graph = MambaTrainer(nets[0], B, T, dtype=dtype, lr=1e-3, max_grad_norm=1.0)
     eager = MambaTrainer(nets[1], B, T, dtype=dtype, lr=1e-3, max_grad_norm=1.0)
     graph.capture_graph()
@@ -47,6 +48,7 @@ def test_capture_after_autograd_use(B, T, dtype):
         assert graph.step(x, d).graph_replayed
         eager.step(x, d)
     assert torch.equal(nets[0].arena, nets[1].arena)
+    del alive
 
 
 def test_twenty_layers_step_and_train():
