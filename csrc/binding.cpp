@@ -378,7 +378,7 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
 }
 
 Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                   const OptT& dx_acc) {
+                   const OptT& dx_acc, const OptT& dx_c) {
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
   MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
@@ -399,6 +399,15 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
                 "rms_norm: dh_acc must be contiguous float32 shaped like x, got ", shape_str(*dx_acc));
   }
   MRL_CHECK(C >= 1 && C <= 512, "rms_norm backward: channels must be in [1, 512], got ", C);
+  int dxc_code = -1;
+  if (dx_c) {
+    check_cuda(*dx_c, "rms_norm: dx_c", x);
+    dxc_code = dtype_code(*dx_c, "rms_norm: dx_c");
+    MRL_CHECK(dxc_code != mrl::kF32, "rms_norm: dx_c: expected bfloat16 or float16 (the float32 dx is the "
+              "return value), got ", dx_c->scalar_type());
+    MRL_CHECK(dx_c->numel() == x.numel() && dx_c->is_contiguous(), "rms_norm: dx_c: expected a contiguous tensor "
+              "shaped like x ", shape_str(x), ", got ", shape_str(*dx_c));
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = new_empty(x.sizes(), x.options());
   if (!rows) return dx;
@@ -406,6 +415,10 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
   mrl::NormBwdParams p{dy.data_ptr(), gdt, x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), rows,
                        (int)C, dx.data_ptr<float>(), ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(),
                        ws.data_ptr<float>(), counter_slot(x, 0)};
+  if (dx_c) {
+    p.dx_c = dx_c->data_ptr();
+    p.dxc_dtype = dxc_code;
+  }
   raise_if(mrl::norm_bwd(p, c10::cuda::getCurrentCUDAStream().stream()));
   return dx;
 }
@@ -429,7 +442,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
   m.def("backbone_step", &backbone_step, "one token through the whole backbone (one launch); states in place");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1])");
-  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
+        "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
+        py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
 }

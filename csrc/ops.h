@@ -145,6 +145,8 @@ struct NormBwdParams {
   float* dw_acc;                         // [C]: += sum_rows dy * xhat
   float* ws;                             // [norm_bwd_blocks(rows, C) * C]
   unsigned int* counter;                 // self-resetting
+  void* dx_c = nullptr;                  // [rows, C] copy of dx in dxc_dtype (kBF16 / kF16: the next GEMM's
+  int dxc_dtype = kBF16;                 //   input, saving a cast pass), or nullptr
 };
 int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);

@@ -338,7 +338,7 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
 }
 
 Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                   const OptT& dx_acc) {
+                   const OptT& dx_acc, const OptT& dx_c) {
   check_cpu(x, "rms_norm: x");
   MRL_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
                     shape_str(x));
@@ -364,10 +364,18 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
     MRL_CHECK(dx_acc->numel() == x.numel() && dx_acc->is_contiguous(), "rms_norm: dh_acc: expected a "
                       "contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(*dx_acc));
   }
+  if (dx_c) {
+    check_cpu(*dx_c, "rms_norm: dx_c");
+    MRL_CHECK(dx_c->scalar_type() == at::kBFloat16 || dx_c->scalar_type() == at::kHalf, "rms_norm: dx_c: expected "
+              "bfloat16 or float16 (the float32 dx is the return value), got ", dx_c->scalar_type());
+    MRL_CHECK(dx_c->numel() == x.numel() && dx_c->is_contiguous(), "rms_norm: dx_c: expected a contiguous tensor "
+              "shaped like x ", shape_str(x), ", got ", shape_str(*dx_c));
+  }
   auto dx = new_empty(x.sizes(), x.options());
   if (rows)
     mrl_cpu::rmsnorm_bwd(fptr(dy), fptr(x), fptr(rstd), fptr(w), rows, (int)C, dx.data_ptr<float>(),
                          ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(), nthreads());
+  if (dx_c) dx_c->view(dx.sizes()).copy_(dx);  // same contract as CUDA (the CPU path never asks for it)
   return dx;
 }
 
@@ -393,7 +401,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backbone_step", &backbone_step, "one token through the whole backbone; conv_state / ssm_state updated in "
         "place -> features [B, d_model] (rows_per_block is ignored on the CPU)");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> [out (float32), rstd [..., 1]]");
-  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
+        "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
+        py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &scan_chunk, "checkpoint interval of the scan backward (steps)");
 }

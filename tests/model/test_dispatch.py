@@ -148,3 +148,25 @@ def test_cpu_binding_raises_value_error_naming_expected_and_received():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"rms_norm: weight: expected shape \[8\], got \[7\]"):
         ext.rmsnorm_fwd(x, torch.ones(7), 1e-5, torch.float32)
+
+
+def test_fused_helpers_low_precision_on_torch_ops():
+    """The fused node's bf16 helpers on their torch fallbacks: the residual GEMM keeps h in float32 and
+    accumulates a @ b in float32; the norm backward also returns dx in the compute dtype."""
+    import mamba_rl.model.fused as fused
+    g = torch.Generator().manual_seed(14)
+    h = torch.randn(6, 8, generator=g)
+    a, b = torch.randn(6, 5, generator=g).bfloat16(), torch.randn(5, 8, generator=g).bfloat16()
+    out = fused._residual_mm(h, a, b)
+    assert out.dtype == torch.float32
+    ref = h + a.float() @ b.float()
+    # float32 accumulation where torch has addmm(out_dtype=float32) for these inputs, else bf16 product
+    tol = 1e-5 if fused._ADDMM_OUT_DTYPE else 2e-2
+    assert torch.allclose(out, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    x, dy, w = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g), torch.rand(8, generator=g) + 0.5
+    rstd = torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5)
+    dw = torch.zeros(8)
+    dx, dx_c = fused._norm_bwd(None, False, dy, x, rstd, w, dw, None, torch.bfloat16)
+    assert dx.dtype == torch.float32 and dx_c.dtype == torch.bfloat16 and torch.equal(dx_c, dx.bfloat16())
+    dx32, none = fused._norm_bwd(None, False, dy, x, rstd, w, torch.zeros(8), None, torch.float32)
+    assert none is None and torch.equal(dx32, dx)
