@@ -19,11 +19,6 @@ constexpr int SCAN_THREADS = 128;
 constexpr int SCAN_TC = 16;
 constexpr int SCAN_NPT = 4;  // states per thread
 
-template <typename T>
-__device__ __forceinline__ float ldf(const void* base, int64_t off) {
-  return to_f(__ldg(reinterpret_cast<const T*>(base) + off));
-}
-
 __device__ __forceinline__ float ex2f_(float v) {
   float r;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
