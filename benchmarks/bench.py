@@ -1,27 +1,28 @@
-"""mamba_rl vs its peers on one GPU, in one process (see benchmarks/README.md for the committed table).
+"""mamba_rl vs cuDNN GRU / LSTM on one GPU, in one process (see benchmarks/README.md for the committed table).
 
-Times (median µs per call, CUDA events, graphs where a model can use them, TF32 off):
-  * the training step (fwd over [B, T] + bwd with a given d_temporal + AdamW) of mamba_rl's
-    MambaTrainer in f32 and bf16, as graph replay and through the public ``trainer.step`` call;
-  * the one-token step of the graph-captured Stepper (replay and ``stepper.step``), and the fused
-    kernel alone at each rows-per-block setting;
-  * the peers by running the project's peer script (kept outside the repository; copy it to the
-    git-ignored .peers/peers.py) in this process: cuDNN LSTM / GRU and mambapy (wheel carried in .whl).
-Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay).
+Times (median µs per call, CUDA events around every call, graph replays, TF32 off):
+  * the training step (fwd over [B, T] + bwd with a given d_temporal + AdamW) of mamba_rl's MambaTrainer
+    in f32 and bf16 (3 layers, d_state 16, expand 2), as graph replay and through the public
+    ``trainer.step`` call, for every (d_model, B, T) row of issue 18's table;
+  * the same step of cuDNN GRU-1L, LSTM-1L and LSTM-3L (nn.GRU / nn.LSTM of hidden d_model behind an input
+    Linear, fused capturable AdamW, graph replay: the method of the project's peer script) at every row;
+  * the one-token step of the graph-captured Stepper (replay and ``stepper.step``) at the default model,
+    the fused kernel alone at each rows-per-block setting, and the peers' one-token step.
+Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay), with a
+per-kernel profile at the default model. Every row carries ``d_model``.
 
-Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--no-peers] [--quick]
+Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,8 +30,11 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 OBS, DM, L = 32, 128, 3
-SHAPES = [(16, 64), (64, 128), (256, 32)]
+# (d_model, B, T): issue 18's table
+ROWS = [(128, 16, 64), (128, 64, 128), (128, 256, 32), (128, 16, 512), (128, 16, 2048), (128, 64, 1024),
+        (128, 4, 4096), (256, 64, 128), (512, 64, 128), (512, 16, 512), (1024, 64, 128)]
 INFER_B = [1, 16, 256]
+PEERS = {"gru1": ("GRU", 1), "lstm1": ("LSTM", 1), "lstm3": ("LSTM", 3)}
 
 
 def timeit(fn, iters, warm=5):
@@ -78,17 +82,17 @@ def kernel_profile(fn, top=25):
     return rows[:top]
 
 
-def bench_train(B, T, dtype, iters, profile_it=False):
+def bench_train(dm, B, T, dtype, iters, profile_it=False):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    net = MambaBackbone(MambaConfig(d_model=DM, n_layers=L), OBS, device="cuda", seed=0, backend="cuda")
+    net = MambaBackbone(MambaConfig(d_model=dm, n_layers=L), OBS, device="cuda", seed=0, backend="cuda")
     tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
-    tr.d_buf.copy_(torch.randn(B, T, DM, device="cuda", generator=g))
+    tr.d_buf.copy_(torch.randn(B, T, dm, device="cuda", generator=g))
     eager = timeit(lambda: tr.step(None, None), max(5, iters // 3))
     tr.capture_graph()
     graph = tr._graphs["step"]
@@ -98,7 +102,7 @@ def bench_train(B, T, dtype, iters, profile_it=False):
     prof = kernel_profile(graph.replay) if profile_it else None
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     del tr, net, graph
-    r = dict(kind="train", model=f"mamba_rl_{dtype}", B=B, T=T, graph=True, us=replay, api_us=api,
+    r = dict(kind="train", model=f"mamba_rl_{dtype}", d_model=dm, B=B, T=T, graph=True, us=replay, api_us=api,
              eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:
         r["profile"] = prof
@@ -119,8 +123,8 @@ def bench_infer(B, iters):
     replay = timeit(lambda: st.step(None), iters)
     nk = count_kernels(lambda: st.step(None))
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    rows = [dict(kind="infer", model="mamba_rl", B=B, T=1, graph=True, us=replay, api_us=api, kernels=nk,
-                 peak_mib=round(peak, 1))]
+    rows = [dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True, us=replay, api_us=api,
+                 kernels=nk, peak_mib=round(peak, 1))]
     # the fused kernel alone, per rows-per-block setting, captured
     w = net.step_weights()
     cs, ss = st.state.conv.clone(), st.state.ssm.clone()
@@ -134,84 +138,155 @@ def bench_infer(B, iters):
             with torch.cuda.graph(gr):
                 backbone_step(ext, x, w, cs, ss, starts, net.cfg, kernel=kernel, rows_per_block=R)
             name = f"backbone_step_R{R}" if kernel == "rows" else f"backbone_step_cluster_R{R}"
-            rows.append(dict(kind="infer_kernel", model=name, B=B, T=1, graph=True, us=timeit(gr.replay, iters)))
+            rows.append(dict(kind="infer_kernel", model=name, d_model=DM, B=B, T=1, graph=True,
+                             us=timeit(gr.replay, iters)))
     return rows
 
 
-def run_peers(out_dir):
-    src = ROOT / ".peers" / "peers.py"
-    if not src.exists():
-        print("bench: .peers/peers.py missing; peers skipped", flush=True)
-        return []
-    spec = importlib.util.spec_from_file_location("peers", src)
-    peers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peers)
-    old = os.environ.get("OUT")
-    os.environ["OUT"] = str(out_dir)
-    try:
-        peers.main()
-    finally:
-        if old is None:
-            os.environ.pop("OUT", None)
+class RNNBackbone(nn.Module):
+    """The peer: input Linear + cuDNN nn.GRU / nn.LSTM of hidden d_model (the project's peer script)."""
+
+    def __init__(self, cell, obs, d, layers):
+        super().__init__()
+        self.inp = nn.Linear(obs, d)
+        self.rnn = getattr(nn, cell)(d, d, num_layers=layers, batch_first=True)
+
+    def forward(self, x, h=None):
+        return self.rnn(self.inp(x), h)
+
+
+def _capture(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        fn()
+    return gr.replay
+
+
+def bench_peer_train(name, dm, B, T, iters):
+    cell, layers = PEERS[name]
+    torch.manual_seed(0)
+    m = RNNBackbone(cell, OBS, dm, layers).cuda()
+    x = torch.randn(B, T, OBS, device="cuda")
+    g = torch.randn(B, T, dm, device="cuda")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True, capturable=True)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        y, _ = m(x)
+        y.backward(g)
+        opt.step()
+    replay = _capture(step)
+    return dict(kind="train", model=name, d_model=dm, B=B, T=T, graph=True, us=timeit(replay, iters))
+
+
+def bench_peer_infer(name, B, iters):
+    cell, layers = PEERS[name]
+    torch.manual_seed(0)
+    m = RNNBackbone(cell, OBS, DM, layers).cuda()
+    x = torch.randn(B, 1, OBS, device="cuda")
+    h = torch.zeros(layers, B, DM, device="cuda")
+    hc = (h, torch.zeros_like(h)) if cell == "LSTM" else h
+
+    @torch.no_grad()
+    def f():
+        y, hn = m(x, hc)
+        if isinstance(hn, tuple):
+            hc[0].copy_(hn[0]); hc[1].copy_(hn[1])
         else:
-            os.environ["OUT"] = old
-    return json.load(open(Path(out_dir) / "peers.json"))["rows"]
+            hc.copy_(hn)
+        return y
+    return dict(kind="infer", model=name, d_model=DM, B=B, T=1, graph=True, us=timeit(_capture(f), iters))
 
 
 def table(rows):
-    ours = {(r["kind"], r["B"], r["T"], r["model"]): r for r in rows if r["model"].startswith("mamba_rl")}
-    peer = {}
-    for r in rows:
-        if not r["model"].startswith(("mamba_rl", "backbone_step")) and r.get("graph") and r["us"] == r["us"]:
-            peer[(r["kind"], r["B"], r["T"], r["model"])] = r["us"]
-    lines = []
-    names = sorted({k[3] for k in peer})
-    lines.append("| kind | B x T | mamba_rl | µs (graph replay) | public call µs | kernels | peak MiB | "
-                 + " | ".join(f"{n} µs (ratio)" for n in names) + " |")
-    lines.append("|" + "---|" * (7 + len(names)))
-    for (kind, B, T, model), r in sorted(ours.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3])):
+    """Markdown: one line per (d_model, B, T) with ours and each peer, ratios = peer / ours."""
+    def get(kind, model, dm, B, T):
+        for r in rows:
+            if (r["kind"], r["model"], r.get("d_model"), r["B"], r["T"]) == (kind, model, dm, B, T):
+                return r
+        return None
+    lines = ["| d_model | B x T | mamba_rl f32 | mamba_rl bf16 | GRU-1L (f32 / bf16 ratio) | LSTM-1L | LSTM-3L | "
+             "best / GRU-1L | kernels f32/bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    have = {(r["d_model"], r["B"], r["T"]) for r in rows if r["kind"] == "train"}
+    keys = [k for k in ROWS if k in have] + sorted(have - set(ROWS))
+    for dm, B, T in keys:
+        f, b = get("train", "mamba_rl_f32", dm, B, T), get("train", "mamba_rl_bf16", dm, B, T)
+        fu = f["us"] if f else float("nan")
+        bu = b["us"] if b else float("nan")
         cells = []
-        for n in names:
-            p = peer.get((kind, B, T, n))
-            cells.append("-" if p is None else f"{p:.0f} ({p / r['us']:.1f}x)")
-        lines.append(f"| {kind} | {B} x {T} | {model} | {r['us']:.1f} | {r.get('api_us', float('nan')):.1f} | "
-                     f"{r.get('kernels', '-')} | {r.get('peak_mib', '-')} | " + " | ".join(cells) + " |")
+        for n in PEERS:
+            p = get("train", n, dm, B, T)
+            pu = p["us"] if p else float("nan")
+            cells.append(f"{pu:.0f} ({pu / fu:.2f}x / {pu / bu:.2f}x)")
+        gru = get("train", "gru1", dm, B, T)
+        best = min(fu, bu)
+        ratio = gru["us"] / best if gru else float("nan")
+        lines.append(f"| {dm} | {B} x {T} | {fu:.0f} | {bu:.0f} | " + " | ".join(cells) +
+                     f" | {ratio:.2f}x | {f.get('kernels', '-') if f else '-'}/{b.get('kernels', '-') if b else '-'} |")
+    lines += ["", "| B | step replay µs | public stepper.step µs | GRU-1L | LSTM-1L | LSTM-3L |", "|---|---|---|---|---|---|"]
+    for B in INFER_B:
+        o = get("infer", "mamba_rl", DM, B, 1)
+        if o is None:
+            continue
+        cells = []
+        for n in PEERS:
+            p = get("infer", n, DM, B, 1)
+            cells.append("-" if p is None else f"{p['us']:.1f} ({p['us'] / o['us']:.2f}x)")
+        lines.append(f"| {B} | {o['us']:.1f} | {o.get('api_us', float('nan')):.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", choices=["train", "infer"], default=None)
+    ap.add_argument("--rows", type=int, default=None, help="only the first N rows of the training table")
     a = ap.parse_args(argv)
-    assert torch.cuda.is_available(), "bench needs a GPU"
+    if not torch.cuda.is_available():
+        raise SystemExit("bench: needs a GPU")
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     iters = 30 if a.quick else 100
     rows = []
-    for B, T in (SHAPES if a.only != "infer" else []):
-        for dt in ("f32", "bf16"):
-            try:
-                rows.append(bench_train(B, T, dt, iters, profile_it=(dt == "f32")))
-            except Exception as e:  # record and keep going
-                rows.append(dict(kind="train", model=f"mamba_rl_{dt}", B=B, T=T, graph=True, us=float("nan"),
-                                 err=repr(e)[:300]))
-            print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
-            for pr in rows[-1].get("profile", []):
-                print(f"    {pr[2]:9.1f} us  x{pr[1]:<3d} {pr[0]}", flush=True)
-    for B in (INFER_B if a.only != "train" else []):
+
+    def record(fn, fallback):
         try:
-            rows += bench_infer(B, 200 if not a.quick else 50)
-        except Exception as e:
-            rows.append(dict(kind="infer", model="mamba_rl", B=B, T=1, graph=True, us=float("nan"),
-                             err=repr(e)[:300]))
-        print(rows[-4:] if len(rows) >= 4 else rows, flush=True)
-    if not a.no_peers:
-        rows += run_peers(out.parent)
+            r = fn()
+        except Exception as e:  # record and keep going
+            r = dict(fallback, us=float("nan"), err=repr(e)[:300])
+        rows.extend(r if isinstance(r, list) else [r])
+        for x in (r if isinstance(r, list) else [r]):
+            print({k: v for k, v in x.items() if k != "profile"}, flush=True)
+            for pr in x.get("profile", []):
+                print(f"    {pr[2]:9.1f} us  x{pr[1]:<3d} {pr[0]}", flush=True)
+
+    for dm, B, T in (ROWS[:a.rows] if a.only != "infer" else []):
+        it = iters if B * T <= 16384 else max(20, iters // 3)
+        for dt in ("f32", "bf16"):
+            record(lambda: bench_train(dm, B, T, dt, it, profile_it=(dm, B, T) in ((128, 16, 64), (128, 4, 4096))),
+                   dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
+        if not a.no_peers:
+            for n in PEERS:
+                record(lambda: bench_peer_train(n, dm, B, T, it),
+                       dict(kind="train", model=n, d_model=dm, B=B, T=T, graph=True))
+    for B in (INFER_B if a.only != "train" else []):
+        record(lambda: bench_infer(B, 200 if not a.quick else 50),
+               dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True))
+        if not a.no_peers:
+            for n in PEERS:
+                record(lambda: bench_peer_infer(n, B, 200 if not a.quick else 50),
+                       dict(kind="infer", model=n, d_model=DM, B=B, T=1, graph=True))
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
+               tf32=False, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               rows=rows)
     json.dump(res, open(out, "w"), indent=1)
     print("\n" + table(rows), flush=True)
 

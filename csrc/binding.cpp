@@ -5,83 +5,74 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <array>
 #include <optional>
-#include <sstream>
 #include <limits>
+#include "binding_common.h"
 #include "ops.h"
 
 using at::Tensor;
 using OptT = std::optional<Tensor>;
+using mrl_binding::new_empty;
+using mrl_binding::ptr_or_null;
+using mrl_binding::set_poison;
+using mrl_binding::shape_str;
 
 namespace {
-
-std::string shape_str(const Tensor& t) {
-  std::ostringstream o; o << t.sizes(); return o.str();
-}
 
 int dtype_code(const Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return mrl::kF32;
     case at::kBFloat16: return mrl::kBF16;
     case at::kHalf: return mrl::kF16;
-    default: TORCH_CHECK(false, name, ": expected float32, bfloat16 or float16, got ", t.scalar_type());
+    default: MRL_CHECK(false, name, ": expected float32, bfloat16 or float16, got ", t.scalar_type());
   }
   return -1;
 }
 
 void check_cuda(const Tensor& t, const char* name, const Tensor& ref) {
-  TORCH_CHECK(t.is_cuda(), name, ": expected a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == ref.device(), name, ": expected device ", ref.device(), ", got ", t.device());
+  MRL_CHECK(t.is_cuda(), name, ": expected a CUDA tensor, got device ", t.device());
+  MRL_CHECK(t.device() == ref.device(), name, ": expected device ", ref.device(), ", got ", t.device());
 }
 
 // [B, T, C] activation with unit last-dim stride (row strides are free).
 void check_act(const Tensor& t, const char* name, const Tensor& ref, int64_t B, int64_t T, int64_t C,
                at::ScalarType dt) {
   check_cuda(t, name, ref);
-  TORCH_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == T && t.size(2) == C, name, ": expected shape [",
+  MRL_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == T && t.size(2) == C, name, ": expected shape [",
               B, ", ", T, ", ", C, "], got ", shape_str(t));
-  TORCH_CHECK(t.scalar_type() == dt, name, ": expected dtype ", dt, " (same as x), got ", t.scalar_type());
-  TORCH_CHECK(C <= 1 || t.stride(2) == 1, name, ": last dim must have stride 1, got strides ", t.strides());
+  MRL_CHECK(t.scalar_type() == dt, name, ": expected dtype ", dt, " (same as x), got ", t.scalar_type());
+  MRL_CHECK(C <= 1 || t.stride(2) == 1, name, ": last dim must have stride 1, got strides ", t.strides());
 }
 
 void check_f32(const Tensor& t, const char* name, const Tensor& ref, at::IntArrayRef shape) {
   check_cuda(t, name, ref);
-  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  MRL_CHECK(t.scalar_type() == at::kFloat, name, ": expected float32, got ", t.scalar_type());
+  MRL_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
+  MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
 void check_starts(const OptT& s, const Tensor& ref, int64_t B, int64_t T) {
   if (!s) return;
   check_cuda(*s, "episode_starts", ref);
-  TORCH_CHECK(s->scalar_type() == at::kBool, "episode_starts: expected bool, got ", s->scalar_type());
-  TORCH_CHECK(s->dim() == 2 && s->size(0) == B && s->size(1) == T, "episode_starts: expected shape [", B, ", ", T,
+  MRL_CHECK(s->scalar_type() == at::kBool, "episode_starts: expected bool, got ", s->scalar_type());
+  MRL_CHECK(s->dim() == 2 && s->size(0) == B && s->size(1) == T, "episode_starts: expected shape [", B, ", ", T,
               "], got ", shape_str(*s));
-  TORCH_CHECK(s->is_contiguous(), "episode_starts: expected a contiguous tensor");
+  MRL_CHECK(s->is_contiguous(), "episode_starts: expected a contiguous tensor");
 }
 
-// Debug aid for the tests: outputs and workspaces start as NaN so an unwritten element shows.
-bool g_poison = false;
-void set_poison(bool on) { g_poison = on; }
-Tensor new_empty(at::IntArrayRef shape, const at::TensorOptions& opt) {
-  auto t = at::empty(shape, opt);
-  if (g_poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
-  return t;
-}
-
-void raise_if(const char* err) { TORCH_CHECK(err == nullptr, "mamba_rl CUDA kernel failed: ", err ? err : ""); }
-
-template <typename T> const T* ptr_or_null(const OptT& t) { return t ? t->data_ptr<T>() : nullptr; }
+// A launcher's error string (a failed launch or attribute call) -> RuntimeError; argument errors are
+// ValueErrors raised by MRL_CHECK before anything is launched.
+void raise_if(const char* err) { MRL_RAISE_IF(err); }
 
 // ---------------- causal conv1d ----------------
 // The checks shared by the conv forward and backward; returns {B, T, D, K, dtype code}.
 std::array<int64_t, 5> conv_check(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
                                   const OptT& starts) {
-  TORCH_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
+  MRL_CHECK(x.dim() == 3, "causal_conv1d: x must be [B, T, D], got ", shape_str(x));
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
-  TORCH_CHECK(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: empty x ", shape_str(x));
+  MRL_CHECK(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: empty x ", shape_str(x));
   const int dt = dtype_code(x, "causal_conv1d: x");
   check_act(x, "causal_conv1d: x", x, B, T, D, x.scalar_type());
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == D, "causal_conv1d: weight must be [D, K], got ", shape_str(w));
+  MRL_CHECK(w.dim() == 2 && w.size(0) == D, "causal_conv1d: weight must be [D, K], got ", shape_str(w));
   const int64_t K = w.size(1);
   check_f32(w, "causal_conv1d: weight", x, {D, K});
   check_f32(bias, "causal_conv1d: bias", x, {D});
@@ -112,7 +103,7 @@ std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bia
   const c10::cuda::CUDAGuard guard(x.device());
   auto f32 = x.options().dtype(at::kFloat);
   if (dx_out) check_act(*dx_out, "causal_conv1d: dx_out", x, B, T, D, x.scalar_type());
-  TORCH_CHECK(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or neither");
+  MRL_CHECK(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or neither");
   if (dw_acc) {
     check_f32(*dw_acc, "causal_conv1d: dw_acc", x, {D, K});
     check_f32(*db_acc, "causal_conv1d: db_acc", x, {D});
@@ -136,15 +127,15 @@ struct ScanShapes { int64_t B, T, D, N; int dt; };
 
 ScanShapes scan_check(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm, const Tensor& Cm,
                       const Tensor& Dp, const Tensor& z, const Tensor& dt_bias, const OptT& init, const OptT& starts) {
-  TORCH_CHECK(x.dim() == 3, "selective_scan: x must be [B, T, D], got ", shape_str(x));
+  MRL_CHECK(x.dim() == 3, "selective_scan: x must be [B, T, D], got ", shape_str(x));
   ScanShapes s{x.size(0), x.size(1), x.size(2), 0, dtype_code(x, "selective_scan: x")};
-  TORCH_CHECK(s.T >= 1 && s.B >= 1 && s.D >= 1, "selective_scan: empty x ", shape_str(x));
+  MRL_CHECK(s.T >= 1 && s.B >= 1 && s.D >= 1, "selective_scan: empty x ", shape_str(x));
   const auto ty = x.scalar_type();
   check_act(x, "selective_scan: x", x, s.B, s.T, s.D, ty);
   check_act(dt, "selective_scan: dt", x, s.B, s.T, s.D, ty);
-  TORCH_CHECK(A_log.dim() == 2 && A_log.size(0) == s.D, "selective_scan: A_log must be [D, N], got ", shape_str(A_log));
+  MRL_CHECK(A_log.dim() == 2 && A_log.size(0) == s.D, "selective_scan: A_log must be [D, N], got ", shape_str(A_log));
   s.N = A_log.size(1);
-  TORCH_CHECK(s.N == 8 || s.N == 16, "selective_scan: d_state must be 8 or 16 in the CUDA kernel, got ", s.N);
+  MRL_CHECK(s.N == 8 || s.N == 16, "selective_scan: d_state must be 8 or 16 in the CUDA kernel, got ", s.N);
   check_f32(A_log, "selective_scan: A_log", x, {s.D, s.N});
   check_act(Bm, "selective_scan: Bm", x, s.B, s.T, s.N, ty);
   check_act(Cm, "selective_scan: Cm", x, s.B, s.T, s.N, ty);
@@ -207,7 +198,7 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   auto ddt = new_empty({s.B, s.T, s.D}, x.options());
   if (dz_out) check_act(*dz_out, "selective_scan: dz_out", x, s.B, s.T, s.D, x.scalar_type());
   if (acc) {
-    TORCH_CHECK(acc->size() == 3, "selective_scan: acc must be [dA_log_acc, dD_acc, ddt_bias_acc]");
+    MRL_CHECK(acc->size() == 3, "selective_scan: acc must be [dA_log_acc, dD_acc, ddt_bias_acc]");
     check_f32((*acc)[0], "selective_scan: dA_log_acc", x, {s.D, s.N});
     check_f32((*acc)[1], "selective_scan: dD_acc", x, {s.D});
     check_f32((*acc)[2], "selective_scan: ddt_bias_acc", x, {s.D});
@@ -235,14 +226,14 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
 // ---------------- optimizer ----------------
 void check_vec(const Tensor& t, const char* name, at::ScalarType ty, int64_t n, const Tensor& ref) {
   check_cuda(t, name, ref);
-  TORCH_CHECK(t.scalar_type() == ty, name, ": expected dtype ", ty, ", got ", t.scalar_type());
-  TORCH_CHECK(t.numel() == n, name, ": expected ", n, " elements, got shape ", shape_str(t));
-  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+  MRL_CHECK(t.scalar_type() == ty, name, ": expected dtype ", ty, ", got ", t.scalar_type());
+  MRL_CHECK(t.numel() == n, name, ": expected ", n, " elements, got shape ", shape_str(t));
+  MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
 void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_scale, const Tensor& hyper,
                 Tensor& scalars, Tensor& counter) {
-  TORCH_CHECK(grad.dim() == 1, "grad_stats: grad must be a flat [P] arena, got ", shape_str(grad));
+  MRL_CHECK(grad.dim() == 1, "grad_stats: grad must be a flat [P] arena, got ", shape_str(grad));
   const int64_t P = grad.numel();
   check_vec(grad, "grad_stats: grad", at::kFloat, P, grad);
   if (extra_sq) check_vec(*extra_sq, "grad_stats: extra_grad_sq", at::kFloat, 1, grad);
@@ -260,7 +251,7 @@ void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_sca
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
                 const Tensor& scalars, int64_t n_decay, const OptT& compute) {
-  TORCH_CHECK(param.dim() == 1, "adamw_step: param must be a flat [P] arena, got ", shape_str(param));
+  MRL_CHECK(param.dim() == 1, "adamw_step: param must be a flat [P] arena, got ", shape_str(param));
   const int64_t P = param.numel();
   check_vec(param, "adamw_step: param", at::kFloat, P, param);
   check_vec(grad, "adamw_step: grad", at::kFloat, P, param);
@@ -268,12 +259,12 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   check_vec(exp_avg_sq, "adamw_step: exp_avg_sq", at::kFloat, P, param);
   check_vec(hyper, "adamw_step: hyper", at::kDouble, 8, param);
   check_vec(scalars, "adamw_step: scalars", at::kDouble, 8, param);
-  TORCH_CHECK(n_decay >= 0 && n_decay <= P, "adamw_step: n_decay must be in [0, ", P, "], got ", n_decay);
+  MRL_CHECK(n_decay >= 0 && n_decay <= P, "adamw_step: n_decay must be in [0, ", P, "], got ", n_decay);
   int cdt = mrl::kF32;
   if (compute) {
     check_cuda(*compute, "adamw_step: compute", param);
     cdt = dtype_code(*compute, "adamw_step: compute");
-    TORCH_CHECK(compute->numel() == P && compute->is_contiguous(), "adamw_step: compute must be a contiguous [",
+    MRL_CHECK(compute->numel() == P && compute->is_contiguous(), "adamw_step: compute must be a contiguous [",
                 P, "] arena, got ", shape_str(*compute));
   }
   const c10::cuda::CUDAGuard guard(param.device());
@@ -283,50 +274,42 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   raise_if(mrl::adamw_step(p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-void unscale_grad(Tensor& grad, const Tensor& scalars) {
-  check_vec(grad, "unscale_grad: grad", at::kFloat, grad.numel(), grad);
-  check_vec(scalars, "unscale_grad: scalars", at::kDouble, 8, grad);
-  const c10::cuda::CUDAGuard guard(grad.device());
-  raise_if(mrl::unscale_grad(grad.data_ptr<float>(), grad.numel(), scalars.data_ptr<double>(),
-                             c10::cuda::getCurrentCUDAStream().stream()));
-}
-
 
 // ---------------- one-token backbone step ----------------
 Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                      const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
                      const OptT& starts, double eps, int64_t rows_per_block) {
-  TORCH_CHECK(x.dim() == 2, "backbone_step: x_t must be [B, input_dim], got ", shape_str(x));
+  MRL_CHECK(x.dim() == 2, "backbone_step: x_t must be [B, input_dim], got ", shape_str(x));
   const int64_t B = x.size(0), in_dim = x.size(1);
   check_f32(x, "backbone_step: x_t", x, {B, in_dim});
-  TORCH_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight must be [d_model, ",
+  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight must be [d_model, ",
               in_dim, "], got ", shape_str(inp_w));
   const int64_t dm = inp_w.size(0);
   const auto wt = inp_w.scalar_type();
   const int wcode = dtype_code(inp_w, "backbone_step: input_proj.weight");
   auto check_w = [&](const Tensor& t, const char* name, at::IntArrayRef shape) {
     check_cuda(t, name, x);
-    TORCH_CHECK(t.scalar_type() == wt, name, ": expected the GEMM weight dtype ", wt, ", got ", t.scalar_type());
-    TORCH_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
-    TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+    MRL_CHECK(t.scalar_type() == wt, name, ": expected the GEMM weight dtype ", wt, ", got ", t.scalar_type());
+    MRL_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
+    MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
   };
   check_w(inp_w, "backbone_step: input_proj.weight", {dm, in_dim});
   check_w(inp_b, "backbone_step: input_proj.bias", {dm});
   check_f32(normf_w, "backbone_step: norm_f.weight", x, {dm});
   const int64_t L = (int64_t)layers.size();
-  TORCH_CHECK(L >= 1 && L <= mrl::STEP_MAX_LAYERS, "backbone_step: n_layers must be in [1, 16], got ", L);
-  TORCH_CHECK(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B,
+  MRL_CHECK(L >= 1 && L <= mrl::STEP_MAX_LAYERS, "backbone_step: n_layers must be in [1, 16], got ", L);
+  MRL_CHECK(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B,
               "backbone_step: conv_state must be [", L, ", ", B, ", d_inner, d_conv-1], got ", shape_str(conv_state));
   const int64_t D = conv_state.size(2), K = conv_state.size(3) + 1;
   check_f32(conv_state, "backbone_step: conv_state", x, {L, B, D, K - 1});
-  TORCH_CHECK(ssm_state.dim() == 4, "backbone_step: ssm_state must be [L, B, d_inner, d_state], got ", shape_str(ssm_state));
+  MRL_CHECK(ssm_state.dim() == 4, "backbone_step: ssm_state must be [L, B, d_inner, d_state], got ", shape_str(ssm_state));
   const int64_t N = ssm_state.size(3);
   check_f32(ssm_state, "backbone_step: ssm_state", x, {L, B, D, N});
-  TORCH_CHECK(N == 8 || N == 16, "backbone_step: d_state must be 8 or 16, got ", N);
-  TORCH_CHECK(K == 4, "backbone_step: d_conv must be 4, got ", K);
+  MRL_CHECK(N == 8 || N == 16, "backbone_step: d_state must be 8 or 16, got ", N);
+  MRL_CHECK(K == 4, "backbone_step: d_conv must be 4, got ", K);
   if (starts) {
     check_cuda(*starts, "backbone_step: episode_starts", x);
-    TORCH_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
+    MRL_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
                 "backbone_step: episode_starts must be a contiguous [", B, "] bool tensor, got ", shape_str(*starts),
                 " ", starts->scalar_type());
   }
@@ -334,9 +317,9 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
   int64_t rank = -1;
   for (int64_t l = 0; l < L; ++l) {
     const auto& t = layers[l];
-    TORCH_CHECK(t.size() == 10, "backbone_step: layer ", l, " needs 10 tensors, got ", t.size());
+    MRL_CHECK(t.size() == 10, "backbone_step: layer ", l, " needs 10 tensors, got ", t.size());
     if (rank < 0) rank = t[5].dim() == 2 ? t[5].size(1) : -1;
-    TORCH_CHECK(rank >= 1, "backbone_step: dt_proj.weight must be [d_inner, dt_rank]");
+    MRL_CHECK(rank >= 1, "backbone_step: dt_proj.weight must be [d_inner, dt_rank]");
     check_f32(t[0], "backbone_step: norm.weight", x, {dm});
     check_w(t[1], "backbone_step: in_proj.weight", {2 * D, dm});
     check_f32(t[2], "backbone_step: conv1d.weight (as [d_inner, d_conv])", x, {D, K});
@@ -369,19 +352,19 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
 unsigned int* counter_slot(const Tensor& ref, int slot) {
   static std::vector<Tensor> pool(64);
   const int dev = ref.get_device();
-  TORCH_CHECK(dev >= 0 && dev < 64, "counter_slot: bad device");
+  MRL_CHECK(dev >= 0 && dev < 64, "counter_slot: bad device");
   if (!pool[dev].defined()) pool[dev] = at::zeros({64}, ref.options().dtype(at::kInt));
   return reinterpret_cast<unsigned int*>(pool[dev].data_ptr<int>()) + slot;
 }
 
 std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
-  TORCH_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
+  MRL_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32, got ",
+  MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32, got ",
               x.scalar_type(), " strides ", x.strides());
   check_f32(w, "rms_norm: weight", x, {C});
-  TORCH_CHECK(C >= 1 && C <= 1024, "rms_norm: channels must be in [1, 1024], got ", C);
+  MRL_CHECK(C >= 1 && C <= 1024, "rms_norm: channels must be in [1, 1024], got ", C);
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = new_empty(x.sizes(), x.options().dtype(out_dtype));
   const int odt = dtype_code(out, "rms_norm: out_dtype");
@@ -395,27 +378,36 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
 }
 
 Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                   const OptT& dx_acc) {
+                   const OptT& dx_acc, const OptT& dx_c) {
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
+  MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
   check_cuda(dy, "rms_norm: grad_out", x);
   const int gdt = dtype_code(dy, "rms_norm: grad_out");
-  TORCH_CHECK(dy.numel() == x.numel() && dy.size(-1) == C && dy.is_contiguous(), "rms_norm: grad_out must be a "
+  MRL_CHECK(dy.numel() == x.numel() && dy.size(-1) == C && dy.is_contiguous(), "rms_norm: grad_out must be a "
               "contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(dy));
   check_cuda(rstd, "rms_norm: rstd", x);
-  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(),
+  MRL_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(),
               "rms_norm: rstd must be contiguous float32 with ", rows, " elements, got ", shape_str(rstd));
   check_f32(w, "rms_norm: weight", x, {C});
   check_cuda(dw_acc, "rms_norm: dw_acc", x);
-  TORCH_CHECK(dw_acc.scalar_type() == at::kFloat && dw_acc.numel() == C && dw_acc.is_contiguous(),
+  MRL_CHECK(dw_acc.scalar_type() == at::kFloat && dw_acc.numel() == C && dw_acc.is_contiguous(),
               "rms_norm: dw_acc must be a contiguous float32 [", C, "] tensor, got ", shape_str(dw_acc));
   if (dx_acc) {
     check_cuda(*dx_acc, "rms_norm: dh_acc", x);
-    TORCH_CHECK(dx_acc->scalar_type() == at::kFloat && dx_acc->numel() == x.numel() && dx_acc->is_contiguous(),
+    MRL_CHECK(dx_acc->scalar_type() == at::kFloat && dx_acc->numel() == x.numel() && dx_acc->is_contiguous(),
                 "rms_norm: dh_acc must be contiguous float32 shaped like x, got ", shape_str(*dx_acc));
   }
-  TORCH_CHECK(C >= 1 && C <= 512, "rms_norm backward: channels must be in [1, 512], got ", C);
+  MRL_CHECK(C >= 1 && C <= 512, "rms_norm backward: channels must be in [1, 512], got ", C);
+  int dxc_code = -1;
+  if (dx_c) {
+    check_cuda(*dx_c, "rms_norm: dx_c", x);
+    dxc_code = dtype_code(*dx_c, "rms_norm: dx_c");
+    MRL_CHECK(dxc_code != mrl::kF32, "rms_norm: dx_c: expected bfloat16 or float16 (the float32 dx is the "
+              "return value), got ", dx_c->scalar_type());
+    MRL_CHECK(dx_c->numel() == x.numel() && dx_c->is_contiguous(), "rms_norm: dx_c: expected a contiguous tensor "
+              "shaped like x ", shape_str(x), ", got ", shape_str(*dx_c));
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = new_empty(x.sizes(), x.options());
   if (!rows) return dx;
@@ -423,6 +415,10 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
   mrl::NormBwdParams p{dy.data_ptr(), gdt, x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), rows,
                        (int)C, dx.data_ptr<float>(), ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(),
                        ws.data_ptr<float>(), counter_slot(x, 0)};
+  if (dx_c) {
+    p.dx_c = dx_c->data_ptr();
+    p.dxc_dtype = dxc_code;
+  }
   raise_if(mrl::norm_bwd(p, c10::cuda::getCurrentCUDAStream().stream()));
   return dx;
 }
@@ -430,7 +426,7 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "mamba_rl CUDA kernels (see csrc/ and mamba_rl/ops/_cuda_autograd.py)";
+  m.doc() = "mamba_rl CUDA kernels (csrc/; driven by mamba_rl/ops/*.py and mamba_rl/model/fused.py)";
   m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state)");
   m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit); optional strided "
         "dx_out and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
@@ -444,10 +440,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
   m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections (in place)");
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
-  m.def("unscale_grad", &unscale_grad, "grad = found_inf ? 0 : grad * inv_scale (in place)");
   m.def("backbone_step", &backbone_step, "one token through the whole backbone (one launch); states in place");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1])");
-  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
+        "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
+        py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
 }

@@ -10,6 +10,25 @@ namespace mrl {
 constexpr int CONV_LC = 16;       // steps per thread
 constexpr int CONV_THREADS = 128; // channels per block
 
+// xv[j] = input at time tau0 + j (the carried window for tau < 0, 0 past T), for j < W. The raw dtype-T
+// loads are all issued into xr first and converted afterwards: converting each load as it arrives (as
+// before) made nvcc reuse one register per load, serialising the loads of bf16 / f16 windows.
+template <typename T, int W>
+__device__ __forceinline__ void load_window(T (&xr)[W], float (&xv)[W], const T* __restrict__ xb, int64_t x_st,
+                                            const float* initbd, int tau0, int T_, int K) {
+  const T zero = from_f<T>(0.f);
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int tau = tau0 + j;
+    xr[j] = (tau >= 0 && tau < T_) ? xb[(int64_t)tau * x_st] : zero;
+  }
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int tau = tau0 + j;
+    xv[j] = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : to_f(xr[j]);
+  }
+}
+
 // One thread per (b, d, chunk of CONV_LC steps). Every input the chunk needs is loaded into registers
 // first (fully unrolled, so all loads are in flight together), then the chunk is computed.
 // Tap validity: the tap at time tau of output t is used iff no episode start lies in (tau, t].
@@ -26,10 +45,13 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
   const bool* sb = p.starts ? p.starts + (int64_t)b * T_ : nullptr;
   float xv[W];
   bool sv[W];
+  {  // raw loads first (all in flight), conversions after: see load_window
+    T xr[W];
+    load_window<T, W>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
+  }
 #pragma unroll
   for (int j = 0; j < W; ++j) {
     const int tau = t0 - (K - 1) + j;
-    xv[j] = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : (tau < T_ ? to_f(xb[(int64_t)tau * p.x_st]) : 0.f);
     sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
   }
   float w[K];
@@ -80,14 +102,20 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_bwd_kernel(ConvBwdParams p)
   const bool* sb = p.starts ? p.starts + (int64_t)b * T_ : nullptr;
   float xv[WX], gv[WP];
   bool sv[WX];
+  {
+    T xr[WX], gr[WP];
+    const T zero = from_f<T>(0.f);
+#pragma unroll
+    for (int m = 0; m < WP; ++m) gr[m] = t0 + m < T_ ? gb[(int64_t)(t0 + m) * p.g_st] : zero;
+    load_window<T, WX>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
+#pragma unroll
+    for (int m = 0; m < WP; ++m) gv[m] = to_f(gr[m]);
+  }
 #pragma unroll
   for (int j = 0; j < WX; ++j) {
     const int tau = t0 - (K - 1) + j;
-    xv[j] = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : (tau < T_ ? to_f(xb[(int64_t)tau * p.x_st]) : 0.f);
     sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
   }
-#pragma unroll
-  for (int m = 0; m < WP; ++m) gv[m] = t0 + m < T_ ? to_f(gb[(int64_t)(t0 + m) * p.g_st]) : 0.f;
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];

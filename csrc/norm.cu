@@ -1,5 +1,6 @@
 // RMSNorm forward (writes the compute-dtype output and rstd) and backward (dx, with an optional residual
-// gradient added in the same pass, and dw accumulated into the gradient arena). Warp per row; each lane
+// gradient added in the same pass, an optional bf16/f16 copy of dx for the next GEMM, and dw accumulated
+// into the gradient arena). Warp per row; each lane
 // owns the columns lane + 32 k, so the backward's dw partials stay in registers; the last block to finish
 // sums the block partials in a fixed order (bit-reproducible, one launch).
 #include "common.cuh"
@@ -92,6 +93,10 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
           float d = rs * (g[k] - xh[k] * dot);
           if (p.dx_acc) d += p.dx_acc[row * p.C + c];
           p.dx[row * p.C + c] = d;
+          if (p.dx_c) {  // uniform branch: the low-precision copy the next GEMM reads (saves a cast pass)
+            if (p.dxc_dtype == kBF16) reinterpret_cast<__nv_bfloat16*>(p.dx_c)[row * p.C + c] = from_f<__nv_bfloat16>(d);
+            else reinterpret_cast<__half*>(p.dx_c)[row * p.C + c] = from_f<__half>(d);
+          }
         }
       }
     }

@@ -73,7 +73,7 @@ const char* scan_bwd(int dtype, const ScanBwdParams& p, cudaStream_t s);
 }  // namespace mrl
 
 namespace mrl {
-// ---------------- optimizer (flat f32 arenas; see mamba_rl/optim.py for the contract) ----------------
+// ---------------- optimizer (flat f32 arenas; see mamba_rl/ops/optim.py for the contract) ----------------
 struct GradStatsParams {
   const float* grad; int64_t P;
   const float* extra_sq;  // 0-d / [1] float32 or nullptr (cast by the binding)
@@ -93,9 +93,6 @@ struct AdamWParams {
   void* compute; int compute_dtype;  // kBF16 / kF16 / kF32, or compute == nullptr
 };
 const char* adamw_step(const AdamWParams& p, cudaStream_t s);
-
-// grad = found_inf ? 0 : grad * inv_scale  (select, so an inf never turns into NaN)
-const char* unscale_grad(float* grad, int64_t P, const double* scalars, cudaStream_t s);
 }  // namespace mrl
 
 namespace mrl {
@@ -148,6 +145,8 @@ struct NormBwdParams {
   float* dw_acc;                         // [C]: += sum_rows dy * xhat
   float* ws;                             // [norm_bwd_blocks(rows, C) * C]
   unsigned int* counter;                 // self-resetting
+  void* dx_c = nullptr;                  // [rows, C] copy of dx in dxc_dtype (kBF16 / kF16: the next GEMM's
+  int dxc_dtype = kBF16;                 //   input, saving a cast pass), or nullptr
 };
 int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);

@@ -1,5 +1,5 @@
 // Flat-arena optimizer kernels: global grad norm / overflow / bias corrections (one launch, last block
-// finishes), AdamW with a decay boundary and the compute-dtype copy (one launch), select-based unscale.
+// finishes), AdamW with a decay boundary and the compute-dtype copy (one launch).
 // Everything is read from device buffers (hyper, scalars, loss_scale): graph replays see new values.
 #include "common.cuh"
 
@@ -130,22 +130,6 @@ const char* adamw_step(const AdamWParams& p, cudaStream_t s) {
     case kF16: adamw_kernel<__half><<<(unsigned)nb, 256, 0, s>>>(p); break;
     default: return "adamw_step: unsupported compute dtype";
   }
-  MRL_LAUNCH_CHECK();
-  return nullptr;
-}
-
-__global__ void unscale_kernel(float* grad, int64_t P, const double* sc) {
-  const bool found = sc[5] > 0.0;
-  const float inv = (float)sc[6];
-  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < P; i += (int64_t)gridDim.x * blockDim.x)
-    grad[i] = found ? 0.f : grad[i] * inv;
-}
-
-const char* unscale_grad(float* grad, int64_t P, const double* scalars, cudaStream_t s) {
-  int64_t nb = (P + 255) / 256;
-  if (nb > 132 * 16) nb = 132 * 16;
-  if (nb < 1) nb = 1;
-  unscale_kernel<<<(unsigned)nb, 256, 0, s>>>(grad, P, scalars);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

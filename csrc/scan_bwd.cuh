@@ -86,20 +86,21 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
     for (int k = 0; k < EA; ++k) {
       const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      const float dr = r.dt[k] + p.dt_bias[dd];
-      const float sgz = sigmoidf_(r.z[k]);
-      sm.x[i][ch] = r.x[k];
+      const float dr = to_f(r.dt[k]) + p.dt_bias[dd];
+      const float zf = to_f(r.z[k]);
+      const float sgz = sigmoidf_(zf);
+      sm.x[i][ch] = to_f(r.x[k]);
       sm.dl[i][ch] = softplusf_(dr);
       sm.sig[i][ch] = dsoftplusf_(dr);
-      sm.sz[i][ch] = r.z[k] * sgz;
-      sm.dsz[i][ch] = sgz * (1.f + r.z[k] * (1.f - sgz));
-      sm.g[i][ch] = r.g[k];
+      sm.sz[i][ch] = zf * sgz;
+      sm.dsz[i][ch] = sgz * (1.f + zf * (1.f - sgz));
+      sm.g[i][ch] = to_f(r.g[k]);
     }
 #pragma unroll
     for (int k = 0; k < EB; ++k) {
       const int e = tid + k * SCAN_THREADS;
-      sm.Bv[e / N][e % N] = r.Bv[k];
-      sm.Cv[e / N][e % N] = r.Cv[k];
+      sm.Bv[e / N][e % N] = to_f(r.Bv[k]);
+      sm.Cv[e / N][e % N] = to_f(r.Cv[k]);
     }
     if (tid < TC) sm.st[tid] = r.st;
   };

@@ -36,15 +36,15 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p)
     for (int k = 0; k < EA; ++k) {
       const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      sx[i][ch] = r.x[k];
-      sdl[i][ch] = softplusf_(r.dt[k] + p.dt_bias[dd]);
-      sz[i][ch] = siluf_(r.z[k]);
+      sx[i][ch] = to_f(r.x[k]);
+      sdl[i][ch] = softplusf_(to_f(r.dt[k]) + p.dt_bias[dd]);
+      sz[i][ch] = siluf_(to_f(r.z[k]));
     }
 #pragma unroll
     for (int k = 0; k < EB; ++k) {
       const int e = tid + k * SCAN_THREADS;
-      sB[e / N][e % N] = r.Bv[k];
-      sC[e / N][e % N] = r.Cv[k];
+      sB[e / N][e % N] = to_f(r.Bv[k]);
+      sC[e / N][e % N] = to_f(r.Cv[k]);
     }
     if (tid < TC) sst[tid] = r.st;
   };

@@ -1,8 +1,10 @@
 // The torch-facing file of the CPU kernels: the same Python functions, argument order, defaults and return
-// lists as the CUDA binding (../binding.cpp), so mamba_rl/fused.py and ops/step.py can drive either one.
+// lists as the CUDA binding (../binding.cpp), so mamba_rl/model/fused.py and mamba_rl/ops/*.py can drive
+// either one.
 //
-// It checks every shape / dtype / device (c10::ValueError -> Python ValueError, message naming the
-// argument, the expected and the received value), allocates outputs with torch, and calls the torch-free
+// It checks every shape / dtype / device (MRL_CHECK of ../binding_common.h, shared with the CUDA binding:
+// Python ValueError, message naming the argument, the expected and the received value), allocates outputs
+// with torch, and calls the torch-free
 // kernels in conv.cpp / scan.cpp / norm.cpp (and step.cpp for the one-token step) with
 // nthreads = at::get_num_threads(), so torch.set_num_threads governs them like torch's own ops.
 //
@@ -24,43 +26,41 @@
 
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <vector>
 
+#include "../binding_common.h"
 #include "kernels.h"
 #include "step.h"
 
 using at::Tensor;
 using OptT = std::optional<Tensor>;
+using mrl_binding::new_empty;
+using mrl_binding::ptr_or_null;
+using mrl_binding::set_poison;
+using mrl_binding::shape_str;
 
 namespace {
-
-std::string shape_str(const Tensor& t) {
-  std::ostringstream o;
-  o << t.sizes();
-  return o.str();
-}
 
 int nthreads() { return std::max(1, at::get_num_threads()); }
 
 void check_cpu(const Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.defined(), name, ": expected a CPU float32 tensor, got None");
-  TORCH_CHECK_VALUE(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
+  MRL_CHECK(t.defined(), name, ": expected a CPU float32 tensor, got None");
+  MRL_CHECK(t.device().is_cpu(), name, ": expected a CPU tensor, got device ", t.device());
 }
 
 void check_dtype_f32(const Tensor& t, const char* name) {
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kFloat, name, ": expected dtype float32 (the CPU kernels are float32 "
+  MRL_CHECK(t.scalar_type() == at::kFloat, name, ": expected dtype float32 (the CPU kernels are float32 "
                     "only), got ", t.scalar_type());
 }
 
 // [B, T, C] float32 activation with unit last-dim stride (row and time strides are free).
 void check_act(const Tensor& t, const char* name, int64_t B, int64_t T, int64_t C) {
   check_cpu(t, name);
-  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) == B && t.size(1) == T && t.size(2) == C, name, ": expected shape [",
+  MRL_CHECK(t.dim() == 3 && t.size(0) == B && t.size(1) == T && t.size(2) == C, name, ": expected shape [",
                     B, ", ", T, ", ", C, "], got ", shape_str(t));
   check_dtype_f32(t, name);
-  TORCH_CHECK_VALUE(C <= 1 || t.stride(2) == 1, name, ": expected last-dim stride 1, got strides ", t.strides());
-  TORCH_CHECK_VALUE(t.stride(0) >= 0 && t.stride(1) >= 0, name, ": expected non-negative strides, got ",
+  MRL_CHECK(C <= 1 || t.stride(2) == 1, name, ": expected last-dim stride 1, got strides ", t.strides());
+  MRL_CHECK(t.stride(0) >= 0 && t.stride(1) >= 0, name, ": expected non-negative strides, got ",
                     t.strides());
 }
 
@@ -68,29 +68,19 @@ void check_act(const Tensor& t, const char* name, int64_t B, int64_t T, int64_t 
 void check_f32(const Tensor& t, const char* name, at::IntArrayRef shape) {
   check_cpu(t, name);
   check_dtype_f32(t, name);
-  TORCH_CHECK_VALUE(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
-  TORCH_CHECK_VALUE(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
+  MRL_CHECK(t.sizes() == shape, name, ": expected shape ", shape, ", got ", shape_str(t));
+  MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
 }
 
 void check_starts(const OptT& s, int64_t B, int64_t T) {
   if (!s) return;
   check_cpu(*s, "episode_starts");
-  TORCH_CHECK_VALUE(s->scalar_type() == at::kBool, "episode_starts: expected dtype bool, got ", s->scalar_type());
-  TORCH_CHECK_VALUE(s->dim() == 2 && s->size(0) == B && s->size(1) == T, "episode_starts: expected shape [", B,
+  MRL_CHECK(s->scalar_type() == at::kBool, "episode_starts: expected dtype bool, got ", s->scalar_type());
+  MRL_CHECK(s->dim() == 2 && s->size(0) == B && s->size(1) == T, "episode_starts: expected shape [", B,
                     ", ", T, "], got ", shape_str(*s));
-  TORCH_CHECK_VALUE(s->is_contiguous(), "episode_starts: expected a contiguous tensor");
+  MRL_CHECK(s->is_contiguous(), "episode_starts: expected a contiguous tensor");
 }
 
-// Debug aid for the tests: outputs and workspaces start as NaN so an element a kernel forgets shows.
-bool g_poison = false;
-void set_poison(bool on) { g_poison = on; }
-Tensor new_empty(at::IntArrayRef shape, const at::TensorOptions& opt) {
-  auto t = at::empty(shape, opt);
-  if (g_poison) t.fill_(std::numeric_limits<double>::quiet_NaN());
-  return t;
-}
-
-template <typename T> const T* ptr_or_null(const OptT& t) { return (t && t->numel()) ? t->data_ptr<T>() : nullptr; }
 const float* fptr(const Tensor& t) { return t.data_ptr<float>(); }
 
 // ---------------- causal conv1d ----------------
@@ -98,12 +88,12 @@ struct ConvShapes { int64_t B, T, D, K; };
 
 ConvShapes conv_check(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init, const OptT& starts) {
   check_cpu(x, "causal_conv1d: x");
-  TORCH_CHECK_VALUE(x.dim() == 3, "causal_conv1d: x: expected shape [B, T, D], got ", shape_str(x));
+  MRL_CHECK(x.dim() == 3, "causal_conv1d: x: expected shape [B, T, D], got ", shape_str(x));
   const int64_t B = x.size(0), T = x.size(1), D = x.size(2);
-  TORCH_CHECK_VALUE(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: x: expected B, T, D >= 1, got ", shape_str(x));
+  MRL_CHECK(T >= 1 && B >= 1 && D >= 1, "causal_conv1d: x: expected B, T, D >= 1, got ", shape_str(x));
   check_act(x, "causal_conv1d: x", B, T, D);
   check_cpu(w, "causal_conv1d: weight");
-  TORCH_CHECK_VALUE(w.dim() == 2 && w.size(0) == D && w.size(1) >= 1, "causal_conv1d: weight: expected shape [", D,
+  MRL_CHECK(w.dim() == 2 && w.size(0) == D && w.size(1) >= 1, "causal_conv1d: weight: expected shape [", D,
                     ", d_conv >= 1], got ", shape_str(w));
   const int64_t K = w.size(1);
   check_f32(w, "causal_conv1d: weight", {D, K});
@@ -140,7 +130,7 @@ std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bia
   check_act(dout, "causal_conv1d: grad_out", s.B, s.T, s.D);
   if (dfinal) check_f32(*dfinal, "causal_conv1d: grad_final_state", {s.B, s.D, s.K - 1});
   if (dx_out) check_act(*dx_out, "causal_conv1d: dx_out", s.B, s.T, s.D);
-  TORCH_CHECK_VALUE(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or "
+  MRL_CHECK(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or "
                     "neither, got dw_acc=", dw_acc ? "tensor" : "None", ", db_acc=", db_acc ? "tensor" : "None");
   if (dw_acc) {
     check_f32(*dw_acc, "causal_conv1d: dw_acc", {s.D, s.K});
@@ -168,13 +158,13 @@ struct ScanShapes { int64_t B, T, D, N; };
 ScanShapes scan_check(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm, const Tensor& Cm,
                       const Tensor& Dp, const Tensor& z, const Tensor& dt_bias, const OptT& init, const OptT& starts) {
   check_cpu(x, "selective_scan: x");
-  TORCH_CHECK_VALUE(x.dim() == 3, "selective_scan: x: expected shape [B, T, D], got ", shape_str(x));
+  MRL_CHECK(x.dim() == 3, "selective_scan: x: expected shape [B, T, D], got ", shape_str(x));
   ScanShapes s{x.size(0), x.size(1), x.size(2), 0};
-  TORCH_CHECK_VALUE(s.T >= 1 && s.B >= 1 && s.D >= 1, "selective_scan: x: expected B, T, D >= 1, got ", shape_str(x));
+  MRL_CHECK(s.T >= 1 && s.B >= 1 && s.D >= 1, "selective_scan: x: expected B, T, D >= 1, got ", shape_str(x));
   check_act(x, "selective_scan: x", s.B, s.T, s.D);
   check_act(dt, "selective_scan: dt", s.B, s.T, s.D);
   check_cpu(A_log, "selective_scan: A_log");
-  TORCH_CHECK_VALUE(A_log.dim() == 2 && A_log.size(0) == s.D && A_log.size(1) >= 1, "selective_scan: A_log: "
+  MRL_CHECK(A_log.dim() == 2 && A_log.size(0) == s.D && A_log.size(1) >= 1, "selective_scan: A_log: "
                     "expected shape [", s.D, ", d_state >= 1], got ", shape_str(A_log));
   s.N = A_log.size(1);
   check_f32(A_log, "selective_scan: A_log", {s.D, s.N});
@@ -226,7 +216,7 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
                              const std::optional<std::vector<Tensor>>& acc) {
   const auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
   // ckpt is optional in the signature only so that None gets this message instead of pybind's TypeError
-  TORCH_CHECK_VALUE(ckpt_opt.has_value() && ckpt_opt->defined(), "selective_scan: checkpoints: expected the ckpt "
+  MRL_CHECK(ckpt_opt.has_value() && ckpt_opt->defined(), "selective_scan: checkpoints: expected the ckpt "
                     "of scan_fwd(..., need_ckpt=True), got None");
   const Tensor& ckpt = *ckpt_opt;
   check_f32(ckpt, "selective_scan: checkpoints", {s.B, num_chunks(s.T), s.D, s.N});
@@ -234,7 +224,7 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   if (dfinal) check_f32(*dfinal, "selective_scan: grad_final_state", {s.B, s.D, s.N});
   if (dz_out) check_act(*dz_out, "selective_scan: dz_out", s.B, s.T, s.D);
   if (acc) {
-    TORCH_CHECK_VALUE(acc->size() == 3, "selective_scan: acc: expected [dA_log_acc, dD_acc, ddt_bias_acc], got ",
+    MRL_CHECK(acc->size() == 3, "selective_scan: acc: expected [dA_log_acc, dD_acc, ddt_bias_acc], got ",
                       acc->size(), " tensors");
     check_f32((*acc)[0], "selective_scan: dA_log_acc", {s.D, s.N});
     check_f32((*acc)[1], "selective_scan: dD_acc", {s.D});
@@ -271,45 +261,45 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
                      const OptT& starts, double eps, int64_t rows_per_block) {
   (void)rows_per_block;  // a CUDA launch-shape knob; nothing to choose on the CPU
   check_cpu(x, "backbone_step: x_t");
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "backbone_step: x_t: expected shape "
+  MRL_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "backbone_step: x_t: expected shape "
                     "[B, input_dim], got ", shape_str(x));
   const int64_t B = x.size(0), in_dim = x.size(1);
   check_f32(x, "backbone_step: x_t", {B, in_dim});
   check_cpu(inp_w, "backbone_step: input_proj.weight");
-  TORCH_CHECK_VALUE(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight: expected shape "
+  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight: expected shape "
                     "[d_model, ", in_dim, "], got ", shape_str(inp_w));
   const int64_t dm = inp_w.size(0);
   check_f32(inp_w, "backbone_step: input_proj.weight", {dm, in_dim});
   check_f32(inp_b, "backbone_step: input_proj.bias", {dm});
   check_f32(normf_w, "backbone_step: norm_f.weight", {dm});
   const int64_t L = (int64_t)layers.size();
-  TORCH_CHECK_VALUE(L >= 1, "backbone_step: layers: expected at least 1 layer, got ", L);
+  MRL_CHECK(L >= 1, "backbone_step: layers: expected at least 1 layer, got ", L);
   check_cpu(conv_state, "backbone_step: conv_state");
-  TORCH_CHECK_VALUE(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B &&
+  MRL_CHECK(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B &&
                     conv_state.size(2) >= 1, "backbone_step: conv_state: expected shape [", L, ", ", B,
                     ", d_inner, d_conv-1], got ", shape_str(conv_state));
   const int64_t D = conv_state.size(2), K = conv_state.size(3) + 1;
   check_f32(conv_state, "backbone_step: conv_state", {L, B, D, K - 1});
   check_cpu(ssm_state, "backbone_step: ssm_state");
-  TORCH_CHECK_VALUE(ssm_state.dim() == 4 && ssm_state.size(3) >= 1, "backbone_step: ssm_state: expected shape [",
+  MRL_CHECK(ssm_state.dim() == 4 && ssm_state.size(3) >= 1, "backbone_step: ssm_state: expected shape [",
                     L, ", ", B, ", ", D, ", d_state], got ", shape_str(ssm_state));
   const int64_t N = ssm_state.size(3);
   check_f32(ssm_state, "backbone_step: ssm_state", {L, B, D, N});
   if (starts) {
     check_cpu(*starts, "backbone_step: episode_starts");
-    TORCH_CHECK_VALUE(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
+    MRL_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
                       "backbone_step: episode_starts: expected a contiguous [", B, "] bool tensor, got shape ",
                       shape_str(*starts), " dtype ", starts->scalar_type());
   }
   int64_t rank = -1;
   for (int64_t l = 0; l < L; ++l) {
     const auto& t = layers[l];
-    TORCH_CHECK_VALUE(t.size() == 10, "backbone_step: layer ", l, ": expected 10 tensors, got ", t.size());
+    MRL_CHECK(t.size() == 10, "backbone_step: layer ", l, ": expected 10 tensors, got ", t.size());
     if (rank < 0) {
       check_cpu(t[5], "backbone_step: dt_proj.weight");
       rank = t[5].dim() == 2 ? t[5].size(1) : -1;
     }
-    TORCH_CHECK_VALUE(rank >= 1, "backbone_step: dt_proj.weight: expected shape [", D, ", dt_rank], got ",
+    MRL_CHECK(rank >= 1, "backbone_step: dt_proj.weight: expected shape [", D, ", dt_rank], got ",
                       shape_str(t[5]));
     check_f32(t[0], "backbone_step: norm.weight", {dm});
     check_f32(t[1], "backbone_step: in_proj.weight", {2 * D, dm});
@@ -329,13 +319,13 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
 // ---------------- RMSNorm ----------------
 std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
   check_cpu(x, "rms_norm: x");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
+  MRL_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
                     shape_str(x));
   check_dtype_f32(x, "rms_norm: x");
-  TORCH_CHECK_VALUE(x.is_contiguous(), "rms_norm: x: expected a contiguous tensor, got strides ", x.strides());
+  MRL_CHECK(x.is_contiguous(), "rms_norm: x: expected a contiguous tensor, got strides ", x.strides());
   const int64_t C = x.size(-1), rows = x.numel() / C;
   check_f32(w, "rms_norm: weight", {C});
-  TORCH_CHECK_VALUE(out_dtype == at::kFloat, "rms_norm: out_dtype: expected float32 (the CPU kernels are float32 "
+  MRL_CHECK(out_dtype == at::kFloat, "rms_norm: out_dtype: expected float32 (the CPU kernels are float32 "
                     "only), got ", out_dtype);
   auto out = new_empty(x.sizes(), x.options());
   std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
@@ -348,36 +338,44 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
 }
 
 Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                   const OptT& dx_acc) {
+                   const OptT& dx_acc, const OptT& dx_c) {
   check_cpu(x, "rms_norm: x");
-  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
+  MRL_CHECK(x.dim() >= 1 && x.size(-1) >= 1, "rms_norm: x: expected [..., C] with C >= 1, got ",
                     shape_str(x));
   check_dtype_f32(x, "rms_norm: x");
-  TORCH_CHECK_VALUE(x.is_contiguous(), "rms_norm: x: expected a contiguous tensor, got strides ", x.strides());
+  MRL_CHECK(x.is_contiguous(), "rms_norm: x: expected a contiguous tensor, got strides ", x.strides());
   const int64_t C = x.size(-1), rows = x.numel() / C;
   check_cpu(dy, "rms_norm: grad_out");
   check_dtype_f32(dy, "rms_norm: grad_out");
-  TORCH_CHECK_VALUE(dy.numel() == x.numel() && dy.size(-1) == C && dy.is_contiguous(), "rms_norm: grad_out: expected "
+  MRL_CHECK(dy.numel() == x.numel() && dy.size(-1) == C && dy.is_contiguous(), "rms_norm: grad_out: expected "
                     "a contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(dy));
   check_cpu(rstd, "rms_norm: rstd");
   check_dtype_f32(rstd, "rms_norm: rstd");
-  TORCH_CHECK_VALUE(rstd.numel() == rows && rstd.is_contiguous(), "rms_norm: rstd: expected a contiguous tensor "
+  MRL_CHECK(rstd.numel() == rows && rstd.is_contiguous(), "rms_norm: rstd: expected a contiguous tensor "
                     "with ", rows, " elements, got ", shape_str(rstd));
   check_f32(w, "rms_norm: weight", {C});
   check_cpu(dw_acc, "rms_norm: dw_acc");
   check_dtype_f32(dw_acc, "rms_norm: dw_acc");
-  TORCH_CHECK_VALUE(dw_acc.numel() == C && dw_acc.is_contiguous(), "rms_norm: dw_acc: expected a contiguous [", C,
+  MRL_CHECK(dw_acc.numel() == C && dw_acc.is_contiguous(), "rms_norm: dw_acc: expected a contiguous [", C,
                     "] tensor, got ", shape_str(dw_acc));
   if (dx_acc) {
     check_cpu(*dx_acc, "rms_norm: dh_acc");
     check_dtype_f32(*dx_acc, "rms_norm: dh_acc");
-    TORCH_CHECK_VALUE(dx_acc->numel() == x.numel() && dx_acc->is_contiguous(), "rms_norm: dh_acc: expected a "
+    MRL_CHECK(dx_acc->numel() == x.numel() && dx_acc->is_contiguous(), "rms_norm: dh_acc: expected a "
                       "contiguous tensor shaped like x ", shape_str(x), ", got ", shape_str(*dx_acc));
+  }
+  if (dx_c) {
+    check_cpu(*dx_c, "rms_norm: dx_c");
+    MRL_CHECK(dx_c->scalar_type() == at::kBFloat16 || dx_c->scalar_type() == at::kHalf, "rms_norm: dx_c: expected "
+              "bfloat16 or float16 (the float32 dx is the return value), got ", dx_c->scalar_type());
+    MRL_CHECK(dx_c->numel() == x.numel() && dx_c->is_contiguous(), "rms_norm: dx_c: expected a contiguous tensor "
+              "shaped like x ", shape_str(x), ", got ", shape_str(*dx_c));
   }
   auto dx = new_empty(x.sizes(), x.options());
   if (rows)
     mrl_cpu::rmsnorm_bwd(fptr(dy), fptr(x), fptr(rstd), fptr(w), rows, (int)C, dx.data_ptr<float>(),
                          ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(), nthreads());
+  if (dx_c) dx_c->view(dx.sizes()).copy_(dx);  // same contract as CUDA (the CPU path never asks for it)
   return dx;
 }
 
@@ -386,7 +384,7 @@ int scan_chunk() { return mrl_cpu::kScanChunk; }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "mamba_rl CPU kernels (csrc/cpu/; loaded by mamba_rl/ops/cpu_ext.py): the CUDA binding's functions, "
+  m.doc() = "mamba_rl CPU kernels (csrc/cpu/; loaded by mamba_rl/ops/extension.py): the CUDA binding's functions, "
             "float32, OpenMP";
   m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> [out [B,T,D], final_state [B,D,K-1]]");
   m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> [dx, dweight, dbias, dinit or None]; optional "
@@ -403,7 +401,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backbone_step", &backbone_step, "one token through the whole backbone; conv_state / ssm_state updated in "
         "place -> features [B, d_model] (rows_per_block is ignored on the CPU)");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> [out (float32), rstd [..., 1]]");
-  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc");
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
+        "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
+        py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &scan_chunk, "checkpoint interval of the scan backward (steps)");
 }

@@ -53,10 +53,13 @@ class ArenaModule(nn.Module):
         for name, shape in layout:
             o, _ = self._offsets[name]
             init[o:o + math.prod(shape)] = values[name].reshape(-1)
+        slots = []
         for name, _ in layout:
             mod_path, pname = name.rsplit(".", 1)
-            self.get_submodule(mod_path).register_parameter(
-                pname, nn.Parameter(torch.empty(0, dtype=dtype, device=device)))
+            mod = self.get_submodule(mod_path)
+            mod.register_parameter(pname, nn.Parameter(torch.empty(0, dtype=dtype, device=device)))
+            slots.append((mod._parameters, pname, mod._parameters[pname]))
+        self._param_slots = tuple(slots)
         self.compute_dtype = dtype
         self.compute_arena = None
         self._bind_arena(init.to(dtype=dtype, device=device))
@@ -101,6 +104,18 @@ class ArenaModule(nn.Module):
         """The view of parameter ``name`` inside a flat tensor laid out like the arena."""
         o, shape = self._offsets[name]
         return flat[o:o + math.prod(shape)].view(shape)
+
+    def params_are_arena(self) -> bool:
+        """True while every registered parameter is still this module's own Parameter (a view of the arena).
+
+        False inside ``torch.func.functional_call(net, other_params, ...)`` (which swaps plain tensors into
+        the modules' ``_parameters``) or after a parameter was replaced by assignment: then the kernel
+        backends, which read the arena directly, must not run (the backbone falls back to the reference
+        math, which reads the swapped-in tensors). A few µs: one identity check per parameter."""
+        for params, name, p in self._param_slots:
+            if params.get(name) is not p:
+                return False
+        return True
 
     def attach_grads(self):
         """Re-point every ``.grad`` at the grad arena (after a ``zero_grad(set_to_none=True)`` elsewhere)."""

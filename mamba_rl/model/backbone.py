@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from ..config import MambaConfig
 from ..ops import causal_conv1d, causal_conv1d_ref, rms_norm, rms_norm_ref, selective_scan, selective_scan_ref
+from ..ops.capability import Support, kernel_support
 from ..ops.checks import check_tensor
 from ..ops.extension import extension, extension_error, fallback_message
 from ..ops.step import backbone_step_packed, pack_step_weights
@@ -99,26 +100,34 @@ class MambaBackbone(ArenaModule):
         """The extension module of the backend ("cuda" / "cpu"), or None on the reference backend."""
         return None if self.backend == "reference" else extension(self.backend)
 
-    def _ops(self):
-        if self.backend == "reference":
+    def _ops(self, reference: bool = False):
+        """(conv, scan, norm) of the per-op path: the references, or the dispatchers (each asks
+        :func:`mamba_rl.ops.capability.kernel_support` whether its kernel takes the inputs)."""
+        if reference or self.backend == "reference":
             return causal_conv1d_ref, selective_scan_ref, rms_norm_ref
         return causal_conv1d, selective_scan, rms_norm
 
     def step_weights(self) -> dict:
         """name -> tensor for the one-token engine: GEMM weights in the compute dtype, the rest master.
 
-        Views into the arenas, cached while the arenas stay where they are (in-place updates are seen)."""
+        Views into the arenas, cached while the arenas stay where they are (in-place updates are seen).
+        While parameters are swapped in (``torch.func.functional_call``) it returns those tensors, uncached."""
+        swapped = not self.params_are_arena()
         key = (self.arena.data_ptr(), None if self.compute_arena is None else self.compute_arena.data_ptr())
         cache = self.__dict__.get("_step_cache")
-        if cache is not None and cache[0] == key:
+        if not swapped and cache is not None and cache[0] == key:
             return cache[1]
         out = {}
         for name, _ in self._layout:
             gemm = name.endswith(GEMM_PARAMS) or name.startswith("input_proj.")
+            mod, pname = name.rsplit(".", 1)
+            p = getattr(self.get_submodule(mod), pname).detach()  # getattr: sees swapped-in tensors
             if gemm and self.compute_arena is not None:
-                out[name] = self.arena_view(self.compute_arena, name)
+                out[name] = p.to(self.compute_dtype) if swapped else self.arena_view(self.compute_arena, name)
             else:
-                out[name] = self.get_parameter(name).detach()
+                out[name] = p
+        if swapped:
+            return out
         packed = pack_step_weights(out, self.cfg.n_layers, self.cfg.d_inner)
         self.__dict__["_step_cache"] = (key, out, packed)
         return out
@@ -177,7 +186,7 @@ class MambaBackbone(ArenaModule):
         if not empty and self._use_fused(initial_state):
             return self._forward_fused(x, initial_state, episode_starts)
         c = self.cfg
-        ops = (causal_conv1d_ref, selective_scan_ref, rms_norm_ref) if empty else self._ops()
+        ops = self._ops(reference=empty or (self.backend != "reference" and not self.params_are_arena()))
         rdt, cdt = self.arena.dtype, self.compute_dtype
         h = F.linear(x.to(cdt), self.weight("input_proj.weight"), self.weight("input_proj.bias")).to(rdt)
         conv_f, ssm_f = [], []
@@ -191,16 +200,26 @@ class MambaBackbone(ArenaModule):
         feat = ops[2](h, self.norm_f.weight, c.rms_norm_eps, rdt)
         return feat, RecurrentState(torch.stack(conv_f), torch.stack(ssm_f))
 
+    def kernel_support(self, op: str) -> Support:
+        """(ok, reason): can this backbone run ``op`` ("sequence", "step", "rms_norm_fwd", "rms_norm_bwd",
+        "conv", "scan") on its backend's kernels now? The one predicate behind every dispatch of the
+        backbone (:func:`mamba_rl.ops.capability.kernel_support` for the sizes, plus: the parameters must
+        be the arena's own, not tensors swapped in by ``torch.func.functional_call``)."""
+        if self.backend == "reference":
+            return Support(False, "the reference backend runs no kernels")
+        if not self.params_are_arena():
+            return Support(False, "parameters were swapped in (torch.func.functional_call or assignment): "
+                                  "the kernels read the arena, so the reference math runs")
+        c = self.cfg
+        return kernel_support(self.backend, op, d_model=c.d_model, d_inner=c.d_inner, d_state=c.d_state,
+                              d_conv=c.d_conv, n_layers=c.n_layers, dt_rank=c.dt_rank_value,
+                              input_dim=self.input_dim, dtype=self.compute_dtype, device=self.device)
+
     def _use_fused(self, initial_state) -> bool:
         """The kernel backends run the whole backbone as one node with a hand-written backward
-        (:mod:`mamba_rl.model.fused`), unless a gradient into the initial state is asked for (then the
-        per-op autograd path serves), the CUDA scan cannot take d_state, or CPU kernels meet a bf16/f16
-        compute copy (they are float32 only)."""
-        if self.backend == "reference":
-            return False
-        if self.backend == "cuda" and self.cfg.d_state not in (8, 16):
-            return False
-        if self.backend == "cpu" and self.compute_dtype != torch.float32:
+        (:mod:`mamba_rl.model.fused`) when :meth:`kernel_support` ("sequence") says so, unless a gradient
+        into the initial state is asked for (then the per-op autograd path serves)."""
+        if not self.kernel_support("sequence"):
             return False
         return initial_state is None or not (initial_state.conv.requires_grad or initial_state.ssm.requires_grad)
 
@@ -218,14 +237,14 @@ class MambaBackbone(ArenaModule):
     @torch.no_grad()
     def step(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None = None):
         """One token through every layer: x_t [B, input_dim] -> features [B, d_model] (master dtype), with
-        ``state`` advanced in place. The kernel backends make one extension call; the reference runs each
-        block's :meth:`MambaBlock.step`. Inputs are not validated here (see :class:`Stepper`)."""
+        ``state`` advanced in place. One extension call where :meth:`kernel_support` ("step") allows it
+        (CUDA: d_state 8/16, d_conv 4, at most 16 layers, shared memory; both: float32 state and arena
+        parameters); otherwise each block's :meth:`MambaBlock.step` (torch ops, capturable). Inputs are not
+        validated here (see :class:`Stepper`)."""
         c = self.cfg
-        ext = self.kernels
-        if ext is not None and (self.backend == "cpu" or (c.d_state in (8, 16) and c.d_conv == 4)) \
-                and state.ssm.dtype == torch.float32 and (self.backend == "cuda" or self.compute_dtype == torch.float32):
-            return backbone_step_packed(ext, x_t, self._packed_step_weights(), state.conv, state.ssm, episode_starts,
-                                        c.rms_norm_eps)
+        if state.ssm.dtype == torch.float32 and self.kernel_support("step"):
+            return backbone_step_packed(self.kernels, x_t, self._packed_step_weights(), state.conv, state.ssm,
+                                        episode_starts, c.rms_norm_eps)
         rdt, cdt = self.arena.dtype, self.compute_dtype
         w = self.step_weights()
         h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).to(rdt)

@@ -12,30 +12,82 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.capability import kernel_support
 
 __all__ = ["fused_backbone"]
 
 _ADDMM_OUT_DTYPE = None  # probed once: does torch.addmm(..., out_dtype=float32) work for low-precision inputs?
 
 
-def _acc_mm(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
-    """dst (float32, in the grad arena) += a @ b, with a and b in the compute dtype, f32 accumulation."""
+def _out_dtype_ok(device, dtype) -> bool:
+    """Does torch.addmm(..., out_dtype=float32) take ``dtype`` inputs here? Probed once, never inside a graph
+    capture (the probe syncs): a first use under capture takes the two-kernel path."""
     global _ADDMM_OUT_DTYPE
-    if a.dtype == dst.dtype:
-        dst.addmm_(a, b)
-        return
     if _ADDMM_OUT_DTYPE is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
         try:
-            probe = torch.zeros(2, 2, device=dst.device)
-            x = torch.ones(2, 2, device=dst.device, dtype=a.dtype)
+            probe = torch.zeros(2, 2, device=device)
+            x = torch.ones(2, 2, device=device, dtype=dtype)
             torch.addmm(probe, x, x, out_dtype=torch.float32, out=probe)
             _ADDMM_OUT_DTYPE = bool(probe[0, 0].item() == 2.0)
         except (RuntimeError, TypeError):
             _ADDMM_OUT_DTYPE = False
-    if _ADDMM_OUT_DTYPE:
+    return _ADDMM_OUT_DTYPE
+
+
+def _acc_mm(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """dst (float32, in the grad arena) += a @ b, with a and b in the compute dtype, f32 accumulation."""
+    if a.dtype == dst.dtype:
+        dst.addmm_(a, b)
+    elif _out_dtype_ok(dst.device, a.dtype):
         torch.addmm(dst, a, b, out_dtype=torch.float32, out=dst)
     else:
         dst.add_(torch.mm(a, b))
+
+
+def _residual_mm(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h (float32 residual stream) + a @ b as a new float32 tensor: one GEMM with h as its C operand (f32
+    accumulation, no rounding of a @ b to the compute dtype), or mm + cast + add where torch lacks it."""
+    if a.dtype == h.dtype:
+        return torch.addmm(h, a, b)
+    if _out_dtype_ok(h.device, a.dtype):
+        out = torch.empty_like(h)
+        return torch.addmm(h, a, b, out_dtype=torch.float32, out=out)
+    return h + torch.mm(a, b).float()
+
+
+def _norm_fwd(ext, ok, h, w, eps, out_dtype):
+    """(RMSNorm(h) in out_dtype, rstd [rows, 1]): the kernel, or torch ops where it does not take d_model."""
+    if ok:
+        return ext.rmsnorm_fwd(h, w, eps, out_dtype)
+    rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)
+    return (h * rstd * w).to(out_dtype), rstd
+
+
+def _norm_bwd(ext, ok, dy, x, rstd, w, dw_acc, dx_acc, cdt):
+    """(dx (+ dx_acc) float32, dx in the compute dtype ``cdt`` or None for float32) of RMSNorm, with
+    sum_rows dy * xhat added into dw_acc: the kernel (which writes the low-precision copy in the same pass,
+    the next GEMM's input), or torch ops."""
+    low = cdt != torch.float32
+    if ok:
+        dx_c = torch.empty(x.shape, device=x.device, dtype=cdt) if low else None
+        return ext.rmsnorm_bwd(dy, x, rstd, w, dw_acc, dx_acc, dx_c), dx_c
+    dyf = dy.float()
+    xh = x * rstd
+    g = dyf * w
+    dx = rstd * (g - xh * (g * xh).mean(-1, keepdim=True))
+    if dx_acc is not None:
+        dx = dx + dx_acc
+    dw_acc.add_((dyf * xh).sum(0))
+    return dx, (dx.to(cdt) if low else None)
+
+
+def _norm_ok(net, out_dtype):
+    """(forward ok, backward ok) of the norm kernels for this backbone's d_model."""
+    kw = dict(d_model=net.cfg.d_model, dtype=torch.float32)
+    return (bool(kernel_support(net.backend, "rms_norm_fwd", out_dtype=out_dtype, **kw)),
+            bool(kernel_support(net.backend, "rms_norm_bwd", **kw)))
 
 
 class _Backbone(torch.autograd.Function):
@@ -52,13 +104,15 @@ class _Backbone(torch.autograd.Function):
         def w(name, src=W):
             return net.arena_view(src, name)
 
+        nf_ok, nb_ok = _norm_ok(net, cdt)
+        nff_ok = _norm_ok(net, torch.float32)[0]
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
         saved = []
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            u, rstd = ext.rmsnorm_fwd(h, w(p + "norm.weight", M), eps, cdt)
+            u, rstd = _norm_fwd(ext, nf_ok, h, w(p + "norm.weight", M), eps, cdt)
             xz = torch.mm(u, w(p + "mixer.in_proj.weight").t())  # [BT, 2di]
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
@@ -72,18 +126,16 @@ class _Backbone(torch.autograd.Function):
                                        ssm0[i], starts, True)
             h_in = h
             w_out = w(p + "mixer.out_proj.weight").t()
-            if cdt == torch.float32:  # residual add fused into the GEMM
-                h = torch.addmm(h_in, y.view(BT, di), w_out)
-            else:  # the residual stream stays float32
-                h = h_in + torch.mm(y.view(BT, di), w_out).float()
+            h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
             saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
             conv_f.append(cf)
             ssm_f.append(sf)
-        feat, rstd_f = ext.rmsnorm_fwd(h, w("norm_f.weight", M), eps, torch.float32)
+        feat, rstd_f = _norm_fwd(ext, nff_ok, h, w("norm_f.weight", M), eps, torch.float32)
         ctx.net, ctx.saved, ctx.shape = net, saved, (B, T)
         ctx.h_last, ctx.rstd_f, ctx.x2 = h, rstd_f, x2
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
         ctx.x_dtype = x.dtype
+        ctx.norm_bwd_ok = nb_ok
         return feat.view(B, T, -1), torch.stack(conv_f), torch.stack(ssm_f)
 
     @staticmethod
@@ -100,12 +152,13 @@ class _Backbone(torch.autograd.Function):
         def w(name, src=W):
             return net.arena_view(src, name)
 
-        dh = ext.rmsnorm_bwd(dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f, w("norm_f.weight", M),
-                             w("norm_f.weight", G), None)
+        nb_ok = ctx.norm_bwd_ok
+        dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
+                             w("norm_f.weight", M), w("norm_f.weight", G), None, cdt)
         for i in reversed(range(c.n_layers)):
             p = f"layers.{i}."
             h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
-            dout = dh.to(cdt)
+            dout = dh if dh_c is None else dh_c
             yf = y.view(BT, di)
             _acc_mm(w(p + "mixer.out_proj.weight", G), dout.t(), yf)
             dy = torch.mm(dout, w(p + "mixer.out_proj.weight"))  # [BT, di]
@@ -134,8 +187,10 @@ class _Backbone(torch.autograd.Function):
                          w(p + "mixer.conv1d.bias", G))
             _acc_mm(w(p + "mixer.in_proj.weight", G), dxz.t(), u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
-            dh = ext.rmsnorm_bwd(du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh)
-        dh_c = dh.to(cdt)
+            dh, dh_c = _norm_bwd(ext, nb_ok, du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh,
+                                 cdt)
+        if dh_c is None:
+            dh_c = dh
         _acc_mm(w("input_proj.weight", G), dh_c.t(), ctx.x2)
         w("input_proj.bias", G).add_(dh.sum(0))
         dx = None
@@ -152,5 +207,13 @@ def fused_backbone(net, x, conv0, ssm0, starts):
     backward; the gradient of x is returned when x requires grad. No gradient flows into the initial state
     (truncated BPTT).
     """
-    anchor = net.norm_f.weight  # any parameter: makes the output require grad so backward runs
+    # The anchor makes the output require grad (so backward runs) when the parameters do. It is a fresh
+    # zero-size leaf per call, not a Parameter: autograd caches a leaf's AccumulateGrad node while any graph
+    # through it lives, together with the stream current when that node was made, and at the end of every
+    # backward syncs the caller's stream with that stream. A Parameter anchor used once through autograd on
+    # the default stream (a user's `y, _ = net(x); y.sum().backward()` with y still alive) thus put an event
+    # on the default stream inside the trainer's graph capture and invalidated it (issue 18).
+    anchor = None
+    if torch.is_grad_enabled() and net.norm_f.weight.requires_grad:
+        anchor = torch.empty(0, device=x.device, requires_grad=True)
     return _Backbone.apply(x, anchor, net, conv0, ssm0, starts)

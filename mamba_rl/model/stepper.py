@@ -37,6 +37,7 @@ class Stepper:
         self.state = net.initial_state(batch)
         self.x_buf = None
         self.starts_buf = None
+        self._starts_zero = False  # starts_buf is known to be all False (skip re-zeroing it)
         self._out = None
         self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm))
 
@@ -67,6 +68,7 @@ class Stepper:
                 raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
                                  "written into starts_buf rather than passed")
             self._graphs.replay("step")
+            self._starts_zero = False  # the caller may have written starts_buf
             return self._out
         check_tensor("Stepper.step: x_t", x_t, shape=(B, D), device=self.device, floating=True)
         if episode_starts is not None:
@@ -77,10 +79,13 @@ class Stepper:
             self._graphs.check()
             self.x_buf.copy_(x_t)
             if episode_starts is None:
-                self.starts_buf.zero_()
+                if not self._starts_zero:
+                    self.starts_buf.zero_()
+                    self._starts_zero = True
             else:
                 self.starts_buf.copy_(episode_starts)
-            self._graphs.replay("step")
+                self._starts_zero = False
+            self._graphs.replay("step", check=False)
             return self._out
         if self.state.ssm.dtype != self.net.arena.dtype:  # the net changed dtype
             self.state = self.state.to(self.net.arena.dtype)
@@ -114,6 +119,7 @@ class Stepper:
         B = self.batch
         self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
         self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
+        self._starts_zero = True
         body = lambda: self.net.step(self.x_buf, self.state, self.starts_buf)  # noqa: E731
         with torch.no_grad():
             warm_up(body, warmup)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .capability import kernel_support
 from .checks import act, bool_c, check_tensor, f32c
 from .extension import kernels_for
 
@@ -114,13 +115,15 @@ class _CausalConv1dKernel(torch.autograd.Function):
 
 def causal_conv1d(x, weight, bias, conv_state=None, episode_starts=None):
     """Causal depthwise conv1d + SiLU with resets: the CUDA or CPU kernel when one takes the inputs (see
-    :func:`~mamba_rl.ops.extension.kernels_for`), else :func:`causal_conv1d_ref`.
+    :func:`~mamba_rl.ops.extension.kernels_for` and :func:`~mamba_rl.ops.capability.kernel_support` "conv":
+    the CUDA kernel takes d_conv 2, 3 or 4), else :func:`causal_conv1d_ref`.
 
     Shapes, dtypes and semantics are those of :func:`causal_conv1d_ref`. Differentiable w.r.t. x,
     weight, bias and conv_state.
     """
     ext = kernels_for(x, weight)
-    if ext is None:
+    if ext is None or weight.dim() != 2 or not kernel_support(x.device.type, "conv", d_conv=weight.shape[1],
+                                                              dtype=x.dtype):
         return causal_conv1d_ref(x, weight, bias, conv_state, episode_starts)
     _validate(x, weight, bias, conv_state, episode_starts)
     return _CausalConv1dKernel.apply(ext, act(x, x.dtype), weight, bias, conv_state, bool_c(episode_starts))

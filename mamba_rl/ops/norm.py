@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .capability import kernel_support
 from .checks import f32c
 from .extension import kernels_for
 
@@ -46,11 +47,18 @@ class _RMSNormKernel(torch.autograd.Function):
 
 
 def rms_norm(x, weight, eps=1e-5, out_dtype=None):
-    """RMSNorm: the CUDA or CPU kernel for float32 x with at most 512 channels, else :func:`rms_norm_ref`
-    (same contract)."""
+    """RMSNorm with the :func:`rms_norm_ref` contract: the CUDA or CPU kernel for float32 x when
+    :func:`~mamba_rl.ops.capability.kernel_support` takes the channels and the output dtype (forward, and
+    the backward too when a gradient may be asked for: CUDA at most 1024 / 512 channels), else the
+    reference."""
     out_dtype = out_dtype or x.dtype
     ext = kernels_for(x, weight)
-    if ext is None or x.dtype != torch.float32 or x.shape[-1] > 512 or (
-            out_dtype not in (torch.float32, torch.bfloat16, torch.float16)) or (not x.is_cuda and out_dtype != x.dtype):
+    if ext is None or x.dtype != torch.float32 or x.dim() < 1:
+        return rms_norm_ref(x, weight, eps, out_dtype)
+    kind, C = x.device.type, x.shape[-1]
+    ok = kernel_support(kind, "rms_norm_fwd", d_model=C, dtype=x.dtype, out_dtype=out_dtype)
+    if ok and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        ok = kernel_support(kind, "rms_norm_bwd", d_model=C, dtype=x.dtype)
+    if not ok:
         return rms_norm_ref(x, weight, eps, out_dtype)
     return _RMSNormKernel.apply(ext, x, weight, eps, out_dtype)

@@ -21,7 +21,7 @@ steps.
                           inv_scale, loss_scale]   (loss_scale: the scale after the last step, 1 outside
                           f16; written by the trainer for its metrics, read by no kernel)
 
-On CUDA each of :func:`grad_stats` / :func:`adamw_step` / :func:`unscale_grad` is one launch; the
+On CUDA each of :func:`grad_stats` / :func:`adamw_step` is one launch; the
 ``grad_stats`` reduction finishes in the last block to finish (a self-resetting counter per device), in a
 fixed order: bit-reproducible. Elsewhere the ``*_ref`` twins run (a handful of vectorised torch ops).
 """
@@ -33,7 +33,7 @@ import torch
 
 from .extension import extension
 
-__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "unscale_grad", "make_hyper",
+__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "make_hyper",
            "STEP", "BC1", "BC2", "GRAD_NORM", "CLIP_COEF", "FOUND_INF", "INV_SCALE", "LOSS_SCALE",
            "MAX_STEP_EXPONENT"]
 
@@ -155,14 +155,3 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, comput
     if ext is None:
         return adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
     ext.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute)
-
-
-def unscale_grad(grad, scalars):
-    """``grad = 0 if found_inf else grad * inv_scale`` in place (a select: inf never becomes NaN)."""
-    ext = _cuda_ext(grad)
-    if ext is None:
-        found = scalars[FOUND_INF] > 0
-        grad.copy_(torch.where(found, torch.zeros((), dtype=grad.dtype, device=grad.device),
-                               grad * scalars[INV_SCALE].to(grad.dtype)))
-        return
-    ext.unscale_grad(grad, scalars)

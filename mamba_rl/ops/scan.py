@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .capability import kernel_support
 from .checks import act, bool_c, check_tensor, f32c
 from .extension import kernels_for
 
@@ -118,13 +119,15 @@ class _SelectiveScanKernel(torch.autograd.Function):
 
 
 def selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, episode_starts=None):
-    """Selective scan with resets: the CUDA or CPU kernel when one takes the inputs (the CUDA kernel only
-    d_state 8 or 16), else :func:`selective_scan_ref`.
+    """Selective scan with resets: the CUDA or CPU kernel when one takes the inputs
+    (:func:`~mamba_rl.ops.capability.kernel_support` "scan": the CUDA kernel only d_state 8 or 16), else
+    :func:`selective_scan_ref`.
 
     Same arguments and returns as :func:`selective_scan_ref`; differentiable w.r.t. every float input.
     """
     ext = kernels_for(x, A_log)
-    if ext is None or (x.is_cuda and A_log.shape[-1] not in (8, 16)):
+    if ext is None or A_log.dim() != 2 or not kernel_support(x.device.type, "scan", d_state=A_log.shape[-1],
+                                                             dtype=x.dtype):
         return selective_scan_ref(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
     _validate(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state, episode_starts)
     return _SelectiveScanKernel.apply(ext, act(x, x.dtype), dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state,

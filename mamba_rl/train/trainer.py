@@ -308,11 +308,6 @@ class MambaTrainer:
         """Zero the carried state: all rows, or the rows where ``mask`` ([B] bool) is True."""
         self.state.zero_(mask)
 
-    @property
-    def A(self) -> torch.Tensor:
-        """[n_layers, d_inner, d_state] = -exp(A_log) of the current master weights (what the scan reads)."""
-        return torch.stack([-torch.exp(l.mixer.A_log.detach()) for l in self.net.layers])
-
     # ------------------------------------------------------------------------------------- graphs
     def capture_graph(self, warmup: int = 3):
         """Capture the fused step, ``forward``, ``backward_step`` (and its accumulate variant) as CUDA graphs.

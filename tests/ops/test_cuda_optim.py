@@ -1,4 +1,4 @@
-"""CUDA AdamW / grad_stats / unscale kernels vs the references in mamba_rl.ops.optim and torch.optim.AdamW."""
+"""CUDA AdamW / grad_stats kernels vs the references in mamba_rl.ops.optim and torch.optim.AdamW."""
 import pytest
 import torch
 
@@ -98,16 +98,10 @@ def test_f16_overflow_skips(oc):
     oc.adamw_step(p, grad, m, v, hyper, sc, 5000, comp)
     for a, b in zip((p, m, v, comp), before):
         assert torch.equal(a, b)
-    g2 = grad.clone()
-    oc.unscale_grad(g2, sc)
-    assert torch.equal(g2, torch.zeros_like(g2))  # select, not a multiply: no NaN
     # a clean step after the overflow unscales by 1/65536 and steps
     grad2 = torch.randn(P, device="cuda") * 65536
     oc.grad_stats(grad2, None, ls, hyper, sc)
     assert sc[5].item() == 0.0 and sc[0].item() == 6 and abs(sc[6].item() - 1 / 65536) < 1e-20
-    g3 = grad2.clone()
-    oc.unscale_grad(g3, sc)
-    assert torch.allclose(g3, grad2 / 65536)
     oc.adamw_step(p, grad2, m, v, hyper, sc, 5000, comp)
     assert torch.isfinite(p).all() and not torch.equal(p, before[0])
 
