@@ -125,7 +125,8 @@ def _hashed_files(kind: str) -> list[Path]:
     d = _csrc_dir()
     if kind == "cuda":
         return sorted(list(d.glob("*.cu")) + list(d.glob("*.cuh")) + list(d.glob("*.h")) + [d / "binding.cpp"])
-    return sorted(list((d / "cpu").glob("*.cpp")) + list((d / "cpu").glob("*.h")))
+    # the CPU sources include headers shared with the CUDA binding too (binding_common.h)
+    return sorted(list((d / "cpu").glob("*.cpp")) + list((d / "cpu").glob("*.h")) + list(d.glob("*.h")))
 
 
 def build_key(kind: str = "cuda") -> str:
