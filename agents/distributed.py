@@ -1,4 +1,4 @@
-"""Data-parallel recurrent PPO over ``torch.distributed`` (issue #12).
+"""Data-parallel recurrent PPO over ``torch.distributed``.
 
 Every rank runs a whole :class:`~mamba_rl.agents.RecurrentPPO`: its own ``num_envs`` envs (``num_envs``
 is per rank; env seeds start at ``seed + rank * num_envs``, so rank r's envs are envs
@@ -6,7 +6,8 @@ is per rank; env seeds start at ``seed + rank * num_envs``, so rank r's envs are
 its own minibatch slice. Weights start identical (same config seed, then broadcast from rank 0) and
 stay bit-identical because every rank applies the same optimizer step to the same summed gradient.
 
-Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`, inside its CUDA graph on GPU):
+Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`; eager on several ranks, inside the
+minibatch's CUDA graph only with ``MAMBA_RL_DDP_CAPTURE=1``):
 
 1. one all-reduce of [sum adv, sum adv^2, valid count] (float64, :meth:`DataParallel.minibatch_stats`):
    advantages are normalised with the *global* minibatch mean/std and every rank's loss is its share
@@ -36,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .devices import resolve_device
 
 __all__ = ["world_size", "rank", "init_from_env", "DataParallel", "shard_permutation"]
 
@@ -68,6 +71,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
     Raises:
         RuntimeError: ``WORLD_SIZE`` > 1 without ``RANK`` / ``MASTER_ADDR`` (not launched by torchrun),
             or more local ranks than visible GPUs.
+        ValueError: ``device`` asks for CUDA on a machine without it (:func:`~mamba_rl.agents.devices.resolve_device`).
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
@@ -78,7 +82,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
         if key not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world} but {key} is not set: launch with torchrun "
                                f"(or mamba-rl train --nproc N)")
-    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    cuda = resolve_device(device).type == "cuda"
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     kw: dict[str, Any] = {}
     if cuda:

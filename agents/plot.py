@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["read_scalars", "plot_run"]
+from .tags import EPISODIC_RETURN as _RETURN
 
-_RETURN = "charts/episodic_return"
+__all__ = ["read_scalars", "plot_run"]
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:

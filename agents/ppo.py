@@ -7,7 +7,8 @@ Loop (docs/architecture.md, "Agent loop"), per update:
    reset only per env at episode starts, inside the kernel. The host stages each step's input in
    numpy (:func:`mamba_rl.agents.rollout.collect_rollout`); on CUDA one graph replay per step runs
    backbone, heads, sampling and device storage (:class:`~mamba_rl.agents.device_actor.GraphActor`),
-   elsewhere the backbone and heads run eagerly and sampling / storage happen on the host.
+   elsewhere (the CPU, or CUDA without graphs) the backbone and heads run eagerly and sampling /
+   storage happen on the host (:class:`~mamba_rl.agents.rollout.EagerActor`).
 2. Advantages: GAE under NextStep autoreset (:func:`mamba_rl.agents.gae.compute_gae`): the reset
    step after a done is never a transition; a truncation bootstraps with V(final obs) computed
    with the pre-reset state.
@@ -20,7 +21,12 @@ Loop (docs/architecture.md, "Agent loop"), per update:
 
 :class:`RecurrentPPO` composes :class:`~mamba_rl.agents.policy.Policy` (network, acting),
 :mod:`~mamba_rl.agents.evaluate` and :mod:`~mamba_rl.agents.checkpoint`. Defaults and TensorBoard
-tags follow CleanRL (Huang et al. 2022); the same code runs on CPU (reference backend) and CUDA.
+tags follow CleanRL (Huang et al. 2022); the same code runs on the CPU (the ``cpu`` kernel backend by
+default, ``reference`` on request) and on CUDA. The agent builds its parts and hands each module the
+typed pieces it works on: the rollout a :class:`~mamba_rl.agents.rollout.RolloutCarry` and a
+:class:`~mamba_rl.agents.rollout.RolloutBuffer`, the update the policy, trainer, head optimizer and
+buffer, the checkpoints all of them plus the :class:`~mamba_rl.agents.runs.Run` and its
+:class:`~mamba_rl.agents.runs.Progress`.
 """
 
 from __future__ import annotations
@@ -36,19 +42,21 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.envs import adopt_vec_env, finished_episodes, make_vec_env
+from mamba_rl.envs import make_vec_env
 
-from .checkpoint import checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
+from .checkpoint import Rngs, checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
 from .config import PPOConfig
 from .device_actor import GraphActor
-from .distributed import DataParallel, rank as dist_rank, world_size as dist_world_size
+from .devices import resolve_device
+from .distributed import DataParallel, rank as dist_rank, shard_permutation, world_size as dist_world_size
 from .evaluate import EvalResult, evaluate_policy
 from .head_optim import FlatHeadAdam
-from .logger import TensorBoardLogger, run_name_for
-from .policy import Policy, PolicyState, resolve_device
+from .logger import TensorBoardLogger
+from .policy import Policy, PolicyState
 from .progress import StepProgress, apply_thread_policy, notice
-from .rollout import EagerActor, RolloutBuffer, collect_rollout
-from .runs import claim_run
+from .rollout import EagerActor, RolloutBuffer, RolloutCarry, adopt_vec_env, collect_rollout
+from .runs import Progress, Run, claim_run, new_run_name
+from .tags import LEARNING_RATE, ROLLOUT_MS, SPS, UPDATE_MS
 from .update import PPOUpdate
 
 __all__ = ["RecurrentPPO"]
@@ -68,9 +76,11 @@ class RecurrentPPO:
     Observation spaces: any space gymnasium can flatten (Box, Discrete, MultiDiscrete and
     Tuple/Dict of them; discrete parts one-hot). Action spaces: Discrete, MultiDiscrete, Box.
 
-    Attributes: ``policy`` (:class:`Policy`: backbone ``net``, ``heads``, acting), ``trainer``
-    (backbone AdamW), ``head_optimizer``, ``stepper`` (rollout, batch num_envs), ``buffer``,
-    ``global_step``, ``update``, ``history`` (per-update metrics).
+    Attributes: ``config``, ``policy`` (:class:`Policy`: backbone ``policy.net``, ``policy.heads``,
+    acting), ``trainer`` (backbone AdamW), ``head_optimizer``, ``stepper`` (rollout, batch num_envs),
+    ``buffer`` (:class:`RolloutBuffer`), ``carry`` (:class:`RolloutCarry`), ``rngs`` (:class:`Rngs`),
+    ``run`` (:class:`Run`), ``progress`` (:class:`Progress`: ``global_step``, ``update``,
+    ``recent_returns``, also readable as attributes of the agent), ``history`` (per-update metrics).
 
     Raises:
         ValueError: bad config, or a vector env whose sub-env count or autoreset mode differs.
@@ -85,69 +95,93 @@ class RecurrentPPO:
         if overrides:
             config = config.replace(**overrides)
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, config.backend)
         # data-parallel (agents/distributed.py): num_envs is per rank, rank r's envs are seeded as envs
         # r*num_envs.. of one process; weights, minibatch order and lr schedule are shared by all ranks
         self.world_size, self.rank = dist_world_size(), dist_rank()
         self.env_seed = config.seed + self.rank * config.num_envs
-        if self.world_size > 1 and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.run_name = run_name_for(config)
+        self.run = Run(new_run_name(config))
+        self.progress = Progress()
         self._logger: TensorBoardLogger | None = None
+        self._num_updates: int | None = None  # fixed while learn() runs
+        self._predict_generator: torch.Generator | None = None
         self.envs = self._make_envs() if env is None or isinstance(env, str) else adopt_vec_env(env, config.num_envs)
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
-        self.policy = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
-                             self.envs.single_action_space, self.device, config.seed, backend=config.backend,
-                             prev_action=config.prev_action, prev_reward=config.prev_reward,
-                             memoryless=config.memoryless)
-        p = self.policy  # its parts, also as attributes of the agent
-        self.net, self.heads, self.action_space = p.net, p.heads, p.action_space
-        self.obs_dim, self.input_dim = p.obs_dim, p.input_dim
+        self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
+                                 self.envs.single_action_space, self.device, config.seed, backend=config.backend,
+                                 prev_action=config.prev_action, prev_reward=config.prev_reward,
+                                 memoryless=config.memoryless)
         # CUDA: the heads' Adam runs on a flat device arena inside the update graph (no sync per step)
         adam = FlatHeadAdam if self.device.type == "cuda" else torch.optim.Adam
-        self.head_optimizer = adam(self.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
-        self.trainer = MambaTrainer(self.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
+        self.head_optimizer = adam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        self.trainer = MambaTrainer(p.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,
                                     no_decay="reference", max_grad_norm=config.max_grad_norm)
         self.dp = DataParallel() if self.world_size > 1 else None
         if self.dp is not None:
             self._sync_ranks()
-        self.stepper = self.net.stepper(batch=config.num_envs)
-        self._graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.stepper = p.net.stepper(batch=config.num_envs)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
         self._warned_pickle = False
 
-        # the eager path samples on the CPU with this generator; the graph path with the device's RNG
-        self.sample_generator = torch.Generator().manual_seed(config.seed + self.rank)
-        self.np_rng = np.random.default_rng(config.seed)
+        # the eager path samples on the CPU with rngs.sample; the graph path with the device's RNG
+        self.rngs = Rngs(sample=torch.Generator().manual_seed(config.seed + self.rank),
+                         minibatch=np.random.default_rng(config.seed))
         self.buffer = RolloutBuffer(config.num_envs, config.num_steps, p.input_dim, p.obs_dim, p.action_dim,
-                                    p.discrete_actions, self.stepper.state, self.device,
-                                    storage_device=self.device if self._graphs else torch.device("cpu"))
-        self._reset_carry(torch.zeros(config.num_envs, p.obs_dim))
-        self.env_started = False
-        self.actor = GraphActor(self) if self._graphs else EagerActor(self)
-        self.updater = PPOUpdate(self, capture=self._graphs)
+                                    p.discrete_actions, self.stepper.state,
+                                    storage_device=self.device if graphs else torch.device("cpu"))
+        self.carry = RolloutCarry.zeros(config.num_envs, p.obs_dim, p.action_dim, p.discrete_actions)
+        self.actor = (GraphActor(p, self.stepper, self.buffer, config.gamma, config.gae_lambda) if graphs else
+                      EagerActor(p, self.stepper, self.buffer, self.rngs.sample, config.gamma, config.gae_lambda))
+        self.updater = PPOUpdate(config, p, self.trainer, self.head_optimizer, self.buffer, self.dp, capture=graphs)
         self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
-        self.global_step = 0
-        self.update = 0
         self.history: list[dict[str, float]] = []
-        self.recent_returns: deque = deque(maxlen=100)
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
+
+    # ------------------------------------------------------------- progress
+    @property
+    def global_step(self) -> int:
+        """Env steps taken, all ranks together (``progress.global_step``)."""
+        return self.progress.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.progress.global_step = value
+
+    @property
+    def update(self) -> int:
+        """Whole updates done (``progress.update``)."""
+        return self.progress.update
+
+    @update.setter
+    def update(self, value: int) -> None:
+        self.progress.update = value
+
+    @property
+    def recent_returns(self) -> deque:
+        """The raw returns of the last 100 finished episodes (``progress.recent_returns``)."""
+        return self.progress.recent_returns
+
+    @property
+    def run_name(self) -> str:
+        """The run's name (``run.name``): its folder under ``runs_dir`` and ``checkpoint_dir``."""
+        return self.run.name
 
     def _sync_ranks(self) -> None:
         """Rank 0's weights on every rank (equal from the seed anyway) and per-rank sampling RNGs."""
-        net = self.net
+        net, heads = self.policy.net, self.policy.heads
         cfg = {k: v for k, v in self.config.to_dict().items() if k not in ("runs_dir", "checkpoint_dir", "device")}
         self.dp.check_same("the PPOConfig", cfg)
-        self.dp.check_same("the parameter count", (net.arena.numel(), sum(p.numel() for p in self.heads.parameters())))
-        ts = [net.arena] + [p.data for p in self.heads.parameters()]
-        if getattr(net, "compute_arena", None) is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
+        self.dp.check_same("the parameter count", (net.arena.numel(), sum(p.numel() for p in heads.parameters())))
+        ts = [net.arena] + [p.data for p in heads.parameters()]
+        if net.compute_arena is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
             ts.append(net.compute_arena)
         self.dp.broadcast_weights(ts)
         # device sampling (CUDA graph actor) differs per rank
-        torch.manual_seed(self.config.seed + 1000 * getattr(self, "update", 0) + self.rank)
+        torch.manual_seed(self.config.seed + 1000 * self.update + self.rank)
 
     @property
     def num_updates(self) -> int:
@@ -155,7 +189,7 @@ class RecurrentPPO:
         to reach ``total_timesteps`` (fixed when :meth:`learn` starts). ``total_timesteps`` and ``global_step``
         count the env steps of all ranks together, so a run resumed on another world size still stops at
         (about) ``total_timesteps``; on the same world size this is ceil(total_timesteps / (batch_size * world))."""
-        if getattr(self, "_num_updates", None) is not None:
+        if self._num_updates is not None:
             return self._num_updates
         c = self.config
         left = max(0, c.total_timesteps - self.global_step)
@@ -170,25 +204,11 @@ class RecurrentPPO:
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
                             start_method=c.async_start_method)
 
-    def _reset_carry(self, next_obs: torch.Tensor) -> None:
-        """The state carried between rollouts, at the start of every env's first episode. It lives on
-        the host as CPU tensors (checkpoints save it): the host stages each step's input from it (see
-        :func:`mamba_rl.agents.rollout.collect_rollout`)."""
-        n, p = self.config.num_envs, self.policy
-        self.next_obs = next_obs
-        self.next_start = torch.ones(n, dtype=torch.bool)
-        self.next_done = torch.zeros(n, dtype=torch.bool)
-        self.prev_action = torch.zeros(n, p.action_dim, dtype=torch.int64 if p.discrete_actions else torch.float32)
-        self.prev_reward = torch.zeros(n)
-
-    def _reset_envs(self) -> None:
-        obs, _ = self.envs.reset(seed=self.env_seed)
-        self._reset_carry(torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(self.config.num_envs,
-                                                                                   self.obs_dim)))
-        self.stepper.reset()
-        self.env_started = True
-
     # --------------------------------------------------------------- rollout
+    def _advance(self) -> int:
+        self.progress.global_step += self.config.num_envs * self.world_size  # all ranks together
+        return self.progress.global_step
+
     @torch.no_grad()
     def collect_rollout(self) -> tuple[list[tuple[int, float, int]], float]:
         """Fill :attr:`buffer` with ``num_steps`` steps of every env, then compute GAE
@@ -198,14 +218,21 @@ class RecurrentPPO:
             (episodes, rollout_ms): finished episodes as (global_step, return, length) and the wall
             time of the rollout in ms (the env.step share is kept in :attr:`last_env_ms`).
         """
-        episodes, rollout_ms, self.last_env_ms = collect_rollout(self, self.actor)
-        return episodes, rollout_ms
+        c = self.config
+        res = collect_rollout(self.envs, self.actor, self.carry, c.num_steps, c.memoryless, self.env_seed,
+                              self._advance)
+        self.recent_returns.extend(ret for _, ret, _ in res.episodes)
+        self.last_env_ms = res.env_ms
+        return res.episodes, res.rollout_ms
 
     # ---------------------------------------------------------------- update
     def _set_lr(self, lr: float) -> None:
         self.trainer.set_lr(lr)
-        for g in self.head_optimizer.param_groups:
-            g["lr"] = lr
+        if isinstance(self.head_optimizer, FlatHeadAdam):
+            self.head_optimizer.set_lr(lr)
+        else:
+            for g in self.head_optimizer.param_groups:
+                g["lr"] = lr
 
     def current_lr(self, update: int) -> float:
         """Learning rate of ``update`` (1-based): CleanRL's linear annealing when ``anneal_lr``."""
@@ -215,19 +242,14 @@ class RecurrentPPO:
         frac = 1.0 - (update - 1.0) / self.num_updates
         return frac * c.learning_rate
 
-    def minibatch_rows(self) -> list[torch.Tensor]:
-        """One epoch's minibatches: a permutation of the envs cut into ``num_minibatches`` equal
-        LongTensors of ``envs_per_minibatch`` rows each (fixed shape). Draws from :attr:`np_rng` as
-        :meth:`update_policy` does per epoch."""
+    def _draw_rows(self) -> torch.Tensor:
         c = self.config
-        perm = torch.as_tensor(self.np_rng.permutation(c.num_envs), device=self.device)
-        return list(perm.view(c.num_minibatches, c.envs_per_minibatch))
+        return shard_permutation(self.rngs.minibatch, c.num_envs, c.num_minibatches)
 
     def update_policy(self) -> dict[str, float]:
-        """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`); returns the
-        update's metrics as floats (one sync)."""
-        return self.updater.run()
-
+        """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`, with the current
+        config and this agent's minibatch order); returns the update's metrics as floats (one sync)."""
+        return self.updater.run(self.config, self._draw_rows)
     # ----------------------------------------------------------------- learn
     @property
     def logger(self) -> TensorBoardLogger:
@@ -264,7 +286,7 @@ class RecurrentPPO:
         self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
         lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
         if lead:
-            claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
+            claim_run(self.run, c)  # this run's own folders, created exclusively (a resumed run keeps its own)
         logger = self.logger if lead else None
         # the bar follows global_step from a thread, so it moves during the rollout too
         planned = self.num_updates * c.batch_size * self.world_size
@@ -288,8 +310,8 @@ class RecurrentPPO:
                     local = len(episodes)
                     episodes, sps = self.dp.gather_episodes(episodes, sps)
                     self.recent_returns.extend(ret for _, ret, _ in episodes[local:])
-                metrics.update({"charts/SPS": sps, "charts/learning_rate": lr, "perf/rollout_ms": rollout_ms,
-                                "perf/update_ms": update_ms, "global_step": self.global_step, "update": update})
+                metrics.update({SPS: sps, LEARNING_RATE: lr, ROLLOUT_MS: rollout_ms, UPDATE_MS: update_ms,
+                                "global_step": self.global_step, "update": update})
                 self.history.append(metrics)
                 if logger is not None:
                     logger.episodes(episodes)
@@ -329,7 +351,7 @@ class RecurrentPPO:
         """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments).
         ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
         (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
-        if getattr(self, "_predict_generator", None) is None:
+        if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
         action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
         return action, state
@@ -358,7 +380,9 @@ class RecurrentPPO:
         """Save everything needed to resume or evaluate into the folder ``path`` (returned as a Path):
         ``agent.safetensors`` (safetensors + JSON) and ``envs.pkl`` (the envs mid-episode, read only on
         request); see :mod:`mamba_rl.agents.checkpoint`."""
-        path, err = save_agent(self, path)
+        path, err = save_agent(path, config=self.config, run=self.run, progress=self.progress, policy=self.policy,
+                               trainer=self.trainer, head_optimizer=self.head_optimizer, rngs=self.rngs,
+                               stepper=self.stepper, carry=self.carry, envs=self.envs, world_size=self.world_size)
         if err is not None and not self._warned_pickle:  # once per agent, outside the progress bar
             notice(f"note: the envs could not be pickled ({err}); resuming from this run's checkpoints "
                    "restores the learner exactly but resets the envs")
@@ -393,9 +417,11 @@ class RecurrentPPO:
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
         try:
-            restore_agent(agent, ckpt, restore_carry=restore)
+            restore_agent(ckpt, run=agent.run, progress=agent.progress, policy=agent.policy, trainer=agent.trainer,
+                          head_optimizer=agent.head_optimizer, rngs=agent.rngs, stepper=agent.stepper,
+                          carry=agent.carry, envs=agent.envs, restore_carry=restore)
             if agent.dp is not None:
-                agent.sample_generator.manual_seed(config.seed + 1000 * agent.update + agent.rank)
+                agent.rngs.sample.manual_seed(config.seed + 1000 * agent.update + agent.rank)
                 agent._sync_ranks()
         except BaseException:
             agent.close()  # a checkpoint that does not fit: do not leak the envs just built

@@ -22,7 +22,7 @@ def fake_rollout(agent, total_envs: int, offset: int, seed: int) -> None:
     n, t = total_envs, c.num_steps
     rows = slice(offset, offset + c.num_envs)
     full = {
-        "inputs": torch.randn(n, t, agent.input_dim, generator=g),
+        "inputs": torch.randn(n, t, agent.policy.input_dim, generator=g),
         "episode_starts": torch.rand(n, t, generator=g) < 0.1,
         "actions": torch.randint(0, 2, (n, t, 1), generator=g),
         "logprobs": torch.log(torch.full((n, t), 0.5)) + 0.1 * torch.randn(n, t, generator=g),
@@ -43,7 +43,7 @@ def fake_rollout(agent, total_envs: int, offset: int, seed: int) -> None:
 def flat_state(agent) -> torch.Tensor:
     """Backbone weights + AdamW moments + head weights as one flat float32 tensor."""
     tr = agent.trainer
-    parts = [agent.net.arena, tr.exp_avg, tr.exp_avg_sq] + [p.detach().reshape(-1) for p in agent.heads.parameters()]
+    parts = [agent.policy.net.arena, tr.exp_avg, tr.exp_avg_sq] + [p.detach().reshape(-1) for p in agent.policy.heads.parameters()]
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in parts])
 
 

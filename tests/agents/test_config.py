@@ -83,13 +83,13 @@ def test_dt_rank_and_eps_reach_the_agent_and_survive_a_checkpoint(tmp_path):
     agent = RecurrentPPO("CartPole-v1", dt_rank=3, rms_norm_eps=1e-3, d_model=16, n_layers=1, d_state=4, d_conv=3,
                          checkpoint_dir=str(tmp_path / "ckpt"), **TINY)
     assert agent.config.backbone == BACKBONE
-    assert agent.net.cfg == BACKBONE  # the backbone was built from it, not from copied fields
-    assert dict(agent.net.named_parameters())["layers.0.mixer.dt_proj.weight"].shape[1] == 3
+    assert agent.policy.net.cfg == BACKBONE  # the backbone was built from it, not from copied fields
+    assert dict(agent.policy.net.named_parameters())["layers.0.mixer.dt_proj.weight"].shape[1] == 3
     agent.learn()
     path = agent.save(tmp_path / "saved")
     loaded = RecurrentPPO.load(path)
-    assert loaded.config == agent.config and loaded.net.cfg == BACKBONE
-    torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+    assert loaded.config == agent.config and loaded.policy.net.cfg == BACKBONE
+    torch.testing.assert_close(loaded.policy.net.arena, agent.policy.net.arena, rtol=0, atol=0)
     # a backbone field changed at load time reaches the backbone too, which then does not fit the weights
     with pytest.raises(CheckpointError, match="rms_norm_eps"):
         RecurrentPPO.load(path, rms_norm_eps=1e-4)
@@ -108,6 +108,6 @@ def test_checkpoint_with_old_flat_config_loads(tmp_path):
     _rewrite_ppo_config(path / "agent.safetensors", flatten)
     loaded = RecurrentPPO.load(path)
     assert loaded.config.backbone == agent.config.backbone
-    torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.policy.net.arena, agent.policy.net.arena, rtol=0, atol=0)
     agent.close()
     loaded.close()

@@ -42,11 +42,12 @@ def _one_process(tmp_path, device: str, updates: int):
     cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path / "runs"),
                     checkpoint_dir=str(tmp_path / "ckpt"))
     agent = RecurrentPPO(config=cfg)
-    agent.updater.shards = 2  # minibatch k = the envs of both ranks' minibatch k
     init, metrics = flat_state(agent), []
+    # minibatch k = the envs of both ranks' minibatch k
+    rows = lambda: shard_permutation(agent.rngs.minibatch, 8, cfg.num_minibatches, shards=2)  # noqa: E731
     for u in range(updates):
         fake_rollout(agent, 8, 0, seed=100 + u)
-        metrics.append(agent.update_policy())
+        metrics.append(agent.updater.run(agent.config, rows))
     final = flat_state(agent)
     agent.close()
     return init, final, metrics
