@@ -11,6 +11,16 @@ A checkpoint is a folder holding:
   asked for (``RecurrentPPO.load(restore_envs=True)``, ``mamba-rl train --resume PATH --resume-envs``),
   for checkpoints you trust. Everything else is safetensors + JSON.
 
+A folder is written as a whole (:func:`save_agent`): both files go into a new sibling folder
+``.tmp-<name>-<random>``, are fsynced, and only then does that folder take the place of ``<name>`` (the
+previous one is renamed ``.old-<name>-<random>`` and removed after the swap). A save that is killed
+leaves the previous checkpoint as it was; the temporaries it left are removed by the next save of that
+folder. ``agent.safetensors`` records the SHA-256 of the ``envs.pkl`` written with it, so a folder whose
+two files come from different saves is refused at load (:func:`check_envs_file`). A save refuses
+weights or optimizer moments holding NaN / inf (:class:`NonFiniteWeightsError`), and the JSON metadata is
+made JSON-safe (a NaN episode return or normalisation statistic is stored as the string "nan").
+Both files are created with mode 0o666 minus the umask.
+
 Data-parallel runs (:mod:`mamba_rl.agents.distributed`): rank 0 writes the checkpoint; its carry and
 RNG states are rank 0's. It resumes on any world size: weights, both optimizers, counters and the
 minibatch RNG load on every rank; the per-rank envs, carry and sampling RNGs are re-created (the
@@ -23,8 +33,12 @@ trainer, head optimizer, sampling RNGs, stepper, rollout carry, envs) as typed a
 
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import pickle
+import secrets
+import shutil
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +48,7 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer, Stepper, load_checkpoint, read_checkpoint, save_checkpoint
+from mamba_rl.train.checkpoint import CheckpointError, fsync_path, remove_stale_temporaries
 from mamba_rl.envs import find_vector_wrapper
 
 from .config import PPOConfig
@@ -42,7 +57,7 @@ from .rollout import RolloutCarry
 from .runs import Progress, Run, adopt_run
 
 __all__ = ["CHECKPOINT_FORMAT", "Rngs", "checkpoint_file", "read_agent_config", "save_agent", "restore_agent",
-           "load_envs"]
+           "load_envs", "check_envs_file", "NonFiniteWeightsError", "json_safe"]
 
 CHECKPOINT_FORMAT = "mamba_rl.agents.RecurrentPPO/1"
 
@@ -55,8 +70,32 @@ class Rngs:
 
     sample: torch.Generator
     minibatch: np.random.Generator
+
+
 _NORMS = (("obs_rms", gym.wrappers.vector.NormalizeObservation, "obs_rms"),
           ("return_rms", gym.wrappers.vector.NormalizeReward, "return_rms"))
+_OURS = ("agent.safetensors", "envs.pkl")
+
+
+class NonFiniteWeightsError(ValueError):
+    """A save refused: the agent's weights or optimizer moments hold NaN / inf (nothing was written)."""
+
+
+def json_safe(x: Any) -> Any:
+    """``x`` with every non-finite float replaced by its string ("nan", "inf", "-inf") and numpy scalars /
+    arrays turned into Python numbers / lists, so that ``json.dumps(..., allow_nan=False)`` takes it.
+    ``float(s)`` and ``np.asarray(..., dtype=float)`` read the strings back."""
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return json_safe(x.tolist())
+    if isinstance(x, np.generic):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
 
 
 def checkpoint_file(path: str | Path) -> Path:
@@ -66,6 +105,7 @@ def checkpoint_file(path: str | Path) -> Path:
         FileNotFoundError: neither exists.
     """
     path = Path(path)
+    _recover_swap(path)
     f = path / "agent.safetensors" if path.is_dir() else path
     if not f.is_file():
         raise FileNotFoundError(f"no RecurrentPPO checkpoint at {path} (expected a folder holding "
@@ -92,9 +132,89 @@ def read_agent_config(path: str | Path, **overrides: Any) -> tuple[Path, PPOConf
 
 
 def load_envs(env_file: Path) -> gym.vector.VectorEnv:
-    """Unpickle a saved vector env (trusted checkpoints only)."""
+    """Unpickle a saved vector env (trusted checkpoints only; check it first with :func:`check_envs_file`)."""
     with open(env_file, "rb") as f:
         return pickle.load(f)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_envs_file(ckpt: Path, env_file: Path) -> None:
+    """Refuse an ``envs.pkl`` that was not written by the same save as ``ckpt`` (its agent.safetensors),
+    before anything is unpickled. Checkpoints older than this check (no digest recorded) pass.
+
+    Raises:
+        mamba_rl.CheckpointError: the folder mixes the files of two saves (e.g. a save killed half-way
+            by an older version, or files copied by hand), naming both steps where known.
+    """
+    from safetensors import safe_open
+    import json
+
+    with safe_open(str(ckpt), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("mamba_rl", "{}"))
+    extra = meta.get("extra", {})
+    if "envs_pkl_sha256" not in extra:
+        return
+    want, got = extra["envs_pkl_sha256"], _sha256(env_file)
+    if want != got:
+        what = "no envs.pkl" if want is None else f"an envs.pkl with SHA-256 {want[:12]}..."
+        raise CheckpointError(
+            f"{env_file}: this envs.pkl (SHA-256 {got[:12]}...) is not the one saved with {ckpt.name} "
+            f"(update {extra.get('update')}, global step {extra.get('global_step')}), which recorded {what}: "
+            f"the folder mixes two saves. Refusing to resume the envs from it; resume without --resume-envs "
+            f"(the envs are rebuilt and reset) or from a complete checkpoint")
+
+
+def _check_finite(policy: Policy, trainer: MambaTrainer, progress: Progress, path: Path) -> None:
+    parts = {"backbone weights": policy.net.arena, "backbone AdamW moments": torch.cat(
+        [trainer.exp_avg.reshape(-1), trainer.exp_avg_sq.reshape(-1)])}
+    parts["head weights"] = torch.cat([p.detach().reshape(-1) for p in policy.heads.parameters()])
+    for name, t in parts.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise NonFiniteWeightsError(
+                f"refusing to save {path}: the {name} hold {bad} non-finite values (NaN/inf) of {t.numel()} after "
+                f"update {progress.update} (global step {progress.global_step}); expected finite values. Nothing was "
+                f"written: a checkpoint already there is left in place")
+
+
+def _adopt_foreign(old: Path, new: Path) -> None:
+    """Move what the user put into a checkpoint folder (e.g. eval videos) from ``old`` into ``new``."""
+    for entry in os.listdir(old):
+        if entry in _OURS or entry.startswith(".tmp-"):
+            continue
+        if not (new / entry).exists():
+            os.rename(old / entry, new / entry)
+
+
+def _recover_swap(path: Path) -> None:
+    """A save killed between its two renames left ``path`` missing and the previous folder as
+    ``.old-<name>-*``: put the newest complete one back. With ``path`` present, the ``.old-*`` folders
+    are leftovers: what the user added to them moves into ``path``, the rest is removed."""
+    parent, name = path.parent, path.name
+    try:
+        olds = sorted((parent / e for e in os.listdir(parent) if e.startswith(f".old-{name}-")),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not olds:
+        return
+    if not path.exists():
+        for old in olds:
+            if (old / "agent.safetensors").is_file():
+                os.rename(old, path)
+                olds.remove(old)
+                break
+    if path.is_dir():
+        for old in olds:
+            _adopt_foreign(old, path)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _rms(envs: gym.vector.VectorEnv, wrapper: type, attr: str) -> dict[str, Any] | None:
@@ -126,16 +246,33 @@ def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progr
                trainer: MambaTrainer, head_optimizer: torch.optim.Optimizer, rngs: Rngs, stepper: Stepper,
                carry: RolloutCarry, envs: gym.vector.VectorEnv,
                world_size: int = 1) -> tuple[Path, Exception | None]:
-    """Write an agent, given as its parts, into the folder ``path`` (see the module doc).
+    """Write an agent, given as its parts, into the folder ``path`` as a whole (see the module doc).
 
     Args:
         world_size: ranks of the run (informative: a checkpoint loads on any world size).
 
     Returns:
         (``path`` as a Path, the error that kept the envs from being pickled, or None).
+
+    Raises:
+        NonFiniteWeightsError: the weights or optimizer moments hold NaN / inf; nothing is written.
+        NotADirectoryError: ``path`` exists and is not a folder.
+        OSError: the write failed; the previous checkpoint at ``path`` (if any) is left in place.
     """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    _check_finite(policy, trainer, progress, path)
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"checkpoint path {path} exists and is not a folder")
+    parent, name = path.parent, path.name
+    parent.mkdir(parents=True, exist_ok=True)
+    _recover_swap(path)
+    remove_stale_temporaries(parent, f".tmp-{name}-")  # what a killed save of this folder left behind
+    blob, err = None, None
+    if carry.started and isinstance(envs.unwrapped, gym.vector.SyncVectorEnv) and not config.capture_video:
+        try:
+            blob = pickle.dumps(envs)
+        except Exception as e:  # lambdas in wrappers (e.g. FlattenObservation), third-party envs
+            err = e
     opt_sd = head_optimizer.state_dict()
     extra = {"format": CHECKPOINT_FORMAT, "ppo_config": config.to_dict(), "run_name": run.name,
              "global_step": progress.global_step, "update": progress.update, "input_dim": policy.input_dim,
@@ -145,21 +282,35 @@ def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progr
              "head_optimizer_param_groups": opt_sd["param_groups"],
              "head_optimizer_state_keys": {str(k): sorted(v) for k, v in opt_sd["state"].items()},
              "recent_returns": [float(r) for r in progress.recent_returns],
-             "world_size": world_size}
-    save_checkpoint(str(path / "agent.safetensors"), trainer, extra=extra,
-                    extra_tensors=_extra_tensors(policy, head_optimizer, rngs, stepper, carry))
-    env_file = path / "envs.pkl"
-    if carry.started and isinstance(envs.unwrapped, gym.vector.SyncVectorEnv) and not config.capture_video:
-        try:
-            blob = pickle.dumps(envs)
-        except Exception as err:  # lambdas in wrappers (e.g. FlattenObservation), third-party envs
-            return path, err
-        with open(path / "envs.pkl.tmp", "wb") as f:
-            f.write(blob)
-        os.replace(path / "envs.pkl.tmp", env_file)
-    elif env_file.exists():
-        env_file.unlink()
-    return path, None
+             "world_size": world_size,
+             "envs_pkl_sha256": hashlib.sha256(blob).hexdigest() if blob is not None else None}
+    if progress.lr_plan is not None:
+        extra["lr_plan"] = list(progress.lr_plan)
+    tmp = parent / f".tmp-{name}-{secrets.token_hex(6)}"
+    os.mkdir(tmp)
+    try:
+        save_checkpoint(str(tmp / "agent.safetensors"), trainer, extra=json_safe(extra),
+                        extra_tensors=_extra_tensors(policy, head_optimizer, rngs, stepper, carry))
+        if blob is not None:
+            with open(tmp / "envs.pkl", "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+        fsync_path(tmp)
+        if path.exists():  # keep the previous folder until the new one is complete, then swap
+            old = parent / f".old-{name}-{secrets.token_hex(6)}"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            fsync_path(parent)
+            _adopt_foreign(old, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+            fsync_path(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path, err
 
 
 def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, trainer: MambaTrainer,
@@ -193,7 +344,13 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
     adopt_run(run, extra["run_name"])  # a resumed run writes into its own folders, on purpose
     progress.global_step = int(extra["global_step"])
     progress.update = int(extra["update"])
-    progress.recent_returns.extend(extra.get("recent_returns", []))
+    progress.recent_returns.extend(float(r) for r in extra.get("recent_returns", []))
+    if "lr_plan" in extra:
+        progress.lr_plan = tuple(float(v) for v in extra["lr_plan"])
+    else:  # older checkpoints: the plan of the saved run (linear from update 1 to its last update)
+        saved = PPOConfig.from_dict(extra["ppo_config"])
+        world = int(extra.get("world_size", 1))
+        progress.lr_plan = (1.0, 1.0, float(-(-saved.total_timesteps // (saved.batch_size * world)) + 1))
     if restore_carry:
         stepper.state.conv.copy_(t["carry/stepper_conv"])
         stepper.state.ssm.copy_(t["carry/stepper_ssm"])
@@ -207,4 +364,4 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
             rms = getattr(w, attr)
             rms.mean = np.asarray(extra[key]["mean"], dtype=np.float64).reshape(np.shape(rms.mean))
             rms.var = np.asarray(extra[key]["var"], dtype=np.float64).reshape(np.shape(rms.var))
-            rms.count = extra[key]["count"]
+            rms.count = float(extra[key]["count"])

@@ -3,8 +3,9 @@
 ``mamba-rl train`` with no arguments trains recurrent PPO on ``mamba_rl/CartPoleNoVel-v1``
 (device auto, dtype f32, CleanRL's PPO defaults), logs TensorBoard to
 ``runs/{env}__{exp_name}__{seed}__{unix_time}__{suffix}`` and checkpoints under
-``checkpoints/{run name}/`` (periodically, at the end, and on Ctrl-C, after which it prints the
-steps done and the resume command). Both folders are created exclusively, so concurrent runs never
+``checkpoints/{run name}/`` (periodically, at the end, and on Ctrl-C or SIGTERM, after which it prints
+the steps done and the resume command, and exits with 130 after Ctrl-C, 143 after SIGTERM; a second
+signal during that save waits for it, :mod:`mamba_rl.agents.interrupts`). Both folders are created exclusively, so concurrent runs never
 share one (:mod:`mamba_rl.agents.runs`). Every PPOConfig field is a flag (``--num-envs 16``,
 ``--prev-action``, ``--no-anneal-lr``, ``--target-kl 0.02``, ``--threads 2``, ...), and so is every
 field of its backbone MambaConfig (``--d-model 64``, ``--n-layers 2``, ``--dt-rank 8``, ...); their
@@ -206,6 +207,7 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from mamba_rl.agents import PPOConfig, RecurrentPPO, distributed, train_ddp
     from mamba_rl.agents.checkpoint import read_agent_config
+    from mamba_rl.agents.interrupts import exit_code, terminate_as_interrupt
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import claim_run
@@ -243,18 +245,23 @@ def _run_train(args: argparse.Namespace) -> int:
     if c.track:
         print(f"TensorBoard: tensorboard --logdir {c.runs_dir}", file=sys.stderr)
     start, start_step = time.perf_counter(), agent.global_step
+    terminate_as_interrupt()  # SIGTERM (a scheduler stopping the job) saves `interrupted` like Ctrl-C
     try:
         agent.learn(progress=not args.no_progress)
-    except KeyboardInterrupt:
-        ckpt = agent.checkpoint_root / "interrupted"
+    except KeyboardInterrupt as err:
+        ckpt = agent.interrupted_checkpoint
         done = agent.global_step - start_step
-        print(f"\ninterrupted after update {agent.update} of {c.num_updates}: {_steps(agent.global_step)} of "
-              f"{_steps(c.planned_timesteps)} env steps done ({_steps(done)} in this session, "
-              f"{time.perf_counter() - start:.0f} s; a partial rollout is dropped)\n"
-              f"checkpoint: {ckpt}\n"
-              f"continue with: mamba-rl train --resume {ckpt}", file=sys.stderr)
+        what = "Ctrl-C" if exit_code(err) == 130 else str(err)
+        print(f"\ninterrupted ({what}) after update {agent.update} of {c.num_updates}: {_steps(agent.global_step)} "
+              f"of {_steps(c.planned_timesteps)} env steps done ({_steps(done)} in this session, "
+              f"{time.perf_counter() - start:.0f} s; a partial rollout is dropped)", file=sys.stderr)
+        if ckpt is not None:
+            print(f"checkpoint: {ckpt}\ncontinue with: mamba-rl train --resume {ckpt}", file=sys.stderr)
+        else:
+            print("nothing was saved: the interrupted checkpoint could not be written (see above); the "
+                  f"checkpoints saved earlier are under {agent.checkpoint_root}", file=sys.stderr)
         agent.close()
-        return 130
+        return exit_code(err)
     final = agent.checkpoint_root / "final"
     recent = list(agent.recent_returns)
     if recent:

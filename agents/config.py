@@ -29,6 +29,7 @@ BACKBONE_FIELDS = ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_ran
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
+_NONFINITE = ("raise", "zero")
 
 
 @dataclass
@@ -52,6 +53,7 @@ class PPOConfig:
         threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.
+        replan_lr: when a resumed run's horizon changes (a larger total_timesteps), re-plan the anneal over the new horizon from the initial lr (the lr jumps); by default the anneal continues from the current lr to 0 at the new end.
         adam_eps: epsilon of both optimizers.
         weight_decay: backbone AdamW weight decay (0 = Adam, as CleanRL).
         gamma: discount factor.
@@ -76,6 +78,7 @@ class PPOConfig:
             and unscaled value targets (O(100) on CartPole) dominate the one global gradient
             norm, starving the policy (measured: CartPole-v1 collapses back to ~50 without it).
         memoryless: reset the recurrent state at every step (ablation baseline).
+        nonfinite: a NaN/inf observation or reward from an env: "raise" (an error naming the env and the step) or "zero" (replaced by 0, counted in TensorBoard as env/nonfinite_obs and env/nonfinite_rewards).
         capture_video: record videos of env 0 under {runs_dir}/{run_name}/videos.
         runs_dir: parent of the TensorBoard run folders.
         track: write TensorBoard logs.
@@ -101,6 +104,7 @@ class PPOConfig:
     threads: int = 0
     learning_rate: float = 1e-3
     anneal_lr: bool = True
+    replan_lr: bool = False
     adam_eps: float = 1e-5
     weight_decay: float = 0.0
     gamma: float = 0.99
@@ -120,6 +124,7 @@ class PPOConfig:
     normalize_obs: bool = False
     normalize_reward: bool = True
     memoryless: bool = False
+    nonfinite: str = "raise"
     capture_video: bool = False
     runs_dir: str = "runs"
     track: bool = True
@@ -174,6 +179,8 @@ class PPOConfig:
             raise ValueError(f"PPOConfig.device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"PPOConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.nonfinite not in _NONFINITE:
+            raise ValueError(f"PPOConfig.nonfinite must be one of {_NONFINITE}, got {self.nonfinite!r}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"PPOConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
         if self.num_envs % self.num_minibatches != 0:

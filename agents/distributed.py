@@ -18,6 +18,11 @@ minibatch's CUDA graph only with ``MAMBA_RL_DDP_CAPTURE=1``):
    the global clip, AdamW, the f16 scaler's overflow check and the head Adam then see the same numbers
    on every rank.
 
+Once per update, after the rollout: the envs' running normalisation statistics (``--normalize-obs``'s
+NormalizeObservation, NormalizeReward's return statistics) are merged over the ranks
+(:class:`RunningStatsSync`, one float64 all-reduce), so every rank normalises with the statistics of all
+ranks' samples, as one process with all the envs would.
+
 Once per update: the metric table is summed over ranks (the losses are partial sums of the global
 mean), and rank 0 gathers every rank's finished episodes and SPS (:meth:`gather_episodes`). Rank 0
 alone writes TensorBoard and checkpoints.
@@ -40,7 +45,7 @@ import torch.distributed as dist
 
 from .devices import resolve_device
 
-__all__ = ["world_size", "rank", "init_from_env", "DataParallel", "shard_permutation"]
+__all__ = ["world_size", "rank", "init_from_env", "DataParallel", "shard_permutation", "RunningStatsSync"]
 
 
 def world_size() -> int:
@@ -199,3 +204,77 @@ class DataParallel:
         parts = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(parts, t.contiguous())
         return all(torch.equal(parts[0], p) for p in parts[1:])
+
+
+class RunningStatsSync:
+    """Merge the running mean / variance statistics of a vector env's normalisation wrappers over the ranks.
+
+    Every rank's ``RunningMeanStd`` (gymnasium: population variance, a prior count of 1e-4) starts an
+    update from the same *base* (the statistics after the last merge) and adds its own samples. The merge
+    sums each rank's additions to the base's moments about the base mean mu0 (count, count * (mean - mu0),
+    count * (var + (mean - mu0)^2)), which is gymnasium's ``update_mean_var_count_from_moments`` applied to
+    every rank's samples at once, exactly: ``count = c0 + sum_r (c_r - c0)``, ``mean = mu0 + S1 / count``,
+    ``var = S2 / count - (S1 / count)^2``. One all-reduce of a float64 vector per :meth:`sync`.
+
+    Args:
+        envs: the vector env; its NormalizeObservation (``obs_rms``) and NormalizeReward (``return_rms``)
+            wrappers are found inside it (none: :meth:`sync` does nothing).
+    """
+
+    def __init__(self, envs: Any) -> None:
+        import gymnasium as gym
+
+        from mamba_rl.envs import find_vector_wrapper
+
+        self.stats = []
+        for wrapper, attr in ((gym.wrappers.vector.NormalizeObservation, "obs_rms"),
+                              (gym.wrappers.vector.NormalizeReward, "return_rms")):
+            w = find_vector_wrapper(envs, wrapper)
+            if w is not None:
+                self.stats.append(getattr(w, attr))
+        self.rebase()
+
+    def rebase(self) -> None:
+        """Take the current statistics (equal on every rank) as the base of the next merge."""
+        import numpy as np
+
+        self.base = [(np.array(s.mean, dtype=np.float64), np.array(s.var, dtype=np.float64), float(s.count))
+                     for s in self.stats]
+
+    @staticmethod
+    def _moments(mean, var, count, center):
+        """[count, count * (mean - center), count * (var + (mean - center)^2)]: moments about the base mean
+        ``center`` (small numbers, so the merge loses no precision to cancellation)."""
+        import numpy as np
+
+        dm = np.asarray(mean, np.float64).reshape(-1) - center
+        var = np.asarray(var, np.float64).reshape(-1)
+        return np.concatenate([[count], count * dm, count * (var + dm * dm)])
+
+    @torch.no_grad()
+    def sync(self, dp: "DataParallel") -> None:
+        """All-reduce every rank's additions since the last merge and set the merged statistics on every
+        rank (a collective: every rank calls it at the same point)."""
+        import numpy as np
+
+        if not self.stats:
+            return
+        parts = [self._moments(s.mean, s.var, s.count, b[0].reshape(-1)) - self._moments(*b, b[0].reshape(-1))
+                 for s, b in zip(self.stats, self.base)]
+        sizes = [p.size for p in parts]
+        buf = torch.from_numpy(np.concatenate(parts))
+        dev = torch.device("cuda", torch.cuda.current_device()) if dp.backend == "nccl" else torch.device("cpu")
+        total = dp.sum_(buf.to(dev)).cpu().numpy()
+        off = 0
+        for s, b, n in zip(self.stats, self.base, sizes):
+            d = total[off:off + n]
+            off += n
+            m = self._moments(*b, b[0].reshape(-1)) + d
+            k = (n - 1) // 2
+            count = float(m[0])
+            dm = m[1:1 + k] / count
+            mean = b[0].reshape(-1) + dm
+            var = np.maximum(m[1 + k:] / count - dm * dm, 0.0)
+            shape, dtype = np.shape(s.mean), np.asarray(s.mean).dtype  # gymnasium keeps the obs dtype (float32)
+            s.mean, s.var, s.count = mean.reshape(shape).astype(dtype), var.reshape(shape).astype(dtype), count
+        self.rebase()

@@ -7,8 +7,11 @@ Tags written by :class:`mamba_rl.agents.RecurrentPPO` (named in :mod:`mamba_rl.a
 * ``losses/{value_loss, policy_loss, entropy, approx_kl, old_approx_kl, clipfrac,
   explained_variance}`` (CleanRL: last minibatch's losses, clipfrac averaged over the update);
 * ``backbone/{grad_norm, loss_scale, overflow_skipped}`` (mean grad norm, last loss scale and
-  the number of skipped optimizer steps over the update);
+  the number of optimizer steps skipped over the update on a NaN / inf gradient: an f16 overflow, or
+  a non-finite loss in any dtype);
 * ``perf/{rollout_ms, update_ms}`` (wall time of the last rollout and update);
+* with ``nonfinite="zero"``: ``env/{nonfinite_obs, nonfinite_rewards}`` (non-finite values the env
+  returned and the guard replaced by 0, so far);
 * the hyperparameters as a markdown table under the text tag ``hyperparameters``.
 
 Every scalar of an update arrives here as a Python float after the agent's single
@@ -37,9 +40,12 @@ class TensorBoardLogger:
         log_dir: the run folder, e.g. ``runs/{env}__{exp_name}__{seed}__{unix_time}``;
             created if missing (a resumed run appends a new event file to the same folder).
         enabled: False makes every method a no-op (no folder, no file).
+        purge_step: a resumed run's first step after its checkpoint (global env steps): TensorBoard hides
+            the events at steps >= purge_step that earlier event files of the folder hold (what the run
+            resumed from had logged after its checkpoint), so no step shows twice. None: purge nothing.
     """
 
-    def __init__(self, log_dir: str, enabled: bool = True):
+    def __init__(self, log_dir: str, enabled: bool = True, purge_step: int | None = None):
         self.log_dir = log_dir
         self.enabled = enabled
         self._writer = None
@@ -47,7 +53,7 @@ class TensorBoardLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             os.makedirs(log_dir, exist_ok=True)
-            self._writer = SummaryWriter(log_dir)
+            self._writer = SummaryWriter(log_dir, purge_step=purge_step)
 
     def hparams(self, hparams: Mapping[str, Any]) -> None:
         """Write the hyperparameters as a markdown text table (tag ``hyperparameters``)."""

@@ -42,21 +42,26 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.envs import make_vec_env
+from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, make_env, make_vec_env,
+                           raw_observation_space)
 
-from .checkpoint import Rngs, checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
+from .checkpoint import (Rngs, check_envs_file, checkpoint_file, load_envs, read_agent_config, restore_agent,
+                         save_agent)
 from .config import PPOConfig
 from .device_actor import GraphActor
 from .devices import resolve_device
-from .distributed import DataParallel, rank as dist_rank, shard_permutation, world_size as dist_world_size
+from .distributed import (DataParallel, RunningStatsSync, rank as dist_rank, shard_permutation,
+                          world_size as dist_world_size)
 from .evaluate import EvalResult, evaluate_policy
 from .head_optim import FlatHeadAdam
+from .interrupts import deferred_signals
 from .logger import TensorBoardLogger
 from .policy import Policy, PolicyState
 from .progress import StepProgress, apply_thread_policy, notice
 from .rollout import EagerActor, RolloutBuffer, RolloutCarry, adopt_vec_env, collect_rollout
 from .runs import Progress, Run, claim_run, new_run_name
-from .tags import LEARNING_RATE, ROLLOUT_MS, SPS, UPDATE_MS
+from .tags import (LEARNING_RATE, NONFINITE_OBS, NONFINITE_REWARDS, OVERFLOW_SKIPPED, ROLLOUT_MS, SPS,
+                   UPDATE_MS)
 from .update import PPOUpdate
 
 __all__ = ["RecurrentPPO"]
@@ -105,7 +110,9 @@ class RecurrentPPO:
         self._logger: TensorBoardLogger | None = None
         self._num_updates: int | None = None  # fixed while learn() runs
         self._predict_generator: torch.Generator | None = None
-        self.envs = self._make_envs() if env is None or isinstance(env, str) else adopt_vec_env(env, config.num_envs)
+        self._raw_obs_space: gym.Space | None = None
+        self.envs = self._make_envs() if env is None or isinstance(env, str) else \
+            adopt_vec_env(env, config.num_envs, nonfinite=config.nonfinite)
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
@@ -120,7 +127,13 @@ class RecurrentPPO:
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,
                                     no_decay="reference", max_grad_norm=config.max_grad_norm)
+        # a step whose gradient holds NaN / inf is skipped in every dtype, not only under the f16 scaler:
+        # hyper[6] is the trainer's skip_on_overflow flag (mamba_rl.ops.optim); the update skips the heads
+        # with it and counts the step in backbone/overflow_skipped
+        self.trainer.hyper[6] = 1.0
         self.dp = DataParallel() if self.world_size > 1 else None
+        # data-parallel: the envs' running normalisation statistics, merged over the ranks once per update
+        self.stats_sync = RunningStatsSync(self.envs) if self.dp is not None else None
         if self.dp is not None:
             self._sync_ranks()
         self.stepper = p.net.stepper(batch=config.num_envs)
@@ -139,6 +152,8 @@ class RecurrentPPO:
         self.updater = PPOUpdate(config, p, self.trainer, self.head_optimizer, self.buffer, self.dp, capture=graphs)
         self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
         self.history: list[dict[str, float]] = []
+        self.interrupted_checkpoint: Path | None = None  # the `interrupted` folder saved by learn(), if any
+        self._warned_nonfinite = False
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
 
     # ------------------------------------------------------------- progress
@@ -159,6 +174,15 @@ class RecurrentPPO:
     @update.setter
     def update(self, value: int) -> None:
         self.progress.update = value
+
+    @property
+    def lr_plan(self) -> tuple[float, float, float] | None:
+        """The lr anneal (``progress.lr_plan``; see :meth:`current_lr`)."""
+        return self.progress.lr_plan
+
+    @lr_plan.setter
+    def lr_plan(self, value: tuple[float, float, float] | None) -> None:
+        self.progress.lr_plan = value
 
     @property
     def recent_returns(self) -> deque:
@@ -202,7 +226,7 @@ class RecurrentPPO:
                             capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
-                            start_method=c.async_start_method)
+                            start_method=c.async_start_method, nonfinite=c.nonfinite)
 
     # --------------------------------------------------------------- rollout
     def _advance(self) -> int:
@@ -235,12 +259,31 @@ class RecurrentPPO:
                 g["lr"] = lr
 
     def current_lr(self, update: int) -> float:
-        """Learning rate of ``update`` (1-based): CleanRL's linear annealing when ``anneal_lr``."""
+        """Learning rate of ``update`` (1-based): CleanRL's linear annealing when ``anneal_lr``
+        (``(1 - (update - 1) / num_updates) * learning_rate`` in a run that was never re-planned).
+
+        The anneal is :attr:`lr_plan` (u0, f0, end): the fraction of ``learning_rate`` falls linearly from
+        f0 at update u0 to 0 at update ``end``. :meth:`learn` sets it; when a resumed run's horizon
+        changes (a larger ``total_timesteps``) it continues from the current fraction, so the lr never
+        jumps, unless ``config.replan_lr`` re-plans from the initial lr over the new horizon."""
         c = self.config
         if not c.anneal_lr:
             return c.learning_rate
-        frac = 1.0 - (update - 1.0) / self.num_updates
-        return frac * c.learning_rate
+        u0, f0, end = self.lr_plan if self.lr_plan is not None else (1.0, 1.0, self.num_updates + 1.0)
+        frac = f0 * (end - update) / (end - u0)
+        return max(frac, 0.0) * c.learning_rate
+
+    def _plan_lr(self) -> None:
+        """Fix :attr:`lr_plan` for this learn() call's horizon (``num_updates``)."""
+        end = self.num_updates + 1.0
+        fresh = (1.0, 1.0, end)
+        if self.lr_plan is None or self.config.replan_lr or self.update == 0:
+            self.lr_plan = fresh
+        elif self.lr_plan[2] != end:  # a new horizon: continue from the lr of the last update done
+            u = float(self.update)
+            u0, f0, old_end = self.lr_plan
+            f_u = f0 * (old_end - u) / (old_end - u0)
+            self.lr_plan = (u, f_u, end) if end > u else fresh
 
     def _draw_rows(self) -> torch.Tensor:
         c = self.config
@@ -250,13 +293,32 @@ class RecurrentPPO:
         """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`, with the current
         config and this agent's minibatch order); returns the update's metrics as floats (one sync)."""
         return self.updater.run(self.config, self._draw_rows)
+
+    def _nonfinite_metrics(self, metrics: dict[str, float]) -> None:
+        """Add the env guard's counters (policy "zero": ``env/nonfinite_obs``, ``env/nonfinite_rewards``, values
+        zeroed so far by this process's envs) and say once when an update skipped a non-finite step."""
+        if self.config.nonfinite == "zero":
+            guard = find_vector_wrapper(self.envs, EnvGuard)
+            if guard is not None:
+                metrics[NONFINITE_OBS] = float(guard.nonfinite_obs)
+                metrics[NONFINITE_REWARDS] = float(guard.nonfinite_rewards)
+        skipped = metrics.get(OVERFLOW_SKIPPED, 0.0)
+        if skipped and self.config.dtype != "f16" and not self._warned_nonfinite and self.rank == 0:
+            notice(f"warning: update {metrics.get('update')}: {skipped:.0f} minibatch step(s) had a non-finite loss or "
+                   "gradient and were skipped (weights unchanged; counted in backbone/overflow_skipped)")
+            self._warned_nonfinite = True
+
     # ----------------------------------------------------------------- learn
     @property
     def logger(self) -> TensorBoardLogger:
         """The run's TensorBoard logger (created on first use under ``runs_dir/run_name``)."""
         if self._logger is None:
             c = self.config
-            self._logger = TensorBoardLogger(os.path.join(c.runs_dir, self.run_name), enabled=c.track)
+            # a resumed run hides what the run it resumes logged after the checkpoint (tensorboard's
+            # purge_step: events at steps >= global_step + 1 of the earlier event files are purged)
+            purge = self.global_step + 1 if self.global_step > 0 else None
+            self._logger = TensorBoardLogger(os.path.join(c.runs_dir, self.run_name), enabled=c.track,
+                                             purge_step=purge)
             hparams = c.to_dict()
             hparams.update(hparams.pop("backbone"))  # one flat table, as CleanRL's
             self._logger.hparams(hparams)
@@ -272,7 +334,11 @@ class RecurrentPPO:
 
         Continues from :attr:`update` (so a loaded checkpoint resumes). Saves a checkpoint every
         ``checkpoint_every`` updates under ``checkpoint_dir/run_name/update_XXXXXX``, at the end
-        (``final``) and on KeyboardInterrupt (``interrupted``, then re-raises).
+        (``final``) and on KeyboardInterrupt (``interrupted``, then re-raises; a second Ctrl-C / SIGTERM
+        during that save waits for it; :attr:`interrupted_checkpoint` is the folder, None when the save
+        failed). A minibatch step whose loss or gradient is non-finite is skipped (counted in
+        ``backbone/overflow_skipped``). With a larger ``total_timesteps`` than the last call, the lr
+        anneal continues from its current value (see :meth:`current_lr`).
 
         Args:
             total_timesteps: overrides ``config.total_timesteps`` (lr annealing follows it).
@@ -284,6 +350,8 @@ class RecurrentPPO:
         c = self.config
         self._num_updates = None
         self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
+        self._plan_lr()
+        self.interrupted_checkpoint = None
         lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
         if lead:
             claim_run(self.run, c)  # this run's own folders, created exclusively (a resumed run keeps its own)
@@ -301,6 +369,8 @@ class RecurrentPPO:
                 self._set_lr(lr)
                 episodes, rollout_ms = self.collect_rollout()
                 self.last_episodes = episodes
+                if self.stats_sync is not None:  # one all-reduce: every rank normalises with the same statistics
+                    self.stats_sync.sync(self.dp)
                 t0 = time.perf_counter()
                 metrics = self.update_policy()
                 update_ms = (time.perf_counter() - t0) * 1e3
@@ -312,6 +382,7 @@ class RecurrentPPO:
                     self.recent_returns.extend(ret for _, ret, _ in episodes[local:])
                 metrics.update({SPS: sps, LEARNING_RATE: lr, ROLLOUT_MS: rollout_ms, UPDATE_MS: update_ms,
                                 "global_step": self.global_step, "update": update})
+                self._nonfinite_metrics(metrics)
                 self.history.append(metrics)
                 if logger is not None:
                     logger.episodes(episodes)
@@ -330,7 +401,12 @@ class RecurrentPPO:
                 # resume) say what was trained on: `update` whole updates of batch_size steps
                 self.global_step = update_start_step
             if lead:
-                self.save(self.checkpoint_root / "interrupted")
+                target = self.checkpoint_root / "interrupted"
+                with deferred_signals(str(target)):  # a second Ctrl-C / SIGTERM waits for the save
+                    try:
+                        self.interrupted_checkpoint = self.save(target)
+                    except Exception as err:  # noqa: BLE001 - say so, and still end as interrupted
+                        notice(f"the interrupted checkpoint was not saved: {type(err).__name__}: {err}")
             raise
         finally:
             if bar is not None:
@@ -353,13 +429,41 @@ class RecurrentPPO:
         (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
         if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
+        obs = self._flat_obs(obs)
         action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
         return action, state
 
+    def raw_observation_space(self) -> gym.Space:
+        """The single env's observation space before flattening (what ``env.reset()`` returns samples of)."""
+        if self._raw_obs_space is None:
+            space = raw_observation_space(self.envs)
+            if space is None:  # async workers: build one env of the id here
+                env = make_env(self.config.env_id, flatten_obs=False)
+                space = env.observation_space
+                env.close()
+            self._raw_obs_space = space
+        return self._raw_obs_space
+
+    def _flat_obs(self, obs: Any) -> Any:
+        """``obs`` as a float array [B, obs_dim] / [obs_dim]: raw Dict / Tuple observations are flattened as
+        in training (:func:`mamba_rl.envs.flatten_observation`); anything that is not numeric raises a
+        ValueError naming the observation space."""
+        if isinstance(obs, (dict, tuple)) or (isinstance(obs, list) and obs and isinstance(obs[0], (dict, tuple))):
+            return flatten_observation(self.raw_observation_space(), obs, self.policy.obs_dim)
+        try:
+            arr = np.asarray(obs)
+        except ValueError as err:  # numpy's "inhomogeneous shape"
+            raise ValueError(f"predict: expected a float array [B, {self.policy.obs_dim}] or an observation of the env's "
+                             f"space {self.raw_observation_space()}, got {type(obs).__name__}: {err}") from None
+        if arr.dtype == object:
+            raise ValueError(f"predict: expected a float array [B, {self.policy.obs_dim}] or an observation of the env's "
+                             f"space {self.raw_observation_space()}, got an object array of shape {arr.shape}")
+        return arr
+
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
               reward: np.ndarray | None = None) -> np.ndarray:
-        """Critic value [B] of ``obs`` with ``state`` (the state is not advanced)."""
-        return self.policy.value(obs, state, episode_start, reward)
+        """Critic value [B] of ``obs`` with ``state`` (the state is not advanced); ``obs`` as in :meth:`predict`."""
+        return self.policy.value(self._flat_obs(obs), state, episode_start, reward)
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: int | None = None,
                  video_dir: str | None = None, progress: bool = False) -> EvalResult:
@@ -379,7 +483,12 @@ class RecurrentPPO:
     def save(self, path: str | Path) -> Path:
         """Save everything needed to resume or evaluate into the folder ``path`` (returned as a Path):
         ``agent.safetensors`` (safetensors + JSON) and ``envs.pkl`` (the envs mid-episode, read only on
-        request); see :mod:`mamba_rl.agents.checkpoint`."""
+        request); see :mod:`mamba_rl.agents.checkpoint`. The folder is replaced as a whole, so a failed or
+        killed save leaves a previous checkpoint there intact.
+
+        Raises:
+            mamba_rl.agents.checkpoint.NonFiniteWeightsError: weights or optimizer moments hold NaN / inf
+                (nothing is written)."""
         path, err = save_agent(path, config=self.config, run=self.run, progress=self.progress, policy=self.policy,
                                trainer=self.trainer, head_optimizer=self.head_optimizer, rngs=self.rngs,
                                stepper=self.stepper, carry=self.carry, envs=self.envs, world_size=self.world_size)
@@ -413,6 +522,7 @@ class RecurrentPPO:
         # the per-rank env carry and sampling RNGs are re-created, never restored
         restore = restore_envs and env is None and env_file.exists() and dist_world_size() == 1
         if restore:
+            check_envs_file(ckpt, env_file)  # a folder mixing two saves is refused before anything is unpickled
             agent = cls(load_envs(env_file), config=config)
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
@@ -420,6 +530,8 @@ class RecurrentPPO:
             restore_agent(ckpt, run=agent.run, progress=agent.progress, policy=agent.policy, trainer=agent.trainer,
                           head_optimizer=agent.head_optimizer, rngs=agent.rngs, stepper=agent.stepper,
                           carry=agent.carry, envs=agent.envs, restore_carry=restore)
+            if agent.stats_sync is not None:
+                agent.stats_sync.rebase()  # the restored statistics, equal on every rank, are the new base
             if agent.dp is not None:
                 agent.rngs.sample.manual_seed(config.seed + 1000 * agent.update + agent.rank)
                 agent._sync_ranks()

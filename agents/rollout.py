@@ -36,7 +36,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 
 from mamba_rl import RecurrentState, Stepper
-from mamba_rl.envs import finished_episodes, flatten_vec_obs
+from mamba_rl.envs import EnvGuard, find_vector_wrapper, finished_episodes, flatten_vec_obs
 
 from .gae import compute_gae
 from .policy import HostStager, Policy
@@ -217,12 +217,14 @@ class EagerActor:
                                                   buf.valid, next_value, self.gamma, self.gae_lambda)
 
 
-def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int) -> gym.vector.VectorEnv:
+def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int, nonfinite: str = "raise") -> gym.vector.VectorEnv:
     """Check that a caller-built vector env fits a rollout of ``num_envs`` envs; flatten its observations.
 
     Returns:
         ``envs``, wrapped in :class:`mamba_rl.envs.FlattenVecObs` when its observations are not a 1-D
-        float32 Box.
+        float32 Box, then in an :class:`mamba_rl.envs.EnvGuard` with ``nonfinite`` unless it holds one
+        already (outermost: wrappers of the caller's, such as a normalisation, see the values before the
+        guard does).
 
     Raises:
         ValueError: not a VectorEnv, another sub-env count, or an autoreset mode other than NextStep
@@ -236,7 +238,10 @@ def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int) -> gym.vector.Vecto
     mode = envs.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
     if mode != AutoresetMode.NEXT_STEP:
         raise ValueError(f"RecurrentPPO needs NextStep autoreset (gymnasium's default), got {mode}")
-    return flatten_vec_obs(envs)
+    envs = flatten_vec_obs(envs)
+    if find_vector_wrapper(envs, EnvGuard) is None:
+        envs = EnvGuard(envs, nonfinite)
+    return envs
 
 
 def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarry, num_steps: int,

@@ -44,11 +44,14 @@ class Run:
 @dataclass
 class Progress:
     """How far a run is: ``global_step`` (env steps of all ranks together), ``update`` (whole updates
-    done) and ``recent_returns`` (the last 100 finished episodes' raw returns). Checkpoints save it."""
+    done), ``recent_returns`` (the last 100 finished episodes' raw returns) and ``lr_plan``, the lr anneal
+    as fractions of the initial lr: linear from (update u0, fraction f0) down to 0 at update ``end``
+    (None until ``learn`` plans it; see ``RecurrentPPO.current_lr``). Checkpoints save it."""
 
     global_step: int = 0
     update: int = 0
     recent_returns: deque = field(default_factory=lambda: deque(maxlen=100))
+    lr_plan: tuple[float, float, float] | None = None
 
 
 def new_run_name(config: PPOConfig, unix_time: int | None = None, suffix: str | None = None) -> str:

@@ -60,6 +60,14 @@ _COLS = ("v", "pg", "ent", "kl", "old_kl", "clipfrac", "grad_norm", "skipped", "
 METRIC_NAMES = UPDATE_METRICS  # the names of what run() returns, in order
 
 
+def _flag_nonfinite_heads(grad_arena: torch.Tensor, head_sq: torch.Tensor) -> None:
+    """A NaN / inf head gradient (``head_sq``: its squared norm, 0-d) makes the backbone gradient non-finite
+    too (one element set to NaN, a select: no sync, capturable), so that the trainer's found_inf check,
+    which reads the backbone arena alone, skips the whole step: a non-finite update is never applied
+    (the agent sets the trainer's skip-on-overflow flag in every dtype)."""
+    grad_arena[:1].add_(torch.where(torch.isfinite(head_sq), 0.0, float("nan")).to(grad_arena.dtype))
+
+
 class PPOUpdate:
     """PPO epochs over a rollout buffer, one body per minibatch (captured on CUDA).
 
@@ -67,7 +75,9 @@ class PPOUpdate:
         config: the agent's config: its layout (num_envs, num_steps, num_minibatches, update_epochs)
             fixes the buffers; :meth:`run` takes the then-current config.
         policy: the policy (heads trained here; the backbone is the trainer's).
-        trainer: the backbone's :class:`~mamba_rl.MambaTrainer` (batch ``envs_per_minibatch``, T steps).
+        trainer: the backbone's :class:`~mamba_rl.MambaTrainer` (batch ``envs_per_minibatch``, T steps),
+            set to skip every step with a non-finite gradient (RecurrentPPO sets its skip-on-overflow flag):
+            a step it skipped (``found_inf``) skips the heads too.
         head_optimizer: the heads' Adam: a :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` (needed to
             capture) or a ``torch.optim.Adam`` over ``policy.heads``.
         buffer: the rollout buffer the update reads (any device; copied in once per update).
@@ -104,8 +114,6 @@ class PPOUpdate:
                                       pin_memory=dev.type == "cuda")
         self.mb_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.table = torch.zeros(self.max_steps, len(_COLS), device=dev)
-        # an f16 overflow skips the backbone step (the trainer's loss scaler) and then the heads' too
-        self._never_skip = None if trainer.scaler.enabled else torch.zeros((), dtype=torch.bool, device=dev)
         n_heads = sum(q.numel() for q in self.head_params)
         # data-parallel: [backbone gradient arena | head gradient], summed over ranks by one all-reduce
         self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if dp is not None else None
@@ -175,18 +183,21 @@ class PPOUpdate:
                 dp.reduce_grads(self.comm)
                 arena.copy_(self.comm[:nb])
                 tr.extra_sq_buf.copy_(head_sum.square().sum())
-            tr.grad_hook = reduce
+            tr.grad_hook = lambda: (reduce(), _flag_nonfinite_heads(arena, tr.extra_sq_buf))
             flat = head_sum  # the heads step with the summed gradient
         elif self.flat_heads:
             tr.extra_sq_buf.copy_(flat.square().sum())
         else:
             tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
+        if dp is None:
+            arena = tr.net.grad_arena
+            tr.grad_hook = lambda: _flag_nonfinite_heads(arena, tr.extra_sq_buf)
         try:
             tr.backward_body()
         finally:
             tr.grad_hook = None
         s = tr.scalars
-        skip = s[FOUND_INF] > 0 if self._never_skip is None else self._never_skip
+        skip = s[FOUND_INF] > 0  # the trainer skipped its step (the agent makes it skip every non-finite one)
         if self.flat_heads:
             self.head_optimizer.flat_step(flat, self.head_optimizer.lr_t, s[CLIP_COEF], skip)
         elif not bool(skip):  # CPU: reading the flag is free; a skipped step skips the heads too
@@ -210,7 +221,7 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         return self.trainer.graph_buffers() + self._head_state() + (
             self.comm, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
-            self.mb_index, self.table, self._never_skip)
+            self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture :meth:`_minibatch` as one CUDA graph; every buffer it changes is restored afterwards.

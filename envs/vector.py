@@ -16,6 +16,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
+from .guards import NONFINITE_POLICIES, EnvGuard
 from .registry import check_env_id
 from .wrappers import FlattenObs, Float32Obs, needs_flatten
 
@@ -84,12 +85,14 @@ def make_vec_env(
     normalize_reward: bool = False,
     gamma: float = 0.99,
     start_method: str | None = None,
+    nonfinite: str = "raise",
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
     The stack, innermost first: per env ``make_env`` (gym.make, RecordVideo on env 0,
     FlattenObservation); ``SyncVectorEnv`` (or ``AsyncVectorEnv`` with ``async_``) in
-    gymnasium's default NextStep autoreset mode; vector ``RecordEpisodeStatistics`` (raw
+    gymnasium's default NextStep autoreset mode; :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite
+    observations / rewards, dead async workers); vector ``RecordEpisodeStatistics`` (raw
     returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` and
     ``NormalizeReward`` (discounted-return scaling with ``gamma``) if asked. Episode statistics
     are recorded before any normalisation, so they are the raw returns.
@@ -111,15 +114,19 @@ def make_vec_env(
             ("fork", "spawn", "forkserver"; None: the platform's default). Under "spawn" and
             "forkserver" each worker imports this package and, for a ``module:EnvId`` id, that
             module, so it must be importable there (on ``sys.path`` / ``PYTHONPATH``).
+        nonfinite: what a NaN / inf observation or reward does: "raise" (NonFiniteEnvError naming the
+            env and the step) or "zero" (replaced by 0 and counted); see :class:`EnvGuard`.
 
     Returns:
         A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
         Box when ``flatten_obs`` is set.
 
     Raises:
-        ValueError: ``num_envs < 1`` or an unknown start method.
+        ValueError: ``num_envs < 1``, an unknown start method or nonfinite policy.
         ImportError / gymnasium.error.NameNotFound: see ``make_env``.
     """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
     check_start_method(start_method)
@@ -140,6 +147,7 @@ def make_vec_env(
         envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP, context=start_method)
     else:
         envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP)
+    envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
     if normalize_obs:
         envs = gym.wrappers.vector.NormalizeObservation(envs)

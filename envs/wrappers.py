@@ -15,7 +15,7 @@ import numpy as np
 from gymnasium import spaces
 
 __all__ = ["FlattenObs", "Float32Obs", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
-           "finished_episodes"]
+           "finished_episodes", "raw_observation_space"]
 
 
 class FlattenObs(gym.ObservationWrapper):
@@ -95,3 +95,22 @@ def finished_episodes(info: dict[str, Any]) -> list[tuple[float, int]]:
 def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
     """``envs``, wrapped in :class:`FlattenVecObs` unless its observations are a 1-D float32 Box already."""
     return FlattenVecObs(envs) if needs_flatten(envs.single_observation_space) else envs
+
+
+def raw_observation_space(envs: gym.vector.VectorEnv) -> spaces.Space | None:
+    """The single-env observation space before this package's flattening, read from the stack: the space a
+    :class:`FlattenVecObs` flattens, else (a SyncVectorEnv) the one its first sub-env's :class:`FlattenObs`
+    flattens, else that sub-env's own. None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live
+    in the workers)."""
+    vec = find_vector_wrapper(envs, FlattenVecObs)
+    if vec is not None:
+        return vec._inner_single
+    if not isinstance(envs.unwrapped, gym.vector.SyncVectorEnv):
+        return None
+    first = envs.unwrapped.envs[0]
+    e = first
+    while e is not None:
+        if isinstance(e, FlattenObs):
+            return e._inner_space
+        e = getattr(e, "env", None)
+    return first.unwrapped.observation_space

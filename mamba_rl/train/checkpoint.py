@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "validate_trainer_state", "FORMAT_VERSION",
-           "CheckpointError"]
+           "CheckpointError", "fsync_path", "remove_stale_temporaries"]
 
 FORMAT_VERSION = 1
 _KEY = "mamba_rl"
@@ -37,7 +36,13 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
         extra: JSON-able dict stored in the metadata (e.g. the agent's counters and config).
         extra_tensors: name -> tensor stored beside the trainer's (e.g. head weights, RNG states).
     Returns:
-        the path written. The write is atomic: a crash leaves the old file or none, never half a file.
+        the path written. The write is atomic: a crash leaves the old file or none, never half a file
+        (temp file ``.tmp-<name>-*`` in the same folder, fsync, rename, fsync of the folder); the
+        temporaries a killed save left behind are removed by the next save of the same file. The file
+        is created with mode 0o666 minus the umask, like any file the user writes.
+    Raises:
+        ValueError: ``extra`` is not a JSON-serialisable dict (NaN and inf are refused), or
+            ``extra_tensors`` is not a str -> tensor dict.
     """
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"save_checkpoint: extra must be a JSON-able dict, got {type(extra).__name__}")
@@ -57,15 +62,79 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=folder)
-    os.close(fd)
+    prefix = f".tmp-{os.path.basename(path)}-"
+    remove_stale_temporaries(folder, prefix)  # what a killed save of this file left behind
+    tmp = _create_temp(folder, prefix, ".safetensors")
     try:
+        mode = os.stat(tmp).st_mode & 0o777  # 0o666 minus the umask, from the exclusive create
         save_file(tensors, tmp, metadata={_KEY: meta_json})
+        os.chmod(tmp, mode)  # safetensors >= 0.6 makes its files 0o600 whatever the umask
+        fsync_path(tmp)
         os.replace(tmp, path)
+        fsync_path(folder)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    return path
+
+
+def _create_temp(folder: str, prefix: str, suffix: str) -> str:
+    """A new empty file ``folder/prefix<random>suffix`` created exclusively with mode 0o666 minus the
+    umask (so the checkpoint follows the umask like any file the user writes; ``tempfile.mkstemp``
+    would make it 0o600 whatever the umask)."""
+    import secrets
+
+    while True:
+        tmp = os.path.join(folder, f"{prefix}{secrets.token_hex(6)}{suffix}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+
+
+def fsync_path(path) -> None:
+    """``fsync`` a file or a folder (a folder: so that a rename inside it is durable). Best effort on
+    platforms that cannot open a folder (Windows)."""
+    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if os.path.isdir(path) else os.O_RDONLY
+    try:
+        fd = os.open(os.fspath(path), flags)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(folder, prefix: str) -> list[str]:
+    """Remove the files and folders named ``prefix*`` in ``folder`` (the temporaries of a save that was
+    killed before its rename) and return their paths. Call it only where no other save into ``folder``
+    with the same prefix can be running (the name of the target is part of the prefix)."""
+    import shutil
+
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        full = os.path.join(folder, name)
+        try:
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full)
+            else:
+                os.unlink(full)
+        except FileNotFoundError:
+            continue
+        removed.append(full)
+    return removed
     return path
 
 

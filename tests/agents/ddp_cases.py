@@ -141,3 +141,35 @@ def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
         err = str(e)
     torch.save({"err": err}, os.path.join(out, f"mismatch{rank}.pt"))
     dist.destroy_process_group()
+
+
+def normalize_obs_worker(rank: int, world: int, port: int, out: str) -> None:
+    """``learn`` 2 updates with ``normalize_obs`` (and the default NormalizeReward); records every raw batch
+    each rank fed its observation statistics and the statistics every rank ends with."""
+    import gymnasium as gym
+    import numpy as np
+    import torch.distributed as dist
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+    from mamba_rl.envs import find_vector_wrapper
+
+    _join(rank, world, port, "cpu")
+    try:
+        cfg = PPOConfig(**dict(TINY, total_timesteps=2 * world * 64, normalize_obs=True), device="cpu",
+                        runs_dir=os.path.join(out, "runs"), checkpoint_dir=os.path.join(out, "ckpt"), track=False)
+        agent = RecurrentPPO(config=cfg)
+        rms = find_vector_wrapper(agent.envs, gym.wrappers.vector.NormalizeObservation).obs_rms
+        batches, update = [], rms.update
+
+        def record(x):
+            batches.append(np.array(x))  # as given (float32: gymnasium takes its batch moments in it)
+            update(x)
+        rms.update = record
+        agent.learn()
+        ret = find_vector_wrapper(agent.envs, gym.wrappers.vector.NormalizeReward).return_rms
+        torch.save({"mean": np.array(rms.mean), "var": np.array(rms.var), "count": float(rms.count),
+                    "batches": batches, "ret": (float(ret.mean), float(ret.var), float(ret.count))},
+                   os.path.join(out, f"norm{rank}.pt"))
+        agent.close()
+    finally:
+        dist.destroy_process_group()

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.distributed import shard_permutation
 
-from .ddp_cases import TINY, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker, update_worker
+from .ddp_cases import (TINY, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker,
+                        normalize_obs_worker, update_worker)
 
 
 def _port() -> int:
@@ -134,3 +135,22 @@ def test_ranks_with_different_configs_refuse_to_start(tmp_path):
     for r in range(2):
         err = torch.load(tmp_path / f"mismatch{r}.pt")["err"]
         assert err is not None and "disagree on the PPOConfig" in err and "num_envs" in err, err
+
+
+def test_ranks_share_their_observation_statistics_gloo(tmp_path):
+    """--normalize-obs under data parallel: after every update the ranks hold the same running statistics,
+    those of every observation of every rank (gymnasium's RunningMeanStd fed all ranks' batches)."""
+    from gymnasium.wrappers.utils import RunningMeanStd
+
+    _spawn(normalize_obs_worker, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"norm{r}.pt", weights_only=False) for r in range(2))
+    assert np.array_equal(r0["mean"], r1["mean"]) and np.array_equal(r0["var"], r1["var"])  # was 0.146 vs 0.108
+    assert r0["count"] == r1["count"] and r0["ret"] == r1["ret"]
+    want = RunningMeanStd(shape=r0["mean"].shape, dtype=r0["mean"].dtype)  # float32, as NormalizeObservation
+    for b in r0["batches"] + r1["batches"]:
+        want.update(b)
+    assert len(r0["batches"]) == 1 + 2 * TINY["num_steps"]  # the reset and every step of 2 rollouts
+    assert r0["count"] == pytest.approx(want.count)
+    # to float32 rounding (gymnasium accumulates in float32; the merge adds in another order)
+    np.testing.assert_allclose(r0["mean"], want.mean, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(r0["var"], want.var, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,79 @@
+"""Signals of a training run: SIGTERM as Ctrl-C, and no second signal in the middle of a save.
+
+* :func:`terminate_as_interrupt` makes SIGTERM (what SLURM, Kubernetes, ``kill`` and torchrun send before
+  they kill a job) raise :class:`Interrupted`, a ``KeyboardInterrupt``, so that a run saves its
+  ``interrupted`` checkpoint exactly as on Ctrl-C. ``mamba-rl train`` then exits with 128 + the signal
+  number: 130 after Ctrl-C (SIGINT), 143 after SIGTERM (:func:`exit_code`).
+* :func:`deferred_signals` wraps the ``interrupted`` save: a second Ctrl-C or SIGTERM while it runs prints
+  one line and is otherwise ignored, so the save completes (a resume command never points at a folder
+  that was cut short). SIGKILL still ends the process at once; the previous checkpoint folder is then
+  left in place (:func:`mamba_rl.agents.checkpoint.save_agent` replaces a folder as a whole).
+
+Signal handlers can only be set from the main thread; elsewhere both functions do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from typing import Any, Iterator
+
+__all__ = ["Interrupted", "terminate_as_interrupt", "deferred_signals", "exit_code"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """KeyboardInterrupt raised by a signal other than SIGINT; ``signum`` is that signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum} ({signal.Signals(signum).name})")
+        self.signum = signum
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
+    raise Interrupted(signum)
+
+
+def terminate_as_interrupt() -> bool:
+    """Make SIGTERM raise :class:`Interrupted` in the main thread. Returns False (nothing changed) when
+    called from another thread."""
+    if not _main_thread():
+        return False
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    return True
+
+
+def exit_code(err: BaseException) -> int:
+    """The exit code of a run that ``err`` (a KeyboardInterrupt) ended: 128 + signal number, as a shell
+    reports a process killed by it (130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
+    return 128 + getattr(err, "signum", int(signal.SIGINT))
+
+
+@contextlib.contextmanager
+def deferred_signals(what: str) -> Iterator[list[int]]:
+    """Hold off SIGINT and SIGTERM while the block runs (e.g. a checkpoint save).
+
+    A signal that arrives meanwhile prints ``what`` is still being saved and is otherwise ignored; the
+    yielded list collects the signal numbers received. The previous handlers are restored on exit.
+    """
+    received: list[int] = []
+    if not _main_thread():
+        yield received
+        return
+
+    def hold(signum: int, frame: Any) -> None:  # noqa: ARG001
+        received.append(signum)
+        print(f"\n{signal.Signals(signum).name} received while saving {what}: waiting for the save to finish "
+              f"(SIGKILL would abort it and keep the previous checkpoint)", file=sys.stderr, flush=True)
+
+    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)

@@ -1,0 +1,306 @@
+"""Failures replayed from public bug reports (issue 23): NaN from the env, non-finite updates and
+checkpoints, killed saves, TensorBoard after a resume, predict() with raw observations, the lr after a
+resume with a larger horizon, checkpoint file modes. CPU, tiny models."""
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from mamba_rl import CheckpointError
+from mamba_rl.agents import PPOConfig, RecurrentPPO
+from mamba_rl.agents.checkpoint import NonFiniteWeightsError
+from mamba_rl.envs import NonFiniteEnvError
+
+TINY = dict(num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1, d_model=16, n_layers=1, d_state=4,
+            device="cpu", seed=3, backend="reference")
+BATCH = 16
+
+
+def _cfg(tmp_path, **kw):
+    d = dict(TINY, runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=0)
+    d.update(kw)
+    return PPOConfig(**d)
+
+
+class NaNEnv(gym.Env):
+    """Box(3) observations; at step ``at`` of every episode (episodes of 6 steps) a NaN obs or reward."""
+
+    def __init__(self, what: str = "reward", at: int = 2):
+        self.observation_space = spaces.Box(-1, 1, (3,), np.float32)
+        self.action_space = spaces.Discrete(2)
+        self.what, self.at, self.t = what, at, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.full(3, 0.1, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        obs, reward = np.full(3, 0.2 * int(action), np.float32), 1.0
+        if self.t == self.at:
+            if self.what == "obs":
+                obs[0] = np.nan
+            else:
+                reward = float("nan")
+        return obs, reward, self.t >= 6, False, {}
+
+
+@pytest.fixture
+def nan_env_ids():
+    ids = {"obs": "mamba_rl_test/NaNObs-v0", "reward": "mamba_rl_test/NaNReward-v0"}
+    for what, env_id in ids.items():
+        gym.register(env_id, entry_point=NaNEnv, kwargs={"what": what})
+    yield ids
+    for env_id in ids.values():
+        del gym.registry[env_id]
+
+
+def _finite(agent) -> bool:
+    return bool(torch.isfinite(agent.policy.net.arena).all()) and all(bool(torch.isfinite(p).all())
+                                                               for p in agent.policy.heads.parameters())
+
+
+# ---------------------------------------------------------------------------------------- NaN from the env
+@pytest.mark.parametrize("what", ["obs", "reward"])
+def test_nan_from_the_env_is_an_error_naming_env_and_step(tmp_path, nan_env_ids, what):
+    agent = RecurrentPPO(nan_env_ids[what], config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    kind = "observation" if what == "obs" else "reward"
+    with pytest.raises(NonFiniteEnvError, match=rf"env 0 returned a non-finite {kind} at step 2 "):
+        agent.learn()
+    assert _finite(agent)
+    assert not (tmp_path / "ckpt" / agent.run_name / "final").exists()  # nothing saved over anything
+    agent.close()
+
+
+@pytest.mark.parametrize("what", ["obs", "reward"])
+def test_nan_from_the_env_zeroed_and_counted_on_request(tmp_path, nan_env_ids, what):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    agent = RecurrentPPO(nan_env_ids[what], config=_cfg(tmp_path, total_timesteps=2 * BATCH, nonfinite="zero"))
+    agent.learn()  # saves `final` (JSON metadata and finite weights)
+    agent.close()
+    assert _finite(agent)
+    acc = EventAccumulator(str(tmp_path / "runs" / agent.run_name))
+    acc.Reload()
+    tag = "env/nonfinite_obs" if what == "obs" else "env/nonfinite_rewards"
+    counts = [e.value for e in acc.Scalars(tag)]
+    # one NaN per episode of 6 steps (the reset step after a done is a 7th), 2 envs x 8 steps per update
+    assert counts[-1] > counts[0] > 0
+    resumed = RecurrentPPO.load(tmp_path / "ckpt" / agent.run_name / "final")
+    assert _finite(resumed) and resumed.update == 2
+    resumed.close()
+
+
+def test_a_non_finite_update_is_skipped_and_counted(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.collect_rollout()
+    before = [agent.policy.net.arena.clone()] + [p.detach().clone() for p in agent.policy.heads.parameters()]
+    agent.buffer.advantages[0, 3] = float("nan")  # e.g. a NaN reward that got past the env
+    agent.buffer.returns[1, 2] = float("inf")
+    m = agent.update_policy()
+    assert m["backbone/overflow_skipped"] == 1.0  # every (here: the one) minibatch step was skipped
+    after = [agent.policy.net.arena] + [p.detach() for p in agent.policy.heads.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing applied
+    assert agent.trainer.state_dict()["meta"]["step"] == 0
+    agent.collect_rollout()
+    m = agent.update_policy()  # a clean rollout trains again
+    assert m["backbone/overflow_skipped"] == 0.0 and not torch.equal(before[0], agent.policy.net.arena)
+    agent.close()
+
+
+def test_a_checkpoint_never_holds_non_finite_weights(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.learn()
+    final = tmp_path / "ckpt" / agent.run_name / "final"
+    good = (final / "agent.safetensors").read_bytes()
+    with torch.no_grad():
+        agent.policy.net.arena[5] = float("nan")
+    with pytest.raises(NonFiniteWeightsError, match=r"refusing to save .*final: the backbone weights hold 1 "
+                                                     r"non-finite values"):
+        agent.save(final)
+    assert (final / "agent.safetensors").read_bytes() == good  # the previous checkpoint is left in place
+    assert sorted(os.listdir(final.parent)) == ["final"]
+    agent.close()
+
+
+def test_checkpoint_metadata_is_json_safe_with_a_nan_return(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False,
+                                                    normalize_obs=True))
+    agent.learn()
+    agent.recent_returns.append(float("nan"))  # what a NaN reward made of an episode's return
+    agent.save(tmp_path / "x")  # was: "save_checkpoint: extra must be JSON-serialisable"
+    back = RecurrentPPO.load(tmp_path / "x")
+    assert math.isnan(back.recent_returns[-1]) and list(back.recent_returns)[:-1] == list(agent.recent_returns)[:-1]
+    back.close()
+    agent.close()
+
+
+# ---------------------------------------------------------------------------------- checkpoint folders
+_KILL_SCRIPT = """
+import os, signal, sys
+from mamba_rl.agents import PPOConfig, RecurrentPPO
+import mamba_rl.agents.checkpoint as ck
+
+cfg = PPOConfig(**{cfg!r})
+agent = RecurrentPPO("CartPole-v1", config=cfg)
+agent.learn()                                 # `final` at update 1
+real = ck.save_checkpoint
+
+def save_checkpoint(*a, **k):                 # the next save is killed right after its agent.safetensors
+    out = real(*a, **k)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ck.save_checkpoint = save_checkpoint
+agent.learn(total_timesteps=2 * {batch})     # update 2, then `final` again: killed
+"""
+
+
+def test_a_killed_save_leaves_the_previous_folder_whole(tmp_path):
+    cfg = dict(_cfg(tmp_path, total_timesteps=BATCH, track=False).to_dict())
+    cfg.pop("backbone")
+    cfg.update(d_model=16, n_layers=1, d_state=4)
+    r = subprocess.run([sys.executable, "-c", _KILL_SCRIPT.format(cfg=cfg, batch=BATCH)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == -9, r.stderr
+    (run,) = os.listdir(tmp_path / "ckpt")
+    root = tmp_path / "ckpt" / run
+    agent = RecurrentPPO.load(root / "final", restore_envs=True)  # the previous save, both files from it
+    assert agent.update == 1 and agent.global_step == BATCH
+    leftovers = [e for e in os.listdir(root) if e.startswith(".tmp-")]
+    assert leftovers  # the killed save's temporary folder ...
+    agent.learn(total_timesteps=2 * BATCH)
+    assert sorted(os.listdir(root)) == ["final"]  # ... is removed by the next save
+    agent.close()
+    again = RecurrentPPO.load(root / "final", restore_envs=True)
+    assert again.update == 2
+    again.close()
+
+
+def test_a_folder_mixing_two_saves_is_refused(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=2 * BATCH, track=False,
+                                                    checkpoint_every=1))
+    agent.learn()
+    root = tmp_path / "ckpt" / agent.run_name
+    agent.close()
+    # envs.pkl of update 1 beside agent.safetensors of update 2 (what a save killed half-way left before)
+    (root / "final" / "envs.pkl").write_bytes((root / "update_000001" / "envs.pkl").read_bytes())
+    with pytest.raises(CheckpointError, match=r"envs.pkl .* is not the one saved with agent.safetensors "
+                                              r"\(update 2, global step 32\).*mixes two saves"):
+        RecurrentPPO.load(root / "final", restore_envs=True)
+    RecurrentPPO.load(root / "final").close()  # without --resume-envs the envs are rebuilt: fine
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoint_files_follow_the_umask(tmp_path, umask):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.learn(total_timesteps=BATCH)
+    old = os.umask(umask)
+    try:
+        path = agent.save(tmp_path / "modes")
+    finally:
+        os.umask(old)
+    agent.close()
+    want = 0o666 & ~umask
+    modes = {f: oct(os.stat(path / f).st_mode & 0o777) for f in ("agent.safetensors", "envs.pkl")}
+    assert modes == {"agent.safetensors": oct(want), "envs.pkl": oct(want)}
+
+
+# ------------------------------------------------------------------------------ TensorBoard after resume
+def test_resuming_an_earlier_checkpoint_purges_the_later_steps(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=4 * BATCH, checkpoint_every=1))
+    agent.learn()
+    agent.close()
+    import time
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    resumed = RecurrentPPO.load(tmp_path / "ckpt" / agent.run_name / "update_000002")
+    resumed.learn()
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path / "runs" / agent.run_name))
+    acc.Reload()
+    steps = [e.step for e in acc.Scalars("charts/SPS")]
+    assert steps == [16, 32, 48, 64]  # was [16, 32, 48, 64, 48, 64]
+    lr = [e.value for e in acc.Scalars("charts/learning_rate")]
+    assert lr == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
+# ----------------------------------------------------------------------------- predict with raw spaces
+class _DictEnv(gym.Env):
+    observation_space = spaces.Dict({"pos": spaces.Box(-1, 1, (2,), np.float32), "mode": spaces.Discrete(3)})
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self.observation_space.sample(), 1.0, self.t >= 5, False, {}
+
+
+class _TupleEnv(_DictEnv):
+    observation_space = spaces.Tuple((spaces.Discrete(4), spaces.Box(0, 1, (3,), np.float32)))
+
+
+@pytest.mark.parametrize("env_cls", [_DictEnv, _TupleEnv])
+def test_predict_takes_raw_dict_and_tuple_observations(tmp_path, env_cls):
+    env_id = f"mamba_rl_test/{env_cls.__name__}-v0"
+    gym.register(env_id, entry_point=env_cls)
+    try:
+        agent = RecurrentPPO(env_id, config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+        raw = env_cls().observation_space
+        raw.seed(0)
+        one = raw.sample()
+        flat = spaces.flatten(raw, one).astype(np.float32)
+        a_raw, s_raw = agent.predict(one, deterministic=True)
+        a_flat, s_flat = agent.predict(flat, deterministic=True)
+        assert a_raw == a_flat and torch.equal(s_raw.recurrent.ssm, s_flat.recurrent.ssm)
+        batch_space = gym.vector.utils.batch_space(raw, 3)
+        batch_space.seed(1)
+        batch = batch_space.sample()  # what a vector env of 3 returns
+        rows = np.stack([spaces.flatten(raw, o) for o in gym.vector.utils.iterate(batch_space, batch)])
+        assert np.array_equal(agent.predict(batch, deterministic=True)[0],
+                              agent.predict(rows.astype(np.float32), deterministic=True)[0])
+        assert agent.predict([one, one], deterministic=True)[0].shape == (2,)
+        bad = {"pos": np.zeros(2)} if env_cls is _DictEnv else (1,)
+        with pytest.raises(ValueError, match=r"predict: expected one observation of the env's observation space "
+                                             + ("Dict" if env_cls is _DictEnv else "Tuple")):
+            agent.predict(bad)
+        with pytest.raises(ValueError, match=r"predict: expected a float array \[B, \d+\]"):
+            agent.predict([np.zeros(2), np.zeros(3)])  # numpy's "inhomogeneous shape"
+        agent.close()
+    finally:
+        del gym.registry[env_id]
+
+
+# ------------------------------------------------------------------------ lr after a resume with more steps
+def test_resume_with_more_timesteps_continues_the_lr(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=4 * BATCH, track=False))
+    agent.learn()
+    last = agent.history[-1]["charts/learning_rate"]
+    assert last == pytest.approx(2.5e-4)  # update 4 of 4
+    final = tmp_path / "kept"
+    shutil.copytree(tmp_path / "ckpt" / agent.run_name / "final", final)  # a resumed run replaces its `final`
+    agent.close()
+    resumed = RecurrentPPO.load(final)
+    resumed.learn(total_timesteps=6 * BATCH)  # two more updates
+    lrs = [h["charts/learning_rate"] for h in resumed.history]
+    # continues from 2.5e-4 down to 0 at the new end (update 7): no jump to 3.3e-4 (re-planned over 6)
+    assert lrs == pytest.approx([last * 2 / 3, last / 3])
+    resumed.close()
+    replanned = RecurrentPPO.load(final, replan_lr=True)
+    replanned.learn(total_timesteps=5 * BATCH)
+    assert replanned.history[0]["charts/learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 5))
+    replanned.close()
