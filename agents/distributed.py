@@ -40,6 +40,8 @@ import os
 import signal
 from typing import Any
 
+import gymnasium as gym
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -105,7 +107,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal 
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def shard_permutation(rng: Any, num_envs: int, num_minibatches: int, shards: int = 1) -> torch.Tensor:
+def shard_permutation(rng: np.random.Generator, num_envs: int, num_minibatches: int, shards: int = 1) -> torch.Tensor:
     """One epoch's minibatch rows [num_minibatches, num_envs // num_minibatches] (int64).
 
     ``shards`` = 1 is a plain permutation of the envs (what every rank draws for its own envs).
@@ -221,8 +223,7 @@ class RunningStatsSync:
             wrappers are found inside it (none: :meth:`sync` does nothing).
     """
 
-    def __init__(self, envs: Any) -> None:
-        import gymnasium as gym
+    def __init__(self, envs: gym.vector.VectorEnv) -> None:
 
         from mamba_rl.envs import find_vector_wrapper
 
@@ -236,7 +237,6 @@ class RunningStatsSync:
 
     def rebase(self) -> None:
         """Take the current statistics (equal on every rank) as the base of the next merge."""
-        import numpy as np
 
         self.base = [(np.array(s.mean, dtype=np.float64), np.array(s.var, dtype=np.float64), float(s.count))
                      for s in self.stats]
@@ -245,7 +245,6 @@ class RunningStatsSync:
     def _moments(mean, var, count, center):
         """[count, count * (mean - center), count * (var + (mean - center)^2)]: moments about the base mean
         ``center`` (small numbers, so the merge loses no precision to cancellation)."""
-        import numpy as np
 
         dm = np.asarray(mean, np.float64).reshape(-1) - center
         var = np.asarray(var, np.float64).reshape(-1)
@@ -255,7 +254,6 @@ class RunningStatsSync:
     def sync(self, dp: "DataParallel") -> None:
         """All-reduce every rank's additions since the last merge and set the merged statistics on every
         rank (a collective: every rank calls it at the same point)."""
-        import numpy as np
 
         if not self.stats:
             return

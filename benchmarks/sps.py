@@ -99,7 +99,7 @@ def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: s
            "host_overhead_us": 1e3 * (rollout_ms - sum(env_ms) / n) / num_steps,
            "update_ms_per_update": update_ms, "update_ms_per_2048": update_ms * 2048 / (num_envs * num_steps),
            "final_losses": {k: hist[-1][k] for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy")},
-           "backend": agent.net.backend, "cuda_graphs": bool(agent._graphs),
+           "backend": agent.policy.net.backend, "cuda_graphs": agent.config.cuda_graphs and agent.device.type == "cuda",
            "host_copies_in_graph": bool(getattr(agent.actor, "copies_in_graph", False))}
     agent.close()
     return out
