@@ -211,10 +211,11 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import claim_run
+    from mamba_rl.agents.validation import check_int
     from mamba_rl.envs import check_env_id, check_start_method
 
-    if args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    with _user_input():
+        check_int("--nproc", args.nproc, lo=1)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return train_ddp.launch(args.nproc, args._argv)
     overrides = _config_overrides(args)
@@ -292,9 +293,10 @@ def _run_eval(args: argparse.Namespace) -> int:
     from mamba_rl.agents.checkpoint import read_agent_config
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.progress import apply_thread_policy
+    from mamba_rl.agents.validation import check_int
 
-    if args.episodes < 1:
-        raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
+    with _user_input():
+        check_int("--episodes", args.episodes, lo=1)
     overrides: dict[str, Any] = {"track": False, "num_envs": 1, "num_minibatches": 1, "capture_video": False,
                                  "async_envs": False}
     if args.device:

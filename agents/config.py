@@ -20,6 +20,8 @@ from typing import Any
 
 from mamba_rl import MambaConfig
 
+from .validation import check_bool, check_choice, check_int, check_real
+
 __all__ = ["PPOConfig", "BACKBONE_FIELDS"]
 
 # MambaConfig's constructor fields, in the order of PPOConfig's init-only fields below;
@@ -30,6 +32,14 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
+_BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_action",
+                "prev_reward", "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
+# (field, lo, hi, lo open, None allowed)
+_REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0, True, False),
+                ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
+                ("gae_lambda", 0.0, 1.0, False, False), ("clip_coef", 0.0, math.inf, True, False),
+                ("ent_coef", 0.0, math.inf, False, False), ("vf_coef", 0.0, math.inf, False, False),
+                ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True))
 
 
 @dataclass
@@ -146,26 +156,15 @@ class PPOConfig:
         if given:
             self.backbone = dataclasses.replace(self.backbone, **given)
 
-        def pos_int(name: str, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            lo = 0 if allow_zero else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"PPOConfig.{name} must be an int >= {lo}, got {v!r}")
+        def name(field_name: str) -> str:
+            return f"PPOConfig.{field_name}"
 
-        def real(name: str, lo: float, hi: float, lo_open: bool = False, optional: bool = False) -> None:
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"PPOConfig.{name} must be a finite number, got {v!r}")
-            if v < lo or v > hi or (lo_open and v == lo):
-                rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-                raise ValueError(f"PPOConfig.{name} must be in {rng}, got {v!r}")
-
-        for name in ("seed", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
-            pos_int(name, allow_zero=(name == "seed"))
-        pos_int("checkpoint_every", allow_zero=True)
-        pos_int("threads", allow_zero=True)
+        for f in ("seed", "checkpoint_every", "threads"):
+            check_int(name(f), getattr(self, f), lo=0)
+        for f in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
+            check_int(name(f), getattr(self, f), lo=1)
+        for f in _BOOL_FIELDS:
+            check_bool(name(f), getattr(self, f))
         if self.async_start_method is not None:
             import multiprocessing
 
@@ -173,31 +172,22 @@ class PPOConfig:
             if self.async_start_method not in methods:
                 raise ValueError(f"PPOConfig.async_start_method must be None or one of {methods}, "
                                  f"got {self.async_start_method!r}")
-        if not isinstance(self.env_id, str) or not self.env_id:
-            raise ValueError(f"PPOConfig.env_id must be a non-empty string, got {self.env_id!r}")
+        for f in ("env_id", "exp_name", "runs_dir", "checkpoint_dir"):
+            v = getattr(self, f)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"PPOConfig.{f} must be a non-empty string, got {v!r}")
         if self.device not in _DEVICES and not str(self.device).startswith("cuda:"):
             raise ValueError(f"PPOConfig.device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"PPOConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.nonfinite not in _NONFINITE:
-            raise ValueError(f"PPOConfig.nonfinite must be one of {_NONFINITE}, got {self.nonfinite!r}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"PPOConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        check_choice(name("dtype"), self.dtype, _DTYPES)
+        check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
+        check_choice(name("backend"), self.backend, _BACKENDS)
         if self.num_envs % self.num_minibatches != 0:
             raise ValueError(
                 f"PPOConfig.num_envs ({self.num_envs}) must be divisible by num_minibatches "
                 f"({self.num_minibatches}): minibatches are fixed-shape slices over envs"
             )
-        real("learning_rate", 0.0, 1.0, lo_open=True)
-        real("adam_eps", 0.0, 1.0, lo_open=True)
-        real("weight_decay", 0.0, 1.0)
-        real("gamma", 0.0, 1.0)
-        real("gae_lambda", 0.0, 1.0)
-        real("clip_coef", 0.0, math.inf, lo_open=True)
-        real("ent_coef", 0.0, math.inf)
-        real("vf_coef", 0.0, math.inf)
-        real("max_grad_norm", 0.0, math.inf, lo_open=True, optional=True)
-        real("target_kl", 0.0, math.inf, lo_open=True, optional=True)
+        for f, lo, hi, lo_open, optional in _REAL_FIELDS:
+            check_real(name(f), getattr(self, f), lo, hi, lo_open=lo_open, optional=optional)
         if self.total_timesteps < self.batch_size:
             raise ValueError(
                 f"PPOConfig.total_timesteps ({self.total_timesteps}) must be >= one rollout "

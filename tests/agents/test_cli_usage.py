@@ -57,7 +57,7 @@ USER_MISTAKES = [
     (["train", "--resume", "/no/such/checkpoint"], "no RecurrentPPO checkpoint"),
     (["train", "--env-id", "no_such_module_xyz:Foo-v0"], "no_such_module_xyz"),
     (["eval", "--checkpoint", "/no/such/checkpoint"], "no RecurrentPPO checkpoint"),
-    (["eval", "--checkpoint", ".", "--episodes", "0"], "--episodes must be >= 1"),
+    (["eval", "--checkpoint", ".", "--episodes", "0"], "--episodes must be an int >= 1, got 0"),
 ]
 
 

@@ -78,6 +78,6 @@ def test_greedy_evaluation_ignores_the_sampling_generator():
 
 def test_bad_episode_count():
     agent = _agent()
-    with pytest.raises(ValueError, match="num_episodes must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="num_episodes must be an int >= 1, got 0"):
         agent.evaluate(0)
     agent.close()
