@@ -173,3 +173,55 @@ def normalize_obs_worker(rank: int, world: int, port: int, out: str) -> None:
         agent.close()
     finally:
         dist.destroy_process_group()
+
+
+BUGGY_ENV_ID = "mamba_rl_test/BuggyCartPole-v1"
+BUG_AT_STEP = 12  # env steps per sub-env: inside the second rollout (8 steps each)
+
+
+def make_buggy_cartpole(**kwargs):
+    """CartPole whose step raises ValueError at step ``BUG_AT_STEP``: a deliberate bug mid-training."""
+    import gymnasium as gym
+
+    class BuggyCartPole(gym.Wrapper):
+        steps = 0
+
+        def step(self, action):
+            self.steps += 1
+            if self.steps == BUG_AT_STEP:
+                raise ValueError(f"deliberate bug at env step {self.steps}")
+            return self.env.step(action)
+
+    return BuggyCartPole(gym.make("CartPole-v1", **kwargs))
+
+
+def cli_bug_worker(rank: int, world: int, port: int, out: str) -> None:
+    """``mamba-rl train`` on one rank of a gloo job (as under torchrun) whose env raises ValueError mid-training:
+    records whether ``main`` returned (and what) or raised, with the traceback, and the CLI's stderr."""
+    import contextlib
+    import io
+    import traceback
+
+    import gymnasium as gym
+
+    from mamba_rl.agents.cli import main
+
+    if BUGGY_ENV_ID not in gym.registry:
+        gym.register(BUGGY_ENV_ID, entry_point=make_buggy_cartpole, max_episode_steps=500)
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    argv = ["train", "--env-id", BUGGY_ENV_ID, "--num-envs", "2", "--num-steps", "8", "--num-minibatches", "1",
+            "--update-epochs", "1", "--d-model", "8", "--n-layers", "1", "--d-state", "2", "--device", "cpu",
+            "--total-timesteps", str(4 * world * 2 * 8), "--seed", "3", "--no-track", "--no-progress",
+            "--checkpoint-dir", os.path.join(out, f"ckpt{rank}"), "--runs-dir", os.path.join(out, "runs")]
+    stderr = io.StringIO()
+    result = {"returned": None, "raised": None, "traceback": None}
+    with contextlib.redirect_stderr(stderr):
+        try:
+            result["returned"] = main(argv)
+        except Exception as err:  # noqa: BLE001 - the test looks at what it was
+            result["raised"] = type(err).__name__
+            result["traceback"] = traceback.format_exc()
+    result["stderr"] = stderr.getvalue()
+    torch.save(result, os.path.join(out, f"bug{rank}.pt"))

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.distributed import shard_permutation
 
-from .ddp_cases import (TINY, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker,
+from .ddp_cases import (TINY, cli_bug_worker, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker,
                         normalize_obs_worker, update_worker)
 
 
@@ -154,3 +154,18 @@ def test_ranks_share_their_observation_statistics_gloo(tmp_path):
     # to float32 rounding (gymnasium accumulates in float32; the merge adds in another order)
     np.testing.assert_allclose(r0["mean"], want.mean, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(r0["var"], want.var, rtol=1e-5, atol=1e-7)
+
+
+def test_a_bug_mid_training_keeps_its_traceback_under_torchrun(tmp_path):
+    """A ValueError raised while training (here by the env, at its 12th step: the second rollout) is a bug,
+    not a usage error: on every rank ``mamba-rl train`` raises it with its traceback (the process exits 1
+    through Python's handler, torchrun reports the rank's traceback), never the one-line error of exit 2."""
+    _spawn(cli_bug_worker, str(tmp_path))
+    for r in range(2):
+        res = torch.load(tmp_path / f"bug{r}.pt")
+        assert res["returned"] is None, res  # main did not turn it into an exit code (2 would be the usage error)
+        assert res["raised"] == "ValueError", res
+        tb = res["traceback"]
+        assert "Traceback (most recent call last)" in tb and "ValueError: deliberate bug at env step 12" in tb
+        assert "in learn" in tb and "in collect_rollout" in tb and "in step" in tb  # the frames down to the bug
+        assert "mamba-rl train: error" not in res["stderr"], res["stderr"]
