@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
+from mamba_rl import CheckpointError
 from mamba_rl.agents import SCALAR_TAGS, PPOConfig, RecurrentPPO
 
 TINY = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
@@ -168,5 +169,6 @@ def test_resume_never_reads_the_env_pickle_unless_asked(tmp_path):
     resumed = RecurrentPPO.load(ckpt)  # default: safetensors + JSON only, fresh envs
     assert resumed.update == agent.update
     resumed.close()
-    with pytest.raises(Exception):
-        RecurrentPPO.load(ckpt, restore_envs=True)
+    with pytest.raises(CheckpointError, match=r"this envs.pkl \(SHA-256 [0-9a-f]{12}\.\.\.\) is not the one saved with "
+                                              r"agent.safetensors"):
+        RecurrentPPO.load(ckpt, restore_envs=True)  # refused before anything is unpickled
