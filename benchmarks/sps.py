@@ -19,7 +19,7 @@ For each env count (default 16, 64, 256 and 1024) on CartPole-v1 it measures:
   with LSTM 128, same env count, n_steps 128, on the same device, timed after a warm-up learn.
 
 Ratios: ``agent_fraction_of_raw`` = agent_sps / raw_env_sps (target >= 0.5), ``agent_vs_sb3`` =
-agent_sps / sb3_sps (target >= 30; issue #9). The default rows finish in a few minutes on an H200.
+agent_sps / sb3_sps (target >= 30). The default rows finish in a few minutes on an H200.
 
 Usage:
     python benchmarks/sps.py --out $OUT/sps.json            # cuda if available, 16 / 64 / 256 / 1024 envs
@@ -242,7 +242,7 @@ def _ddp(a: argparse.Namespace, device: str) -> dict:
         print(f"{a.nproc} ranks x {n} envs: {r['ddp_sps']:,.0f} SPS (sum over ranks) vs 1 x {n} envs: "
               f"{r['single_sps']:,.0f} SPS -> {r['speedup']:.2f}x (target {r['speedup_target']})",
               file=sys.stderr, flush=True)
-    report = {"benchmark": f"CartPole-v1 data-parallel SPS, {a.nproc} ranks vs 1 (issue #12)", "results": rows}
+    report = {"benchmark": f"CartPole-v1 data-parallel SPS, {a.nproc} ranks vs 1", "results": rows}
     _write(report, a.out, "sps_ddp.json")
     return report
 

@@ -1,4 +1,4 @@
-"""Data-parallel SPS (issue #12): N ranks x E envs each against one process with E envs.
+"""Data-parallel SPS: N ranks x E envs each against one process with E envs.
 
 ``python benchmarks/sps.py --nproc 2 --envs 64 --no-sb3 --out $OUT/sps_ddp.json`` calls :func:`compare`:
 

@@ -1,4 +1,4 @@
-"""Issue #14.4/#14.5 and #8 (CPU): user mistakes are one-line errors (exit 2), help texts, env listing,
+"""The CLI on the CPU: user mistakes are one-line errors (exit 2), help texts, env listing,
 exact counters, the Ctrl-C summary, the thread policy, progress and notices, `mamba-rl plot`."""
 
 import re

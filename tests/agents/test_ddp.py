@@ -1,4 +1,4 @@
-"""Data-parallel PPO (issue #12): 2 ranks x 4 envs = 1 process x 8 envs; bit-identical ranks; resume.
+"""Data-parallel PPO: 2 ranks x 4 envs = 1 process x 8 envs; bit-identical ranks; resume.
 
 Ranks are spawned with ``torch.multiprocessing`` (gloo on the CPU, NCCL on 2 GPUs for the ``cuda`` test).
 """

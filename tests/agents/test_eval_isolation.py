@@ -1,4 +1,4 @@
-"""Issue #14.3: evaluation and predict() never perturb training."""
+"""Evaluation and predict() never perturb training."""
 
 import numpy as np
 import torch

@@ -1,4 +1,4 @@
-"""Issue #15: two runs never share a run folder, even when started in the same second."""
+"""Two runs never share a run folder, even when started in the same second."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""Issue #14.2 / #14.5: any id gymnasium.make accepts (``module:EnvId`` too, sync and async under every
+"""Any id gymnasium.make accepts (``module:EnvId`` too, sync and async under every
 start method), env listing, and flattened-observation envs that pickle."""
 
 import multiprocessing
