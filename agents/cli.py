@@ -207,6 +207,8 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from mamba_rl.agents import PPOConfig, RecurrentPPO, distributed, train_ddp
     from mamba_rl.agents.checkpoint import read_agent_config
+    import signal
+
     from mamba_rl.agents.interrupts import exit_code, terminate_as_interrupt
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.devices import resolve_device
@@ -252,8 +254,8 @@ def _run_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as err:
         ckpt = agent.interrupted_checkpoint
         done = agent.global_step - start_step
-        what = "Ctrl-C" if exit_code(err) == 130 else str(err)
-        print(f"\ninterrupted ({what}) after update {agent.update} of {c.num_updates}: {_steps(agent.global_step)} "
+        by = "" if exit_code(err) == 130 else f" by {signal.Signals(exit_code(err) - 128).name}"
+        print(f"\ninterrupted{by} after update {agent.update} of {c.num_updates}: {_steps(agent.global_step)} "
               f"of {_steps(c.planned_timesteps)} env steps done ({_steps(done)} in this session, "
               f"{time.perf_counter() - start:.0f} s; a partial rollout is dropped)", file=sys.stderr)
         if ckpt is not None:

@@ -270,7 +270,10 @@ class RecurrentPPO:
         if not c.anneal_lr:
             return c.learning_rate
         u0, f0, end = self.lr_plan if self.lr_plan is not None else (1.0, 1.0, self.num_updates + 1.0)
-        frac = f0 * (end - update) / (end - u0)
+        if u0 == 1.0 and f0 == 1.0:  # never re-planned: CleanRL's expression, bit for bit
+            frac = 1.0 - (update - 1.0) / (end - 1.0)
+        else:
+            frac = f0 * (end - update) / (end - u0)
         return max(frac, 0.0) * c.learning_rate
 
     def _plan_lr(self) -> None:
@@ -425,7 +428,10 @@ class RecurrentPPO:
     def predict(self, obs: np.ndarray, state: PolicyState | None = None, episode_start: np.ndarray | None = None,
                 deterministic: bool = False, reward: np.ndarray | None = None) -> tuple[np.ndarray, PolicyState]:
         """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments).
-        ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
+        ``obs``: flat float rows [B, obs_dim] / [obs_dim], or raw observations of the env's space (a Dict /
+        Tuple observation, a batch of them as its vector env returns, or a list of them), flattened as in
+        training (:func:`mamba_rl.envs.flatten_observation`); anything else raises ValueError naming the
+        space. ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
         (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
         if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)

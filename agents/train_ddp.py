@@ -65,8 +65,9 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
             agent.learn(progress=lead and progress)
         except KeyboardInterrupt:
             if lead:
-                print(f"\ninterrupted after update {agent.update}; checkpoint: "
-                      f"{agent.checkpoint_root / 'interrupted'}", file=sys.stderr)
+                ckpt = agent.interrupted_checkpoint
+                print(f"\ninterrupted after update {agent.update}; " + (
+                    f"checkpoint: {ckpt}" if ckpt is not None else "nothing was saved (see above)"), file=sys.stderr)
             agent.close()
             return 130
         if lead:

@@ -100,7 +100,7 @@ def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
 def raw_observation_space(envs: gym.vector.VectorEnv) -> spaces.Space | None:
     """The single-env observation space before this package's flattening, read from the stack: the space a
     :class:`FlattenVecObs` flattens, else (a SyncVectorEnv) the one its first sub-env's :class:`FlattenObs`
-    flattens, else that sub-env's own. None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live
+    flattens, else that sub-env's own (its outermost wrapper's). None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live
     in the workers)."""
     vec = find_vector_wrapper(envs, FlattenVecObs)
     if vec is not None:
@@ -113,4 +113,4 @@ def raw_observation_space(envs: gym.vector.VectorEnv) -> spaces.Space | None:
         if isinstance(e, FlattenObs):
             return e._inner_space
         e = getattr(e, "env", None)
-    return first.unwrapped.observation_space
+    return first.observation_space

@@ -186,6 +186,21 @@ def test_a_killed_save_leaves_the_previous_folder_whole(tmp_path):
     again.close()
 
 
+def test_a_save_killed_between_its_renames_is_recovered(tmp_path):
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.learn()
+    root = tmp_path / "ckpt" / agent.run_name
+    os.mkdir(root / "final" / "videos")  # something the user put there (eval --video writes here)
+    os.rename(root / "final", root / ".old-final-123456")  # the previous folder moved aside, the new one
+    shutil.copytree(root / ".old-final-123456", root / ".tmp-final-abcdef")  # not yet renamed in
+    back = RecurrentPPO.load(root / "final")  # the previous folder is put back
+    assert back.update == 1
+    back.close()
+    agent.save(root / "final")
+    assert sorted(os.listdir(root)) == ["final"] and (root / "final" / "videos").is_dir()
+    agent.close()
+
+
 def test_a_folder_mixing_two_saves_is_refused(tmp_path):
     agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=2 * BATCH, track=False,
                                                     checkpoint_every=1))
