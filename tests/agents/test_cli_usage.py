@@ -153,7 +153,7 @@ def test_ctrl_c_mid_rollout_counts_only_whole_updates(tmp_path, capsys, monkeypa
     rc = main(["train", "--env", "CartPole-v1", "--total-timesteps", "96", *TINY, *_dirs(tmp_path)])
     assert rc == 130
     err = capsys.readouterr().err
-    assert "interrupted (Ctrl-C) after update 1 of 3: 32 of 96 env steps done" in err
+    assert "interrupted after update 1 of 3: 32 of 96 env steps done" in err
     ckpt = re.search(r"continue with: mamba-rl train --resume (\S+)", err).group(1)
     assert ckpt.endswith("interrupted") and f"checkpoint: {ckpt}" in err
     monkeypatch.setattr(gym.vector.SyncVectorEnv, "step", real_step)
