@@ -12,7 +12,8 @@ ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
 3. ``trainer.backward_body()``: backbone backward, one global clip over heads + backbone (the heads'
    squared norm goes in ``extra_sq_buf``), AdamW, the f16 scaler;
 4. the head optimizer with the same clip factor, skipped exactly when the backbone step was skipped
-   (an f16 overflow): :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on CUDA (no sync),
+   (a NaN / inf gradient: an f16 overflow, or a non-finite loss in any dtype):
+   :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on CUDA (no sync),
    ``torch.optim.Adam`` on the CPU (where reading the flag costs nothing);
 5. the step's metrics go to row ``k`` of a device table; ``mb_index += 1``.
 
