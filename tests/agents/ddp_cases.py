@@ -195,6 +195,18 @@ def make_buggy_cartpole(**kwargs):
     return BuggyCartPole(gym.make("CartPole-v1", **kwargs))
 
 
+def register_buggy_env() -> None:
+    """Register ``BUGGY_ENV_ID`` (idempotent). Runs when this module is imported, so the id also works as
+    ``tests.agents.ddp_cases:mamba_rl_test/BuggyCartPole-v1`` in a subprocess (module:EnvId)."""
+    import gymnasium as gym
+
+    if BUGGY_ENV_ID not in gym.registry:
+        gym.register(BUGGY_ENV_ID, entry_point=make_buggy_cartpole, max_episode_steps=500)
+
+
+register_buggy_env()
+
+
 def cli_bug_worker(rank: int, world: int, port: int, out: str) -> None:
     """``mamba-rl train`` on one rank of a gloo job (as under torchrun) whose env raises ValueError mid-training:
     records whether ``main`` returned (and what) or raised, with the traceback, and the CLI's stderr."""
@@ -202,12 +214,9 @@ def cli_bug_worker(rank: int, world: int, port: int, out: str) -> None:
     import io
     import traceback
 
-    import gymnasium as gym
-
     from mamba_rl.agents.cli import main
 
-    if BUGGY_ENV_ID not in gym.registry:
-        gym.register(BUGGY_ENV_ID, entry_point=make_buggy_cartpole, max_episode_steps=500)
+    register_buggy_env()
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -5,6 +5,7 @@ Ranks are spawned with ``torch.multiprocessing`` (gloo on the CPU, NCCL on 2 GPU
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 
@@ -169,3 +170,25 @@ def test_a_bug_mid_training_keeps_its_traceback_under_torchrun(tmp_path):
         assert "Traceback (most recent call last)" in tb and "ValueError: deliberate bug at env step 12" in tb
         assert "in learn" in tb and "in collect_rollout" in tb and "in step" in tb  # the frames down to the bug
         assert "mamba-rl train: error" not in res["stderr"], res["stderr"]
+
+
+def test_a_bug_mid_training_under_mamba_rl_train_nproc_exits_non_2_with_the_traceback(tmp_path):
+    """The same bug end to end: ``mamba-rl train --nproc 2`` (torchrun, 2 gloo ranks) prints the rank's
+    traceback and exits 1 (a rank failed), not 2 with a one-line usage error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env_id = "tests.agents.ddp_cases:mamba_rl_test/BuggyCartPole-v1"  # the module registers it on import
+    argv = [sys.executable, "-m", "mamba_rl", "train", "--nproc", "2", "--env-id", env_id, "--num-envs", "2",
+            "--num-steps", "8", "--num-minibatches", "1", "--update-epochs", "1", "--d-model", "8", "--n-layers",
+            "1", "--d-state", "2", "--device", "cpu", "--total-timesteps", "128", "--seed", "3", "--no-track",
+            "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt"), "--runs-dir", str(tmp_path / "runs")]
+    r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert r.returncode not in (0, 2), (r.returncode, r.stderr[-3000:])
+    assert "Traceback (most recent call last)" in r.stderr, r.stderr[-3000:]
+    assert "ValueError: deliberate bug at env step 12" in r.stderr, r.stderr[-3000:]
+    assert "mamba-rl train: error: deliberate bug" not in r.stderr
+    assert "mamba-rl train: error: a rank failed" in r.stderr
