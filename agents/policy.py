@@ -87,10 +87,12 @@ class Policy:
 
     @property
     def actor(self) -> ActorHead:
+        """The actor head (``heads["actor"]``): features [.., d_model] -> an :class:`ActionDist`."""
         return self.heads["actor"]
 
     @property
     def critic(self) -> CriticHead:
+        """The critic head (``heads["critic"]``): features [.., d_model] -> values [..]."""
         return self.heads["critic"]
 
     # ---------------------------------------------------------------- inputs

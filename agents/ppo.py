@@ -332,6 +332,7 @@ class RecurrentPPO:
 
     @property
     def checkpoint_root(self) -> Path:
+        """``checkpoint_dir / run_name``: the folder of this run's checkpoints."""
         return Path(self.config.checkpoint_dir) / self.run_name
 
     def learn(self, total_timesteps: int | None = None, progress: bool = False,

@@ -153,11 +153,14 @@ class Actor(Protocol):
     stepper: Stepper  # carries the recurrent state (reset with the envs)
     env_arrays: tuple[np.ndarray, ...]  # [N, T] rewards, terminations, truncations, valid the loop fills
 
-    def begin(self) -> None: ...
+    def begin(self) -> None:
+        """Rollout start: store the stepper state as the buffer's initial state, refresh the heads."""
 
-    def act(self, t: int) -> np.ndarray: ...
+    def act(self, t: int) -> np.ndarray:
+        """Act on the staged input of step ``t``; store it; return the stored-form actions [N, action_dim]."""
 
-    def finish(self) -> None: ...
+    def finish(self) -> None:
+        """Bootstrap V(next obs) from the staged input without advancing the state, then GAE into the buffer."""
 
 
 class EagerActor:

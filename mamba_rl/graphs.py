@@ -133,5 +133,6 @@ class GraphSet:
         return True
 
     def clear(self) -> None:
+        """Drop every graph (and the recorded pointers)."""
         self._graphs.clear()
         self._ptrs = None
