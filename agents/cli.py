@@ -279,7 +279,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, metavar="PATH", help="checkpoint folder (or its agent.safetensors)")
     p.add_argument("--episodes", type=int, default=10, metavar="N", help="episodes to run")
     p.add_argument("--deterministic", action="store_true", help="take the mode of the policy")
-    p.add_argument("--video", action="store_true", help="record videos (gymnasium RecordVideo)")
+    p.add_argument("--video", action="store_true", help="record videos (gymnasium RecordVideo; needs the video extra: pip install -e \".[video]\")")
     p.add_argument("--video-dir", default=None, help="video folder (default: {checkpoint}/videos)")
     p.add_argument("--seed", type=int, default=None, help="episode k resets with seed+k (default: config seed+10000)")
     p.add_argument("--device", default=None, help="auto | cpu | cuda (default: the checkpoint's)")
@@ -312,6 +312,12 @@ def _run_eval(args: argparse.Namespace) -> int:
         agent = RecurrentPPO.load(args.checkpoint, restore_envs=False, **overrides)
     video_dir = None
     if args.video:
+        import importlib.util
+        missing = [m for m in ("moviepy", "pygame") if importlib.util.find_spec(m) is None]
+        if missing:  # checked before anything writes a videos/ folder
+            agent.close()
+            raise UsageError(f"--video needs {' and '.join(missing)} (gymnasium's RecordVideo and the classic-control "
+                             f"renderer): pip install -e \".[video]\"")
         video_dir = args.video_dir or os.path.join(str(RecurrentPPO.checkpoint_file(args.checkpoint).parent), "videos")
     import gymnasium as gym
 

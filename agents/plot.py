@@ -1,12 +1,16 @@
 """Learning curves of a run from its TensorBoard event files (``mamba-rl plot RUN_DIR``).
 
 Needs matplotlib (``pip install -e ".[plot]"``). One PNG: the episodic return against global env
-steps (every episode as a dot, plus a running mean), and one panel per ``losses/*`` tag.
+steps (every episode as a dot, plus a running mean over k = min(100, max(1, episodes // 10)) episodes, as the
+legend says), and one panel per ``losses/*`` tag (y limits from the 1st..99th percentile when the opening
+points would flatten the curve).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import numpy as np
 
 from .tags import EPISODIC_RETURN as _RETURN
 
@@ -43,6 +47,21 @@ def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]
     return out
 
 
+def _robust_ylim(ax, values) -> None:
+    """Y limits from the 1st..99th percentile (plus a margin) once the first points lie far outside it, so
+    that a loss's large opening values (the value loss before the critic has learned anything) do not
+    flatten the rest of the curve; those points are clipped at the panel's edge, noted in its corner."""
+    finite = values[np.isfinite(values)] if len(values) else values
+    if len(finite) < 20:
+        return
+    lo, hi = np.percentile(finite, [1, 99])
+    pad = 0.1 * (hi - lo) if hi > lo else abs(hi) * 0.1 + 1e-12
+    if finite.max() > hi + 3 * pad or finite.min() < lo - 3 * pad:
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.text(0.99, 0.97, "y: 1st-99th percentile", transform=ax.transAxes, ha="right", va="top", fontsize=7,
+                alpha=0.6)
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the run's learning curves into a PNG and return its path.
 
@@ -62,7 +81,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             from err
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
-    import numpy as np
 
     scalars = read_scalars(run_dir)
     losses = sorted(t for t in scalars if t.startswith("losses/"))
@@ -78,10 +96,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
             ax.plot(steps, values, ".", ms=2, alpha=0.3, label="episodes")
             k = max(1, min(100, len(values) // 10))
             mean = np.convolve(values, np.ones(k) / k, mode="valid")
-            ax.plot(steps[k - 1:], mean, lw=1.5, label=f"mean of {k}")
+            ax.plot(steps[k - 1:], mean, lw=1.5, label=f"running mean of {k} episodes")
             ax.legend(loc="best", fontsize=8)
         else:
             ax.plot(steps, values, lw=1)
+            _robust_ylim(ax, np.asarray(values, dtype=float))
         ax.set_title(tag, fontsize=10)
         ax.set_xlabel("env steps")
         ax.grid(alpha=0.3)

@@ -327,6 +327,7 @@ class RecurrentPPO:
                                              purge_step=purge)
             hparams = c.to_dict()
             hparams.update(hparams.pop("backbone"))  # one flat table, as CleanRL's
+            hparams.update(backend=f"{c.backend} (ran: {self.policy.net.backend})", device=f"{c.device} (ran: {self.device})")
             self._logger.hparams(hparams)
         return self._logger
 

@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     for kind in kinds:
         t0 = time.time()
         try:
-            load_extension(kind, verbose=args.verbose)
+            load_extension(kind, verbose=args.verbose, retry=True)
         except Exception as e:  # one line, non-zero exit
             print(f"mamba_rl.build: {kind} failed: {e}", file=sys.stderr)
             rc = 1

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..config import MambaConfig
 from ..ops import causal_conv1d, causal_conv1d_ref, rms_norm, rms_norm_ref, selective_scan, selective_scan_ref
 from ..ops.checks import check_tensor
-from ..ops.extension import extension, extension_error
+from ..ops.extension import extension, extension_error, fallback_message
 from ..ops.step import backbone_step_packed, pack_step_weights
 from .arena import ArenaModule
 from .block import MambaBlock
@@ -91,9 +91,7 @@ class MambaBackbone(ArenaModule):
                 return dev.type
             if dev.type == "cpu" and "cpu" not in _WARNED:
                 _WARNED.add("cpu")
-                warnings.warn(f"mamba_rl: the CPU kernels are unavailable ({extension_error('cpu')}); running the "
-                              f"much slower pure-PyTorch reference. Fix: install a C++ compiler with OpenMP "
-                              f"(e.g. `apt-get install g++`) and `pip install ninja`.", RuntimeWarning, stacklevel=3)
+                warnings.warn(fallback_message("cpu"), RuntimeWarning, stacklevel=3)
         return "reference"
 
     @property

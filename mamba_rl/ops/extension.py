@@ -15,20 +15,29 @@ A build is keyed by a hash of its sources and headers, the torch / CUDA / Python
 Build directory: ``$MAMBA_RL_BUILD_DIR`` if set, else ``<repo>/.build`` when the package sits in a
 writable checkout (git-ignored), else ``~/.cache/mamba_rl``; inside it one folder per key.
 Ahead of time: ``python -m mamba_rl.build``. Installing the package compiles nothing.
+
+A failed build is remembered: its folder keeps ``build.log`` (the compiler's whole output) and
+``FAILED.json`` (the first error line and the fix that matches it), and later loads with the same key (same
+sources, torch, flags and compiler) raise :class:`BuildError` from that record at once instead of compiling
+again. ``python -m mamba_rl.build`` (or deleting the folder) retries.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
+import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-__all__ = ["kernels_for", "extension", "load_extension", "extension_error", "source_files", "build_dir", "build_key"]
+__all__ = ["kernels_for", "extension", "load_extension", "extension_error", "fallback_message", "BuildError",
+           "source_files", "build_dir", "build_key"]
 
 _PKG = Path(__file__).resolve().parent.parent
 # No -std flag: torch.utils.cpp_extension sets the C++ standard its own headers need (C++17 up to torch 2.11,
@@ -36,6 +45,7 @@ _PKG = Path(__file__).resolve().parent.parent
 _CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-Xptxas=-O3"]
 _LOADED: dict[str, object] = {}
 _ERRORS: dict[str, BaseException] = {}
+_COMPILER_IDS: dict[str, str] = {}
 
 
 def _csrc_dir() -> Path:
@@ -88,6 +98,19 @@ def _host_cpu() -> str:
     return f"{platform.machine()}|{model or platform.processor()}|{flags}"
 
 
+def _compiler_id() -> str:
+    """``$CXX --version``'s first line (part of the CPU build key: a new compiler retries a failed build)."""
+    cxx = os.environ.get("CXX", "c++")
+    if cxx not in _COMPILER_IDS:
+        try:
+            out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+            text = (out.stdout or out.stderr).strip()
+            _COMPILER_IDS[cxx] = f"{cxx}|{text.splitlines()[0] if text else ''}"
+        except (OSError, subprocess.SubprocessError):
+            return f"{cxx}|missing"
+    return _COMPILER_IDS[cxx]
+
+
 def source_files(kind: str = "cuda") -> list[Path]:
     """The compiled sources of extension ``kind`` ("cuda" or "cpu"); headers enter the hash only."""
     d = _csrc_dir()
@@ -118,7 +141,7 @@ def build_key(kind: str = "cuda") -> str:
         h.update(" ".join(_arch_flags() + _CUDA_FLAGS).encode())
     else:
         h.update(" ".join(_cpu_flags()).encode())
-        h.update(os.environ.get("CXX", "c++").encode())
+        h.update(_compiler_id().encode())
         if _march() == "native":
             h.update(_host_cpu().encode())
     return h.hexdigest()[:16]
@@ -136,37 +159,99 @@ def build_dir(kind: str = "cuda") -> Path:
     return root / build_key(kind)
 
 
+class BuildError(RuntimeError):
+    """A kernel extension that could not be built or loaded.
+
+    Attributes:
+        kind: "cuda" or "cpu".
+        cause: one line: what went wrong (for a failed compile, the compiler's first error line).
+        fix: one sentence: what to do about it.
+        log: the file holding the whole build output, or None.
+    """
+
+    def __init__(self, kind: str, cause: str, fix: str, log: Path | None = None):
+        self.kind, self.cause, self.fix, self.log = kind, cause, fix, log
+        where = f" (full build log: {log})" if log else ""
+        super().__init__(f"mamba_rl {kind} kernels: {cause}{where}; fix: {fix}")
+
+
+# (pattern in the build output, fix); the first that matches the output wins
+_FIXES: list[tuple[str, str]] = [
+    (r"strong_ordering|'requires' does not name|concept|C\+\+20|c\+\+20|std=c\+\+",
+     "the compiler lacks the C++ standard the installed torch's headers need (torch >= 2.12 needs C++20: GCC >= 10 "
+     "or clang >= 12); install a newer compiler (point $CXX at it) or a torch release this package supports"),
+    (r"omp\.h", "install OpenMP for the compiler (GCC ships it: `apt-get install g++`; clang: libomp-dev)"),
+    (r"Python\.h", "install the Python headers (e.g. `apt-get install python3-dev`)"),
+    (r"No space left", "free disk space in the build folder, or set MAMBA_RL_BUILD_DIR to a disk with room"),
+    (r"Permission denied", "make the build folder writable, or set MAMBA_RL_BUILD_DIR to one that is"),
+    (r"Killed|out of memory|virtual memory exhausted|internal compiler error|signal 9",
+     "the compiler ran out of memory or crashed: retry with one job, `MAX_JOBS=1 python -m mamba_rl.build`"),
+    (r"nvcc|cuda_runtime|CUDA_HOME", "check that nvcc and the CUDA toolkit match torch's CUDA version "
+     "(torch.version.cuda) and that CUDA_HOME points at it"),
+]
+
+
+def diagnose_build_output(output: str) -> tuple[str, str]:
+    """(first error line, matching fix) of a failed build's output (compiler, ninja and torch lines)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    first = next((ln for ln in lines if re.search(r"\b(fatal )?error\b\s*:", ln) and not ln.startswith("ninja:")),
+                 None) or next((ln for ln in lines if "error" in ln.lower() and not ln.startswith(("ninja:", "FAILED:"))),
+                               lines[-1] if lines else "no output")
+    fix = next((f for pat, f in _FIXES if re.search(pat, output)),
+               "read the build log; `python -m mamba_rl.build --verbose` retries and shows the command lines")
+    return first[:300], fix
+
+
+def _failure_record(bdir: Path) -> Path:
+    return bdir / "FAILED.json"
+
+
 def check_cpu_toolchain() -> None:
-    """Raise RuntimeError naming what the CPU kernels' build lacks (``$CXX`` or c++, ninja) and the fix."""
+    """Raise :class:`BuildError` naming what the CPU kernels' build lacks (``$CXX`` or c++, ninja) and the fix."""
     from torch.utils.cpp_extension import is_ninja_available
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
-        raise RuntimeError(f"mamba_rl CPU kernels: no C++ compiler found (looked for {cxx!r} on PATH); fix: "
-                           f"install one with OpenMP (e.g. `apt-get install g++` or build-essential)")
+        raise BuildError("cpu", f"no C++ compiler found (looked for {cxx!r} on PATH)",
+                         "install a C++ compiler with OpenMP (e.g. `apt-get install g++` or build-essential)")
     if not is_ninja_available():
-        raise RuntimeError("mamba_rl CPU kernels: ninja was not found; fix: `pip install ninja`")
+        raise BuildError("cpu", "ninja was not found", "`pip install ninja`")
 
 
-def load_extension(kind: str = "cuda", verbose: bool = False):
+def load_extension(kind: str = "cuda", verbose: bool = False, retry: bool = False):
     """Build (first use; tens of seconds) or load the cached extension ``kind``.
 
+    Args:
+        kind: "cuda" or "cpu".
+        verbose: show ninja's command lines and the compiler's output while building.
+        retry: build again even when this key's last build failed (``python -m mamba_rl.build`` does).
+
     Raises:
-        RuntimeError: CUDA is unavailable (kind "cuda"), or the compiler / build failed (the message names
-            the cause; for "cpu" the fix is a C++ compiler with OpenMP, e.g. ``apt-get install g++``).
+        BuildError: CUDA is unavailable (kind "cuda"), the toolchain is missing, or the build failed now or
+            before with the same key (its ``cause`` is the compiler's first error line, ``fix`` the matching
+            remedy, ``log`` the file with the whole output).
     """
     if kind in _LOADED:
         return _LOADED[kind]
     from torch.utils.cpp_extension import load
     if kind == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("mamba_rl CUDA extension: CUDA is not available")
+        raise BuildError("cuda", "CUDA is not available", "run on a machine with an NVIDIA GPU and a CUDA build of torch")
     if kind == "cpu":
         check_cpu_toolchain()
     srcs = source_files(kind)
     if not srcs:
-        raise RuntimeError(f"mamba_rl {kind} extension: no sources found under {_csrc_dir()}")
+        raise BuildError(kind, f"no sources found under {_csrc_dir()}", "reinstall the package")
     key = build_key(kind)
     bdir = build_dir(kind)
     bdir.mkdir(parents=True, exist_ok=True)
+    record, log = _failure_record(bdir), bdir / "build.log"
+    if record.exists() and not retry:
+        try:
+            rec = json.loads(record.read_text())
+            raise BuildError(kind, f"{rec['cause']} (an earlier build with these sources, torch and compiler "
+                                   f"failed; not retried: `python -m mamba_rl.build` retries)", rec["fix"], log)
+        except (OSError, ValueError, KeyError):
+            pass  # an unreadable record: build again
+    record.unlink(missing_ok=True)
     name = f"mamba_rl_{kind}_{key}"
     cached = any(bdir.glob(f"{name}*.so"))
     t0 = time.time()
@@ -183,9 +268,17 @@ def load_extension(kind: str = "cuda", verbose: bool = False):
                        extra_cflags=_cpu_flags(), extra_ldflags=["-fopenmp"],
                        extra_include_paths=[str(_csrc_dir() / "cpu")], with_cuda=False, verbose=verbose)
     except Exception as e:
-        fix = ("install a C++ compiler with OpenMP (e.g. `apt-get install g++` or build-essential) and ninja "
-               "(`pip install ninja`)" if kind == "cpu" else "check nvcc and the CUDA toolkit version")
-        raise RuntimeError(f"mamba_rl {kind} extension failed to build ({type(e).__name__}: {e}); fix: {fix}") from e
+        output = f"{type(e).__name__}: {e}"
+        cause, fix = diagnose_build_output(output)
+        try:
+            log.write_text(output)
+            record.write_text(json.dumps({"cause": cause, "fix": fix, "torch": torch.__version__,
+                                          "compiler": _compiler_id() if kind == "cpu" else str(torch.version.cuda)}))
+        except OSError:
+            log = None
+        if not cached:
+            print(f"mamba_rl: the {kind.upper()} kernels failed to build: {cause}", file=sys.stderr, flush=True)
+        raise BuildError(kind, f"the build failed: {cause}", fix, log) from e
     if not cached:
         print(f"mamba_rl: {kind.upper()} kernels built in {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
     _LOADED[kind] = mod
@@ -198,7 +291,8 @@ def _try(kind: str):
     if kind in _ERRORS:
         return None
     if os.environ.get(f"MAMBA_RL_DISABLE_{kind.upper()}") == "1":
-        _ERRORS[kind] = RuntimeError(f"disabled by MAMBA_RL_DISABLE_{kind.upper()}=1")
+        _ERRORS[kind] = BuildError(kind, f"disabled by MAMBA_RL_DISABLE_{kind.upper()}=1",
+                                   f"unset MAMBA_RL_DISABLE_{kind.upper()}")
         return None
     try:
         return load_extension(kind)
@@ -213,10 +307,23 @@ def extension_error(kind: str = "cuda") -> BaseException | None:
     return _ERRORS.get(kind)
 
 
+def fallback_message(kind: str = "cpu") -> str:
+    """The one warning shown when ``auto`` falls back to the reference because extension ``kind`` is
+    unavailable: the cause (a compile's first error line), the fix, and the build log's path."""
+    err = extension_error(kind)
+    if isinstance(err, BuildError):
+        where = f" Full build log: {err.log}." if err.log else ""
+        return (f"mamba_rl: the {kind.upper()} kernels are unavailable ({err.cause}); running the much slower "
+                f"pure-PyTorch reference. Fix: {err.fix}.{where}")
+    return (f"mamba_rl: the {kind.upper()} kernels are unavailable ({err}); running the much slower pure-PyTorch "
+            f"reference.")
+
+
 def extension(kind: str = "cuda"):
     """The loaded extension ``kind`` ("cuda" or "cpu"), or None when it cannot be built or loaded."""
     if kind == "cuda" and not torch.cuda.is_available():
-        _ERRORS.setdefault("cuda", RuntimeError("CUDA is not available"))
+        _ERRORS.setdefault("cuda", BuildError("cuda", "CUDA is not available",
+                                              "run on a machine with an NVIDIA GPU and a CUDA build of torch"))
         return None
     return _try(kind)
 

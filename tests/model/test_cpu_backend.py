@@ -110,7 +110,8 @@ def test_auto_falls_back_to_the_reference_with_one_warning(monkeypatch):
     from mamba_rl.model import backbone as bb
     from mamba_rl.ops import extension as ext
     monkeypatch.setattr(ext, "_LOADED", {})
-    monkeypatch.setattr(ext, "_ERRORS", {"cpu": RuntimeError("mamba_rl CPU kernels: no C++ compiler found")})
+    monkeypatch.setattr(ext, "_ERRORS", {"cpu": ext.BuildError("cpu", "no C++ compiler found (looked for 'c++')",
+                                                                "install a C++ compiler with OpenMP")})
     monkeypatch.setattr(bb, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*Fix: install a C\\+\\+ compiler"):
         net = MambaBackbone(CFG, IN)
