@@ -116,20 +116,20 @@ class RolloutCarry:
     @classmethod
     def zeros(cls, num_envs: int, obs_dim: int, action_dim: int, discrete_actions: bool) -> RolloutCarry:
         """The carry of envs not reset yet (``started`` False): zero obs, every env at an episode start."""
-        carry = cls(*(torch.empty(0),) * 5)
-        carry.restart(torch.zeros(num_envs, obs_dim), action_dim, discrete_actions)
-        carry.started = False
-        return carry
+        return cls(*_episode_start(torch.zeros(num_envs, obs_dim), action_dim, discrete_actions), started=False)
 
     def restart(self, next_obs: torch.Tensor, action_dim: int, discrete_actions: bool) -> None:
         """Every env at the start of an episode whose first observation is ``next_obs`` [N, obs_dim]."""
-        n = next_obs.shape[0]
-        self.next_obs = next_obs
-        self.next_start = torch.ones(n, dtype=torch.bool)
-        self.next_done = torch.zeros(n, dtype=torch.bool)
-        self.prev_action = torch.zeros(n, action_dim, dtype=torch.int64 if discrete_actions else torch.float32)
-        self.prev_reward = torch.zeros(n)
+        (self.next_obs, self.next_start, self.next_done, self.prev_action,
+         self.prev_reward) = _episode_start(next_obs, action_dim, discrete_actions)
         self.started = True
+
+
+def _episode_start(next_obs: torch.Tensor, action_dim: int, discrete_actions: bool) -> tuple[torch.Tensor, ...]:
+    """The carry's tensors with every env at an episode start: (next_obs, starts, dones, prev action, reward)."""
+    n = next_obs.shape[0]
+    return (next_obs, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+            torch.zeros(n, action_dim, dtype=torch.int64 if discrete_actions else torch.float32), torch.zeros(n))
 
 
 @dataclass
