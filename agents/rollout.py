@@ -111,6 +111,7 @@ class RolloutCarry:
     prev_reward: torch.Tensor
     started: bool = False
 
+    # the tensor fields, in the order and under the names checkpoints store them (carry/<name>)
     TENSORS = ("next_obs", "next_start", "next_done", "prev_action", "prev_reward")
 
     @classmethod
