@@ -2,8 +2,9 @@
 
 Main entry points: :class:`RecurrentPPO` (``learn``, ``predict``, ``evaluate``, ``save``/``load``)
 and :class:`PPOConfig` (CleanRL's PPO defaults). Building blocks: :class:`Policy` (backbone +
-heads, acting), :func:`evaluate_policy`, :func:`compute_gae`, :class:`RolloutBuffer`,
-:class:`ActorHead`, :class:`CriticHead`, :class:`TensorBoardLogger`.
+heads, acting), :func:`evaluate_policy`, :func:`compute_gae`, :class:`RolloutBuffer` /
+:class:`RolloutCarry` (the rollout's storage and carried state), :class:`Minibatch`, :class:`PPOUpdate`,
+:class:`Run` / :class:`Progress`, :class:`ActorHead`, :class:`CriticHead`, :class:`TensorBoardLogger`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import importlib
 _EXPORTS = {
     "PPOConfig": ".config", "RecurrentPPO": ".ppo", "Policy": ".policy", "PolicyState": ".policy",
     "EvalResult": ".evaluate", "evaluate_policy": ".evaluate", "compute_gae": ".gae", "RolloutBuffer": ".rollout",
+    "RolloutCarry": ".rollout", "Minibatch": ".loss", "PPOUpdate": ".update", "Run": ".runs", "Progress": ".runs",
     "ActionDist": ".heads", "ActorHead": ".heads", "CriticHead": ".heads", "action_dim": ".heads",
-    "action_input_dim": ".heads", "encode_prev_action": ".heads", "SCALAR_TAGS": ".logger",
-    "TensorBoardLogger": ".logger", "hparams_markdown": ".logger", "run_name_for": ".logger",
+    "action_input_dim": ".heads", "SCALAR_TAGS": ".tags", "TensorBoardLogger": ".logger",
+    "hparams_markdown": ".logger",
 }
 
 __all__ = list(_EXPORTS)

@@ -26,8 +26,9 @@ RNG states are rank 0's. It resumes on any world size: weights, both optimizers,
 minibatch RNG load on every rank; the per-rank envs, carry and sampling RNGs are re-created (the
 envs are rebuilt and reset with each rank's seeds), never restored.
 
-The functions here read and write the attributes of a :class:`mamba_rl.agents.RecurrentPPO`
-(``agent``), which builds itself; this module sits below ``ppo.py`` in the import graph.
+:func:`save_agent` and :func:`restore_agent` take the agent's parts (config, run, progress, policy,
+trainer, head optimizer, sampling RNGs, stepper, rollout carry, envs) as typed arguments; the agent
+(``ppo.py``, above this module) builds itself and hands them over.
 """
 
 from __future__ import annotations
@@ -39,25 +40,38 @@ import pickle
 import secrets
 import shutil
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from mamba_rl import load_checkpoint, save_checkpoint
-from mamba_rl import read_checkpoint
+from mamba_rl import MambaTrainer, Stepper, load_checkpoint, read_checkpoint, save_checkpoint
 from mamba_rl.train.checkpoint import CheckpointError, fsync_path, remove_stale_temporaries
 from mamba_rl.envs import find_vector_wrapper
 
 from .config import PPOConfig
-from .runs import adopt_run
+from .policy import Policy
+from .rollout import RolloutCarry
+from .runs import Progress, Run, adopt_run
 
-__all__ = ["CHECKPOINT_FORMAT", "checkpoint_file", "read_agent_config", "save_agent", "restore_agent",
+__all__ = ["CHECKPOINT_FORMAT", "Rngs", "checkpoint_file", "read_agent_config", "save_agent", "restore_agent",
            "load_envs", "check_envs_file", "NonFiniteWeightsError", "json_safe"]
 
 CHECKPOINT_FORMAT = "mamba_rl.agents.RecurrentPPO/1"
-_CARRY = ("next_obs", "next_start", "next_done", "prev_action", "prev_reward")
+
+
+@dataclass
+class Rngs:
+    """The generators of a run that checkpoints save: ``sample`` (the eager rollout's CPU sampling
+    generator) and ``minibatch`` (numpy, the minibatch order). torch's global CPU generator and, on
+    CUDA, the device's (the graph rollout samples with it) are saved with them."""
+
+    sample: torch.Generator
+    minibatch: np.random.Generator
+
+
 _NORMS = (("obs_rms", gym.wrappers.vector.NormalizeObservation, "obs_rms"),
           ("return_rms", gym.wrappers.vector.NormalizeReward, "return_rms"))
 _OURS = ("agent.safetensors", "envs.pkl")
@@ -157,16 +171,16 @@ def check_envs_file(ckpt: Path, env_file: Path) -> None:
             f"(the envs are rebuilt and reset) or from a complete checkpoint")
 
 
-def _check_finite(agent: Any, path: Path) -> None:
-    parts = {"backbone weights": agent.net.arena, "backbone AdamW moments": torch.cat(
-        [agent.trainer.exp_avg.reshape(-1), agent.trainer.exp_avg_sq.reshape(-1)])}
-    parts["head weights"] = torch.cat([p.detach().reshape(-1) for p in agent.heads.parameters()])
+def _check_finite(policy: Policy, trainer: MambaTrainer, progress: Progress, path: Path) -> None:
+    parts = {"backbone weights": policy.net.arena, "backbone AdamW moments": torch.cat(
+        [trainer.exp_avg.reshape(-1), trainer.exp_avg_sq.reshape(-1)])}
+    parts["head weights"] = torch.cat([p.detach().reshape(-1) for p in policy.heads.parameters()])
     for name, t in parts.items():
         bad = int((~torch.isfinite(t)).sum())
         if bad:
             raise NonFiniteWeightsError(
                 f"refusing to save {path}: the {name} hold {bad} non-finite values (NaN/inf) of {t.numel()} after "
-                f"update {agent.update} (global step {agent.global_step}); expected finite values. Nothing was "
+                f"update {progress.update} (global step {progress.global_step}); expected finite values. Nothing was "
                 f"written: a checkpoint already there is left in place")
 
 
@@ -211,24 +225,31 @@ def _rms(envs: gym.vector.VectorEnv, wrapper: type, attr: str) -> dict[str, Any]
     return {"mean": np.asarray(rms.mean).tolist(), "var": np.asarray(rms.var).tolist(), "count": float(rms.count)}
 
 
-def _extra_tensors(agent: Any) -> dict[str, torch.Tensor]:
-    t: dict[str, torch.Tensor] = {f"heads/{k}": v for k, v in agent.heads.state_dict().items()}
-    for idx, st in agent.head_optimizer.state_dict()["state"].items():
+def _extra_tensors(policy: Policy, head_optimizer: torch.optim.Optimizer, rngs: Rngs, stepper: Stepper,
+                   carry: RolloutCarry) -> dict[str, torch.Tensor]:
+    t: dict[str, torch.Tensor] = {f"heads/{k}": v for k, v in policy.heads.state_dict().items()}
+    for idx, st in head_optimizer.state_dict()["state"].items():
         for key, v in st.items():
             t[f"head_optimizer/{idx}/{key}"] = torch.as_tensor(v)
-    t["rng/sample_generator"] = agent.sample_generator.get_state()
+    t["rng/sample_generator"] = rngs.sample.get_state()
     t["rng/torch"] = torch.get_rng_state()
-    if agent.device.type == "cuda":  # the graph-captured rollout samples with the device's generator
-        t["rng/cuda"] = torch.cuda.get_rng_state(agent.device)
-    t["carry/stepper_conv"] = agent.stepper.state.conv
-    t["carry/stepper_ssm"] = agent.stepper.state.ssm
-    for name in _CARRY:
-        t[f"carry/{name}"] = getattr(agent, name)
+    if policy.device.type == "cuda":  # the graph-captured rollout samples with the device's generator
+        t["rng/cuda"] = torch.cuda.get_rng_state(policy.device)
+    t["carry/stepper_conv"] = stepper.state.conv
+    t["carry/stepper_ssm"] = stepper.state.ssm
+    for name in RolloutCarry.TENSORS:
+        t[f"carry/{name}"] = getattr(carry, name)
     return t
 
 
-def save_agent(agent: Any, path: str | Path) -> tuple[Path, Exception | None]:
-    """Write ``agent`` (a RecurrentPPO) into the folder ``path`` as a whole (see the module doc).
+def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progress, policy: Policy,
+               trainer: MambaTrainer, head_optimizer: torch.optim.Optimizer, rngs: Rngs, stepper: Stepper,
+               carry: RolloutCarry, envs: gym.vector.VectorEnv,
+               world_size: int = 1) -> tuple[Path, Exception | None]:
+    """Write an agent, given as its parts, into the folder ``path`` as a whole (see the module doc).
+
+    Args:
+        world_size: ranks of the run (informative: a checkpoint loads on any world size).
 
     Returns:
         (``path`` as a Path, the error that kept the envs from being pickled, or None).
@@ -239,7 +260,7 @@ def save_agent(agent: Any, path: str | Path) -> tuple[Path, Exception | None]:
         OSError: the write failed; the previous checkpoint at ``path`` (if any) is left in place.
     """
     path = Path(path)
-    _check_finite(agent, path)
+    _check_finite(policy, trainer, progress, path)
     if path.exists() and not path.is_dir():
         raise NotADirectoryError(f"checkpoint path {path} exists and is not a folder")
     parent, name = path.parent, path.name
@@ -247,30 +268,29 @@ def save_agent(agent: Any, path: str | Path) -> tuple[Path, Exception | None]:
     _recover_swap(path)
     remove_stale_temporaries(parent, f".tmp-{name}-")  # what a killed save of this folder left behind
     blob, err = None, None
-    if agent.env_started and isinstance(agent.envs.unwrapped, gym.vector.SyncVectorEnv) \
-            and not agent.config.capture_video:
+    if carry.started and isinstance(envs.unwrapped, gym.vector.SyncVectorEnv) and not config.capture_video:
         try:
-            blob = pickle.dumps(agent.envs)
+            blob = pickle.dumps(envs)
         except Exception as e:  # lambdas in wrappers (e.g. FlattenObservation), third-party envs
             err = e
-    opt_sd = agent.head_optimizer.state_dict()
-    extra = {"format": CHECKPOINT_FORMAT, "ppo_config": agent.config.to_dict(), "run_name": agent.run_name,
-             "global_step": agent.global_step, "update": agent.update, "input_dim": agent.input_dim,
-             "obs_dim": agent.obs_dim, "obs_rms": _rms(agent.envs, *_NORMS[0][1:]),
-             "return_rms": _rms(agent.envs, *_NORMS[1][1:]), "env_started": agent.env_started,
-             "np_rng": agent.np_rng.bit_generator.state,
+    opt_sd = head_optimizer.state_dict()
+    extra = {"format": CHECKPOINT_FORMAT, "ppo_config": config.to_dict(), "run_name": run.name,
+             "global_step": progress.global_step, "update": progress.update, "input_dim": policy.input_dim,
+             "obs_dim": policy.obs_dim, "obs_rms": _rms(envs, *_NORMS[0][1:]),
+             "return_rms": _rms(envs, *_NORMS[1][1:]), "env_started": carry.started,
+             "np_rng": rngs.minibatch.bit_generator.state,
              "head_optimizer_param_groups": opt_sd["param_groups"],
              "head_optimizer_state_keys": {str(k): sorted(v) for k, v in opt_sd["state"].items()},
-             "recent_returns": [float(r) for r in agent.recent_returns],
-             "world_size": getattr(agent, "world_size", 1),  # informative: a checkpoint loads on any world size
+             "recent_returns": [float(r) for r in progress.recent_returns],
+             "world_size": world_size,
              "envs_pkl_sha256": hashlib.sha256(blob).hexdigest() if blob is not None else None}
-    if getattr(agent, "lr_plan", None) is not None:
-        extra["lr_plan"] = list(agent.lr_plan)
+    if progress.lr_plan is not None:
+        extra["lr_plan"] = list(progress.lr_plan)
     tmp = parent / f".tmp-{name}-{secrets.token_hex(6)}"
     os.mkdir(tmp)
     try:
-        save_checkpoint(str(tmp / "agent.safetensors"), agent.trainer, extra=json_safe(extra),
-                        extra_tensors=_extra_tensors(agent))
+        save_checkpoint(str(tmp / "agent.safetensors"), trainer, extra=json_safe(extra),
+                        extra_tensors=_extra_tensors(policy, head_optimizer, rngs, stepper, carry))
         if blob is not None:
             with open(tmp / "envs.pkl", "wb") as f:
                 f.write(blob)
@@ -293,50 +313,53 @@ def save_agent(agent: Any, path: str | Path) -> tuple[Path, Exception | None]:
     return path, err
 
 
-def restore_agent(agent: Any, ckpt: Path, restore_carry: bool) -> None:
-    """Load the checkpoint file ``ckpt`` into a freshly built ``agent`` (a RecurrentPPO of its config).
+def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, trainer: MambaTrainer,
+                  head_optimizer: torch.optim.Optimizer, rngs: Rngs, stepper: Stepper, carry: RolloutCarry,
+                  envs: gym.vector.VectorEnv, restore_carry: bool) -> None:
+    """Load the checkpoint file ``ckpt`` into a freshly built agent's parts (built from its config), in place.
 
     Args:
-        restore_carry: the agent's envs are the checkpoint's own (unpickled): also restore the
-            carried rollout state. Otherwise the envs are fresh: restore their normalisation statistics.
+        restore_carry: ``envs`` are the checkpoint's own (unpickled): also restore the stepper state and
+            the rollout carry. Otherwise the envs are fresh: restore their normalisation statistics.
 
     Raises:
         mamba_rl.CheckpointError: a checkpoint that does not fit the agent.
     """
-    meta = load_checkpoint(ckpt, agent.trainer)
+    meta = load_checkpoint(ckpt, trainer)
     extra = meta["extra"]
-    t = {k: v.to(agent.device) for k, v in meta["extra_tensors"].items()}
-    agent.heads.load_state_dict({k[len("heads/"):]: v for k, v in t.items() if k.startswith("heads/")})
+    dev = policy.device
+    t = {k: v.to(dev) for k, v in meta["extra_tensors"].items()}
+    policy.heads.load_state_dict({k[len("heads/"):]: v for k, v in t.items() if k.startswith("heads/")})
     opt_state = {int(idx): {key: t[f"head_optimizer/{idx}/{key}"] for key in keys}
                  for idx, keys in extra["head_optimizer_state_keys"].items()}
     for st in opt_state.values():
         if "step" in st:
             st["step"] = st["step"].cpu()
-    agent.head_optimizer.load_state_dict({"state": opt_state, "param_groups": extra["head_optimizer_param_groups"]})
-    agent.sample_generator.set_state(meta["extra_tensors"]["rng/sample_generator"])
+    head_optimizer.load_state_dict({"state": opt_state, "param_groups": extra["head_optimizer_param_groups"]})
+    rngs.sample.set_state(meta["extra_tensors"]["rng/sample_generator"])
     torch.set_rng_state(meta["extra_tensors"]["rng/torch"])
-    if agent.device.type == "cuda" and "rng/cuda" in meta["extra_tensors"]:
-        torch.cuda.set_rng_state(meta["extra_tensors"]["rng/cuda"], agent.device)
-    agent.np_rng.bit_generator.state = extra["np_rng"]
-    adopt_run(agent, extra["run_name"])  # a resumed run writes into its own folders, on purpose
-    agent.global_step = int(extra["global_step"])
-    agent.update = int(extra["update"])
-    agent.recent_returns.extend(float(r) for r in extra.get("recent_returns", []))
+    if dev.type == "cuda" and "rng/cuda" in meta["extra_tensors"]:
+        torch.cuda.set_rng_state(meta["extra_tensors"]["rng/cuda"], dev)
+    rngs.minibatch.bit_generator.state = extra["np_rng"]
+    adopt_run(run, extra["run_name"])  # a resumed run writes into its own folders, on purpose
+    progress.global_step = int(extra["global_step"])
+    progress.update = int(extra["update"])
+    progress.recent_returns.extend(float(r) for r in extra.get("recent_returns", []))
     if "lr_plan" in extra:
-        agent.lr_plan = tuple(float(v) for v in extra["lr_plan"])
+        progress.lr_plan = tuple(float(v) for v in extra["lr_plan"])
     else:  # older checkpoints: the plan of the saved run (linear from update 1 to its last update)
         saved = PPOConfig.from_dict(extra["ppo_config"])
         world = int(extra.get("world_size", 1))
-        agent.lr_plan = (1.0, 1.0, float(-(-saved.total_timesteps // (saved.batch_size * world)) + 1))
+        progress.lr_plan = (1.0, 1.0, float(-(-saved.total_timesteps // (saved.batch_size * world)) + 1))
     if restore_carry:
-        agent.stepper.state.conv.copy_(t["carry/stepper_conv"])
-        agent.stepper.state.ssm.copy_(t["carry/stepper_ssm"])
-        for name in _CARRY:
-            setattr(agent, name, t[f"carry/{name}"].cpu().clone())  # host-side, like the rollout
-        agent.env_started = bool(extra["env_started"])
+        stepper.state.conv.copy_(t["carry/stepper_conv"])
+        stepper.state.ssm.copy_(t["carry/stepper_ssm"])
+        for name in RolloutCarry.TENSORS:
+            setattr(carry, name, t[f"carry/{name}"].cpu().clone())  # host-side, like the rollout
+        carry.started = bool(extra["env_started"])
         return
     for key, wrapper, attr in _NORMS:
-        w = find_vector_wrapper(agent.envs, wrapper)
+        w = find_vector_wrapper(envs, wrapper)
         if w is not None and extra.get(key) is not None:
             rms = getattr(w, attr)
             rms.mean = np.asarray(extra[key]["mean"], dtype=np.float64).reshape(np.shape(rms.mean))

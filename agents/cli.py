@@ -185,20 +185,6 @@ def _checkpoint_input() -> Iterator[None]:
         raise UsageError(str(err).strip()) from err
 
 
-def _check_device(config: Any) -> None:
-    """Raise UsageError when the config asks for CUDA (device or backend) and there is none."""
-    import torch
-
-    wants_cuda = str(config.device).startswith("cuda")
-    if wants_cuda and not torch.cuda.is_available():
-        raise UsageError(f"--device {config.device}: CUDA is not available on this machine "
-                         f"(torch {torch.__version__}, torch.cuda.is_available() is False); use --device cpu or auto")
-    if wants_cuda and ":" in str(config.device) and int(str(config.device).split(":")[1]) >= torch.cuda.device_count():
-        raise UsageError(f"--device {config.device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if config.backend == "cuda" and (config.device == "cpu" or not torch.cuda.is_available()):
-        raise UsageError("--backend cuda needs a CUDA device; use --backend auto or reference on the CPU")
-
-
 def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", metavar="PATH", default=None,
                    help="continue from a checkpoint folder (flags given here override its config)")
@@ -225,11 +211,13 @@ def _run_train(args: argparse.Namespace) -> int:
 
     from mamba_rl.agents.interrupts import exit_code, terminate_as_interrupt
     from mamba_rl.agents.progress import apply_thread_policy
+    from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import claim_run
+    from mamba_rl.agents.validation import check_int
     from mamba_rl.envs import check_env_id, check_start_method
 
-    if args.nproc < 1:
-        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    with _user_input():
+        check_int("--nproc", args.nproc, lo=1)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return train_ddp.launch(args.nproc, args._argv)
     overrides = _config_overrides(args)
@@ -237,7 +225,7 @@ def _run_train(args: argparse.Namespace) -> int:
     # error while building the model, capturing graphs or training is a bug and keeps its traceback
     with _user_input():
         config = read_agent_config(args.resume, **overrides)[1] if args.resume else PPOConfig(**overrides)
-        _check_device(config)
+        resolve_device(config.device, config.backend)
         check_env_id(config.env_id)
         if config.async_envs:
             check_start_method(config.async_start_method)
@@ -247,14 +235,14 @@ def _run_train(args: argparse.Namespace) -> int:
     with _checkpoint_input():
         agent = (RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides) if args.resume
                  else RecurrentPPO(config=config))
-    claim_run(agent)  # the run's folders, created exclusively, before the name is printed
+    claim_run(agent.run, agent.config)  # the run's folders, created exclusively, before the name is printed
     c = agent.config
     if args.resume:
         print(f"resuming {agent.run_name} after update {agent.update} of {agent.num_updates} "
               f"({_steps(agent.global_step)} of {_steps(c.planned_timesteps)} env steps done)", file=sys.stderr)
     rounded = "" if c.planned_timesteps == c.total_timesteps else \
         f" (--total-timesteps {_steps(c.total_timesteps)} rounded up to whole rollouts)"
-    print(f"run {agent.run_name}: {c.env_id}, device {agent.device}, dtype {c.dtype}, backend {agent.net.backend}, "
+    print(f"run {agent.run_name}: {c.env_id}, device {agent.device}, dtype {c.dtype}, backend {agent.policy.net.backend}, "
           f"{threads} CPU thread{'s' * (threads != 1)}; {agent.num_updates} updates of {c.num_envs}x{c.num_steps} "
           f"= {_steps(c.planned_timesteps)} env steps{rounded}", file=sys.stderr)
     if c.track:
@@ -305,10 +293,12 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     from mamba_rl.agents import RecurrentPPO
     from mamba_rl.agents.checkpoint import read_agent_config
+    from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.progress import apply_thread_policy
+    from mamba_rl.agents.validation import check_int
 
-    if args.episodes < 1:
-        raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
+    with _user_input():
+        check_int("--episodes", args.episodes, lo=1)
     overrides: dict[str, Any] = {"track": False, "num_envs": 1, "num_minibatches": 1, "capture_video": False,
                                  "async_envs": False}
     if args.device:
@@ -317,7 +307,7 @@ def _run_eval(args: argparse.Namespace) -> int:
         overrides["threads"] = args.threads
     with _user_input():
         config = read_agent_config(args.checkpoint, **overrides)[1]
-        _check_device(config)
+        resolve_device(config.device, config.backend)
         apply_thread_policy(config.threads)
         agent = RecurrentPPO.load(args.checkpoint, restore_envs=False, **overrides)
     video_dir = None

@@ -14,80 +14,37 @@ d_model 128, 3 layers, d_state 16, d_conv 4, expand 2, dt_rank "auto", rms_norm_
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from mamba_rl import MambaConfig
 
+from .validation import check_bool, check_choice, check_int, check_real
+
 __all__ = ["PPOConfig", "BACKBONE_FIELDS"]
 
-# MambaConfig's constructor fields, in the order of PPOConfig's init-only fields below;
-# PPOConfig(...), replace(...) and from_dict(...) also take them flat (tests check it lists them all)
-BACKBONE_FIELDS = ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_rank", "rms_norm_eps")
+# MambaConfig's constructor fields: PPOConfig(...), replace(...) and from_dict(...) also take them flat
+BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
+_BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_action",
+                "prev_reward", "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
+# (field, lo, hi, lo open, None allowed)
+_REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0, True, False),
+                ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
+                ("gae_lambda", 0.0, 1.0, False, False), ("clip_coef", 0.0, math.inf, True, False),
+                ("ent_coef", 0.0, math.inf, False, False), ("vf_coef", 0.0, math.inf, False, False),
+                ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True))
 
 
 @dataclass
-class PPOConfig:
-    """Hyperparameters of :class:`mamba_rl.agents.RecurrentPPO`.
-
-    Attributes (units in brackets; each line is also the field's ``mamba-rl train --help`` text):
-        env_id: any id gymnasium.make accepts: registered (CartPole-v1), mamba_rl/...NoVel, popgym-..., or module:EnvId (list them: mamba-rl envs).
-        exp_name: experiment name, part of the run folder name.
-        seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
-        total_timesteps: env steps to train for, all envs (of all ranks) together [steps]; at least one rollout, rounded up to whole rollouts of num_envs * num_steps.
-        device: "auto" (cuda if available else cpu), "cpu", "cuda" or "cuda:N".
-        dtype: backbone compute dtype, "f32" | "bf16" | "f16".
-        backend: backbone backend, "auto" | "cuda" | "cpu" | "reference" (auto: the kernels of the device).
-        cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
-        num_envs: parallel envs; must be divisible by num_minibatches. Per rank in a data-parallel run
-            (torchrun / ``mamba-rl train --nproc N``: N * num_envs envs in all; mamba_rl.agents.distributed).
-        num_steps: steps per env per rollout, the BPTT length [steps].
-        async_envs: one process per env (gymnasium AsyncVectorEnv).
-        async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
-        threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
-        learning_rate: initial lr of backbone AdamW and head Adam.
-        anneal_lr: decay both lrs linearly to 0 over the run.
-        replan_lr: when a resumed run's horizon changes (a larger total_timesteps), re-plan the anneal over the new horizon from the initial lr (the lr jumps); by default the anneal continues from the current lr to 0 at the new end.
-        adam_eps: epsilon of both optimizers.
-        weight_decay: backbone AdamW weight decay (0 = Adam, as CleanRL).
-        gamma: discount factor.
-        gae_lambda: GAE lambda (Schulman et al. 2016).
-        num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
-        update_epochs: passes over the rollout per update.
-        norm_adv: normalise advantages per minibatch (over valid steps).
-        clip_coef: PPO ratio clip (Schulman et al. 2017).
-        clip_vloss: clip the value loss too.
-        ent_coef: entropy bonus weight.
-        vf_coef: value-loss weight.
-        max_grad_norm: one global clip over heads + backbone (None: no clip).
-        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
-        backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
-            rms_norm_eps included, reaches the backbone). Its fields may also be given flat:
-            ``PPOConfig(d_model=64)`` / ``replace(d_state=8)`` set them inside ``backbone``.
-        prev_action: append the previous action (one-hot when discrete) to the input.
-        prev_reward: append the previous reward to the input.
-        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation).
-        normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
-            On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,
-            and unscaled value targets (O(100) on CartPole) dominate the one global gradient
-            norm, starving the policy (measured: CartPole-v1 collapses back to ~50 without it).
-        memoryless: reset the recurrent state at every step (ablation baseline).
-        nonfinite: a NaN/inf observation or reward from an env: "raise" (an error naming the env and the step) or "zero" (replaced by 0, counted in TensorBoard as env/nonfinite_obs and env/nonfinite_rewards).
-        capture_video: record videos of env 0 under {runs_dir}/{run_name}/videos.
-        runs_dir: parent of the TensorBoard run folders.
-        track: write TensorBoard logs.
-        checkpoint_dir: parent of the checkpoint folders (one per run).
-        checkpoint_every: save every this many updates (0: only at the end / on Ctrl-C).
-
-    Raises:
-        ValueError: naming the field, the expected range and the received value.
-    """
+class _PPOFields:
+    """The fields and checks of :class:`PPOConfig` (which adds the flat backbone arguments)."""
 
     env_id: str = "mamba_rl/CartPoleNoVel-v1"
     exp_name: str = "mamba_ppo"
@@ -130,42 +87,20 @@ class PPOConfig:
     track: bool = True
     checkpoint_dir: str = "checkpoints"
     checkpoint_every: int = 50
-    # flat backbone fields (None: keep backbone's); init-only, folded into ``backbone``
-    d_model: InitVar[int | None] = None
-    n_layers: InitVar[int | None] = None
-    d_state: InitVar[int | None] = None
-    d_conv: InitVar[int | None] = None
-    expand: InitVar[int | None] = None
-    dt_rank: InitVar[int | str | None] = None
-    rms_norm_eps: InitVar[float | None] = None
 
-    def __post_init__(self, *flat: Any) -> None:
+    def __post_init__(self) -> None:
         if not isinstance(self.backbone, MambaConfig):
             raise ValueError(f"PPOConfig.backbone must be a MambaConfig, got {type(self.backbone).__name__}")
-        given = {name: v for name, v in zip(BACKBONE_FIELDS, flat) if v is not None}
-        if given:
-            self.backbone = dataclasses.replace(self.backbone, **given)
 
-        def pos_int(name: str, allow_zero: bool = False) -> None:
-            v = getattr(self, name)
-            lo = 0 if allow_zero else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"PPOConfig.{name} must be an int >= {lo}, got {v!r}")
+        def name(field_name: str) -> str:
+            return f"PPOConfig.{field_name}"
 
-        def real(name: str, lo: float, hi: float, lo_open: bool = False, optional: bool = False) -> None:
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(f"PPOConfig.{name} must be a finite number, got {v!r}")
-            if v < lo or v > hi or (lo_open and v == lo):
-                rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
-                raise ValueError(f"PPOConfig.{name} must be in {rng}, got {v!r}")
-
-        for name in ("seed", "total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
-            pos_int(name, allow_zero=(name == "seed"))
-        pos_int("checkpoint_every", allow_zero=True)
-        pos_int("threads", allow_zero=True)
+        for f in ("seed", "checkpoint_every", "threads"):
+            check_int(name(f), getattr(self, f), lo=0)
+        for f in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
+            check_int(name(f), getattr(self, f), lo=1)
+        for f in _BOOL_FIELDS:
+            check_bool(name(f), getattr(self, f))
         if self.async_start_method is not None:
             import multiprocessing
 
@@ -173,31 +108,22 @@ class PPOConfig:
             if self.async_start_method not in methods:
                 raise ValueError(f"PPOConfig.async_start_method must be None or one of {methods}, "
                                  f"got {self.async_start_method!r}")
-        if not isinstance(self.env_id, str) or not self.env_id:
-            raise ValueError(f"PPOConfig.env_id must be a non-empty string, got {self.env_id!r}")
+        for f in ("env_id", "exp_name", "runs_dir", "checkpoint_dir"):
+            v = getattr(self, f)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"PPOConfig.{f} must be a non-empty string, got {v!r}")
         if self.device not in _DEVICES and not str(self.device).startswith("cuda:"):
             raise ValueError(f"PPOConfig.device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"PPOConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
-        if self.nonfinite not in _NONFINITE:
-            raise ValueError(f"PPOConfig.nonfinite must be one of {_NONFINITE}, got {self.nonfinite!r}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"PPOConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+        check_choice(name("dtype"), self.dtype, _DTYPES)
+        check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
+        check_choice(name("backend"), self.backend, _BACKENDS)
         if self.num_envs % self.num_minibatches != 0:
             raise ValueError(
                 f"PPOConfig.num_envs ({self.num_envs}) must be divisible by num_minibatches "
                 f"({self.num_minibatches}): minibatches are fixed-shape slices over envs"
             )
-        real("learning_rate", 0.0, 1.0, lo_open=True)
-        real("adam_eps", 0.0, 1.0, lo_open=True)
-        real("weight_decay", 0.0, 1.0)
-        real("gamma", 0.0, 1.0)
-        real("gae_lambda", 0.0, 1.0)
-        real("clip_coef", 0.0, math.inf, lo_open=True)
-        real("ent_coef", 0.0, math.inf)
-        real("vf_coef", 0.0, math.inf)
-        real("max_grad_norm", 0.0, math.inf, lo_open=True, optional=True)
-        real("target_kl", 0.0, math.inf, lo_open=True, optional=True)
+        for f, lo, hi, lo_open, optional in _REAL_FIELDS:
+            check_real(name(f), getattr(self, f), lo, hi, lo_open=lo_open, optional=optional)
         if self.total_timesteps < self.batch_size:
             raise ValueError(
                 f"PPOConfig.total_timesteps ({self.total_timesteps}) must be >= one rollout "
@@ -231,6 +157,82 @@ class PPOConfig:
         d["backbone"] = self.backbone.to_dict()
         return d
 
+
+class PPOConfig(_PPOFields):
+    """Hyperparameters of :class:`mamba_rl.agents.RecurrentPPO`.
+
+    Attributes (units in brackets; each line is also the field's ``mamba-rl train --help`` text):
+        env_id: any id gymnasium.make accepts: registered (CartPole-v1), mamba_rl/...NoVel, popgym-..., or module:EnvId (list them: mamba-rl envs).
+        exp_name: experiment name, part of the run folder name.
+        seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
+        total_timesteps: env steps to train for, all envs (of all ranks) together [steps]; at least one rollout, rounded up to whole rollouts of num_envs * num_steps.
+        device: "auto" (cuda if available else cpu), "cpu", "cuda" or "cuda:N".
+        dtype: backbone compute dtype, "f32" | "bf16" | "f16".
+        backend: backbone backend, "auto" | "cuda" | "cpu" | "reference" (auto: the kernels of the device).
+        cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
+        num_envs: parallel envs; must be divisible by num_minibatches. Per rank in a data-parallel run
+            (torchrun / ``mamba-rl train --nproc N``: N * num_envs envs in all; mamba_rl.agents.distributed).
+        num_steps: steps per env per rollout, the BPTT length [steps].
+        async_envs: one process per env (gymnasium AsyncVectorEnv).
+        async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
+        threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
+        learning_rate: initial lr of backbone AdamW and head Adam.
+        anneal_lr: decay both lrs linearly to 0 over the run.
+        replan_lr: when a resumed run's horizon changes (a larger total_timesteps), re-plan the anneal over the new horizon from the initial lr (the lr jumps); by default the anneal continues from the current lr to 0 at the new end.
+        adam_eps: epsilon of both optimizers.
+        weight_decay: backbone AdamW weight decay (0 = Adam, as CleanRL).
+        gamma: discount factor.
+        gae_lambda: GAE lambda (Schulman et al. 2016).
+        num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
+        update_epochs: passes over the rollout per update.
+        norm_adv: normalise advantages per minibatch (over valid steps).
+        clip_coef: PPO ratio clip (Schulman et al. 2017).
+        clip_vloss: clip the value loss too.
+        ent_coef: entropy bonus weight.
+        vf_coef: value-loss weight.
+        max_grad_norm: one global clip over heads + backbone (None: no clip).
+        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
+        backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
+            rms_norm_eps included, reaches the backbone): the one place its values live, read as
+            ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /
+            ``replace(d_state=8)`` set them inside ``backbone`` (``--d-model 64`` on the command line).
+        prev_action: append the previous action (one-hot when discrete) to the input.
+        prev_reward: append the previous reward to the input.
+        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation).
+        normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
+            On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,
+            and unscaled value targets (O(100) on CartPole) dominate the one global gradient
+            norm, starving the policy (measured: CartPole-v1 collapses back to ~50 without it).
+        memoryless: reset the recurrent state at every step (ablation baseline).
+        nonfinite: a NaN/inf observation or reward from an env: "raise" (an error naming the env and the step) or "zero" (replaced by 0, counted in TensorBoard as env/nonfinite_obs and env/nonfinite_rewards).
+        capture_video: record videos of env 0 under {runs_dir}/{run_name}/videos.
+        runs_dir: parent of the TensorBoard run folders.
+        track: write TensorBoard logs.
+        checkpoint_dir: parent of the checkpoint folders (one per run).
+        checkpoint_every: save every this many updates (0: only at the end / on Ctrl-C).
+
+    Raises:
+        ValueError: naming the field, the expected range and the received value.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        flat = {k: kwargs.pop(k) for k in BACKBONE_FIELDS if k in kwargs}
+        if flat:  # into the backbone given (positionally or by name), else the default one
+            bound = inspect.signature(_PPOFields).bind_partial(*args, **kwargs)
+            base = bound.arguments.get("backbone", MambaConfig())
+            if not isinstance(base, MambaConfig):
+                raise ValueError(f"PPOConfig.backbone must be a MambaConfig, got {type(base).__name__}")
+            bound.arguments["backbone"] = dataclasses.replace(base, **flat)
+            args, kwargs = bound.args, bound.kwargs
+        super().__init__(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not attributes
+        if name in BACKBONE_FIELDS:
+            raise AttributeError(f"PPOConfig has no attribute {name!r}: the backbone's fields live in "
+                                 f"config.backbone (read config.backbone.{name}; set it with "
+                                 f"PPOConfig({name}=...) or replace({name}=...))")
+        raise AttributeError(f"'PPOConfig' object has no attribute {name!r}")
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
         """Inverse of :meth:`to_dict`. Also reads the flat backbone fields of older checkpoints
@@ -246,16 +248,4 @@ class PPOConfig:
 
     def replace(self, **changes: Any) -> PPOConfig:
         """A validated copy with ``changes`` applied; flat backbone fields change ``backbone``."""
-        flat = {name: changes.pop(name, None) for name in BACKBONE_FIELDS}
-        return dataclasses.replace(self, **changes, **flat)
-
-
-def _backbone_reader(name: str) -> property:
-    return property(lambda self: getattr(self.backbone, name),
-                    doc=f"``backbone.{name}`` (read-only here; set it with ``replace({name}=...)``).")
-
-
-# reading a flat backbone field gives the backbone's value (the init-only defaults would read None)
-for _name in BACKBONE_FIELDS:
-    setattr(PPOConfig, _name, _backbone_reader(_name))
-del _name
+        return dataclasses.replace(self, **changes)

@@ -1,7 +1,7 @@
 """GPU acting: one CUDA graph replay per env step, rollout storage on the device.
 
 Per step (:meth:`GraphActor.act`) the host has written the backbone input and the episode-start flag
-into a pinned staging buffer (:class:`~mamba_rl.agents.rollout.HostStager`); then ONE graph replay
+into a pinned staging buffer (:class:`~mamba_rl.agents.policy.HostStager`); then ONE graph replay
 
 1. copies the stage to the device (captured from the pinned buffer),
 2. runs the backbone step (the stepper's body, on the stepper's live state),
@@ -16,22 +16,22 @@ and the host waits on one event before reading the action. Rewards and done flag
 arrays until the rollout ends; then one more replay (:meth:`GraphActor.finish`) copies them over,
 computes V(next obs) with the carried state without advancing it (the stepper's state is saved and
 restored inside the graph: exact V(final obs) after a done, as the eager path), runs GAE
-(:func:`~mamba_rl.agents.gae.compute_gae_parallel`) and fills the agent's device
+(:func:`~mamba_rl.agents.gae.compute_gae_parallel`) and fills the device
 :class:`~mamba_rl.agents.rollout.RolloutBuffer`. If this torch/driver cannot capture host copies
 (probed once), they run as async copies right before / after the replay instead.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
-from mamba_rl.graphs import GraphSet, warm_up
+from mamba_rl import Stepper
+from mamba_rl.graphs import GraphSet, capture_restoring, snapshot
 
 from .gae import compute_gae_parallel, gae_discount_matrix
-from .rollout import HostStager
+from .policy import HostStager, Policy
+from .rollout import RolloutBuffer
 
 __all__ = ["GraphActor", "host_copies_capturable"]
 
@@ -64,34 +64,36 @@ def host_copies_capturable(device: torch.device) -> bool:
 
 
 class GraphActor:
-    """One-graph-per-step acting for a CUDA :class:`~mamba_rl.agents.RecurrentPPO` (see the module doc).
+    """One-graph-per-step acting for a CUDA rollout (see the module doc); captures its graphs when built.
 
     Args:
-        agent: the agent (config, policy, stepper, device buffer with ``storage_device`` = its device).
-        capture: capture the two graphs (default: on CUDA). False runs the same bodies eagerly, on any
-            device (so the CPU tests cover this path's logic).
+        policy: the CUDA policy (heads, input layout). stepper: its stepper of batch N (the rollout's state).
+        buffer: the device :class:`~mamba_rl.agents.rollout.RolloutBuffer` of N envs x T steps to fill.
+        gamma, gae_lambda: GAE's discount and lambda (baked into the finish graph).
         capture_copies: capture the host copies in the graphs (None: :func:`host_copies_capturable`).
 
     Raises:
-        RuntimeError: ``capture`` on a non-CUDA agent.
+        ValueError: a policy that is not on a CUDA device, or a buffer that does not live there.
     """
 
-    def __init__(self, agent: Any, capture: bool | None = None, capture_copies: bool | None = None):
-        cuda = agent.device.type == "cuda"
-        capture = cuda if capture is None else capture
-        if capture and not cuda:
-            raise RuntimeError(f"GraphActor: capturing needs a CUDA agent, got device {agent.device}")
-        self.agent, c, p = agent, agent.config, agent.policy
-        dev, n, t = agent.device, c.num_envs, c.num_steps
-        self.cuda, self.capture = cuda, capture
-        self.n, self.t_len, self.d, self.a, self.p_dim = n, t, p.input_dim, p.action_dim, p.actor.out_dim
-        act_dtype = torch.int64 if p.discrete_actions else torch.float32
+    def __init__(self, policy: Policy, stepper: Stepper, buffer: RolloutBuffer, gamma: float, gae_lambda: float,
+                 capture_copies: bool | None = None):
+        dev = policy.device
+        if dev.type != "cuda":
+            raise ValueError(f"GraphActor: expected a policy on a CUDA device, got {dev}")
+        if buffer.inputs.device.type != "cuda":
+            raise ValueError(f"GraphActor: expected a RolloutBuffer stored on {dev}, got {buffer.inputs.device}")
+        self.policy, self.stepper, self.buffer = policy, stepper, buffer
+        self.gamma, self.gae_lambda = gamma, gae_lambda
+        n, t = buffer.num_envs, buffer.num_steps
+        self.n, self.t_len, self.d, self.a, self.p_dim = n, t, policy.input_dim, policy.action_dim, policy.actor.out_dim
+        act_dtype = torch.int64 if policy.discrete_actions else torch.float32
         # host side (pinned)
-        self.stage_t = torch.zeros(n, self.d + 1, pin_memory=cuda)
-        self.stager = HostStager(p, self.stage_t.numpy())
-        self.act_pin = torch.zeros(n, self.a, dtype=act_dtype, pin_memory=cuda)
+        self.stage_t = torch.zeros(n, self.d + 1, pin_memory=True)
+        self.stager = HostStager(policy, self.stage_t.numpy())
+        self.act_pin = torch.zeros(n, self.a, dtype=act_dtype, pin_memory=True)
         self.act_np = self.act_pin.numpy()
-        self.res_pin = torch.zeros(4, n, t, pin_memory=cuda)  # reward | terminated | truncated | valid
+        self.res_pin = torch.zeros(4, n, t, pin_memory=True)  # reward | terminated | truncated | valid
         self.env_arrays = tuple(self.res_pin.numpy())
         # device side
         self.dstage = torch.zeros(n, self.d + 1, device=dev)
@@ -100,34 +102,31 @@ class GraphActor:
         self.hist = torch.zeros(n, t, self.d + self.a + 3, device=dev)
         self.t_idx = torch.zeros(1, dtype=torch.int64, device=dev)
         self.act_dev = torch.zeros(n, self.a, dtype=act_dtype, device=dev)
-        self.w_cat = torch.zeros(self.p_dim + 1, c.backbone.d_model, device=dev)
+        self.w_cat = torch.zeros(self.p_dim + 1, policy.net.cfg.d_model, device=dev)
         self.b_cat = torch.zeros(self.p_dim + 1, device=dev)
-        self.saved = agent.stepper.state.clone()
-        self.discount = gae_discount_matrix(t, c.gamma, c.gae_lambda, dev)
-        self.event = torch.cuda.Event() if cuda else None
-        if not capture:
-            capture_copies = False
+        self.saved = stepper.state.clone()
+        self.discount = gae_discount_matrix(t, gamma, gae_lambda, dev)
+        self.event = torch.cuda.Event()
         self.copies_in_graph = host_copies_capturable(dev) if capture_copies is None else capture_copies
-        net, st, heads = agent.net, agent.stepper.state, agent.heads
+        net, st, heads = policy.net, stepper.state, policy.heads
         self._graphs = GraphSet("GraphActor", lambda: (net.arena, net.compute_arena, st.conv, st.ssm, self.dstage,
                                                        self.hist, self.t_idx, self.res_dev,
                                                        self.w_cat, self.b_cat, self.saved.conv, self.saved.ssm,
                                                        *heads.parameters()))
-        if capture:
-            self._capture()
+        self._capture()
 
     # ------------------------------------------------------------------------------------ bodies
     def _heads(self) -> torch.Tensor:
         """[N, P + 1] actor raw outputs | value of the staged input (advances the stepper's state)."""
         d = self.d
-        feat = self.agent.net.step(self.dstage[:, :d], self.agent.stepper.state, self.dstage[:, d] > 0.5)
+        feat = self.policy.net.step(self.dstage[:, :d], self.stepper.state, self.dstage[:, d] > 0.5)
         return torch.addmm(self.b_cat, feat, self.w_cat.t())
 
     def _act_body(self) -> None:
         if self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
         out = self._heads()
-        dist = self.agent.policy.actor.dist(out[:, : self.p_dim])
+        dist = self.policy.actor.dist(out[:, : self.p_dim])
         action = dist.sample()
         row = torch.cat([self.dstage, action, dist.log_prob(action).unsqueeze(1), out[:, self.p_dim:]], dim=1)
         self.hist.index_copy_(1, self.t_idx, row.unsqueeze(1))  # one kernel: cat promotes the action to float
@@ -138,8 +137,8 @@ class GraphActor:
             self.act_dev.copy_(action)
 
     def _finish_body(self) -> None:
-        c, buf, d, a = self.agent.config, self.agent.buffer, self.d, self.a
-        state = self.agent.stepper.state
+        buf, d, a = self.buffer, self.d, self.a
+        state = self.stepper.state
         if self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
             self.res_dev.copy_(self.res_pin, non_blocking=True)
@@ -149,8 +148,8 @@ class GraphActor:
         rewards, flags = self.res_dev[0], self.res_dev[1:] > 0.5
         h = self.hist
         values = h[..., d + a + 2]
-        adv, ret = compute_gae_parallel(rewards, values, flags[0], flags[1], flags[2], next_value, c.gamma,
-                                        c.gae_lambda, self.discount, check=False)
+        adv, ret = compute_gae_parallel(rewards, values, flags[0], flags[1], flags[2], next_value, self.gamma,
+                                        self.gae_lambda, self.discount, check=False)
         buf.inputs.copy_(h[..., :d])
         buf.episode_starts.copy_(h[..., d] > 0.5)
         buf.actions.copy_(h[..., d + 1:d + 1 + a])
@@ -165,34 +164,24 @@ class GraphActor:
         self.t_idx.zero_()
 
     def _capture(self) -> None:
-        state = self.agent.stepper.state
-        keep = [(x, x.clone()) for x in (state.conv, state.ssm, self.hist, self.t_idx)]
-        torch.cuda.synchronize()
+        """Capture the act and finish bodies; the state, storage and step counter are restored after."""
+        state = self.stepper.state
         with torch.no_grad():
-            warm_up(lambda: (self._act_body(), self._finish_body()), 2)
-            self._graphs.clear()
-            self._graphs.capture("act", self._act_body)
-            self._graphs.capture("finish", self._finish_body)
-        torch.cuda.synchronize()
-        with torch.no_grad():
-            for x, v in keep:
-                x.copy_(v)
-        self._graphs.seal()
+            capture_restoring(self._graphs, {"act": self._act_body, "finish": self._finish_body},
+                              snapshot((state.conv, state.ssm, self.hist, self.t_idx)), warmup=2)
 
     def _sync(self) -> None:
-        if self.event is not None:
-            self.event.record()
-            self.event.synchronize()
+        self.event.record()
+        self.event.synchronize()
 
     # ------------------------------------------------------------------------------------ the loop API
     def begin(self) -> None:
         """Rollout start: store the stepper state as the update's initial state, refresh the fused heads."""
-        if self.capture:
-            self._graphs.check()  # once per rollout; the per-step replays skip the pointer guard
-        a, p = self.agent, self.agent.policy
+        self._graphs.check()  # once per rollout; the per-step replays skip the pointer guard
+        p = self.policy
         with torch.no_grad():
             self.t_idx.zero_()  # also after an interrupted rollout
-            a.buffer.initial_state.copy_(a.stepper.state)
+            self.buffer.initial_state.copy_(self.stepper.state)
             torch.cat([p.actor.linear.weight, p.critic.linear.weight], out=self.w_cat)
             torch.cat([p.actor.linear.bias, p.critic.linear.bias], out=self.b_cat)
 
@@ -202,10 +191,7 @@ class GraphActor:
         of the pinned buffer, valid until the next call)."""
         if not self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
-        if self.capture:
-            self._graphs["act"].replay()  # the pointer guard ran in begin()
-        else:
-            self._act_body()
+        self._graphs["act"].replay()  # the pointer guard ran in begin()
         if not self.copies_in_graph:
             self.act_pin.copy_(self.act_dev, non_blocking=True)
         self._sync()
@@ -217,8 +203,5 @@ class GraphActor:
         if not self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
             self.res_dev.copy_(self.res_pin, non_blocking=True)
-        if self.capture:
-            self._graphs["finish"].replay()
-        else:
-            self._finish_body()
+        self._graphs["finish"].replay()
         self._sync()  # the host rewrites the pinned stage and results next: let the copies finish

@@ -1,4 +1,4 @@
-"""Data-parallel recurrent PPO over ``torch.distributed`` (issue #12).
+"""Data-parallel recurrent PPO over ``torch.distributed``.
 
 Every rank runs a whole :class:`~mamba_rl.agents.RecurrentPPO`: its own ``num_envs`` envs (``num_envs``
 is per rank; env seeds start at ``seed + rank * num_envs``, so rank r's envs are envs
@@ -6,7 +6,8 @@ is per rank; env seeds start at ``seed + rank * num_envs``, so rank r's envs are
 its own minibatch slice. Weights start identical (same config seed, then broadcast from rank 0) and
 stay bit-identical because every rank applies the same optimizer step to the same summed gradient.
 
-Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`, inside its CUDA graph on GPU):
+Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`; eager on several ranks, inside the
+minibatch's CUDA graph only with ``MAMBA_RL_DDP_CAPTURE=1``):
 
 1. one all-reduce of [sum adv, sum adv^2, valid count] (float64, :meth:`DataParallel.minibatch_stats`):
    advantages are normalised with the *global* minibatch mean/std and every rank's loss is its share
@@ -39,8 +40,12 @@ import os
 import signal
 from typing import Any
 
+import gymnasium as gym
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from .devices import resolve_device
 
 __all__ = ["world_size", "rank", "init_from_env", "DataParallel", "shard_permutation", "RunningStatsSync"]
 
@@ -73,6 +78,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
     Raises:
         RuntimeError: ``WORLD_SIZE`` > 1 without ``RANK`` / ``MASTER_ADDR`` (not launched by torchrun),
             or more local ranks than visible GPUs.
+        ValueError: ``device`` asks for CUDA on a machine without it (:func:`~mamba_rl.agents.devices.resolve_device`).
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
@@ -83,7 +89,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
         if key not in os.environ:
             raise RuntimeError(f"WORLD_SIZE={world} but {key} is not set: launch with torchrun "
                                f"(or mamba-rl train --nproc N)")
-    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    cuda = resolve_device(device).type == "cuda"
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     kw: dict[str, Any] = {}
     if cuda:
@@ -101,7 +107,7 @@ def _raise_interrupt(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal 
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def shard_permutation(rng: Any, num_envs: int, num_minibatches: int, shards: int = 1) -> torch.Tensor:
+def shard_permutation(rng: np.random.Generator, num_envs: int, num_minibatches: int, shards: int = 1) -> torch.Tensor:
     """One epoch's minibatch rows [num_minibatches, num_envs // num_minibatches] (int64).
 
     ``shards`` = 1 is a plain permutation of the envs (what every rank draws for its own envs).
@@ -217,8 +223,7 @@ class RunningStatsSync:
             wrappers are found inside it (none: :meth:`sync` does nothing).
     """
 
-    def __init__(self, envs: Any) -> None:
-        import gymnasium as gym
+    def __init__(self, envs: gym.vector.VectorEnv) -> None:
 
         from mamba_rl.envs import find_vector_wrapper
 
@@ -232,7 +237,6 @@ class RunningStatsSync:
 
     def rebase(self) -> None:
         """Take the current statistics (equal on every rank) as the base of the next merge."""
-        import numpy as np
 
         self.base = [(np.array(s.mean, dtype=np.float64), np.array(s.var, dtype=np.float64), float(s.count))
                      for s in self.stats]
@@ -241,7 +245,6 @@ class RunningStatsSync:
     def _moments(mean, var, count, center):
         """[count, count * (mean - center), count * (var + (mean - center)^2)]: moments about the base mean
         ``center`` (small numbers, so the merge loses no precision to cancellation)."""
-        import numpy as np
 
         dm = np.asarray(mean, np.float64).reshape(-1) - center
         var = np.asarray(var, np.float64).reshape(-1)
@@ -251,7 +254,6 @@ class RunningStatsSync:
     def sync(self, dp: "DataParallel") -> None:
         """All-reduce every rank's additions since the last merge and set the merged statistics on every
         rank (a collective: every rank calls it at the same point)."""
-        import numpy as np
 
         if not self.stats:
             return

@@ -17,6 +17,7 @@ import torch
 from mamba_rl.envs import find_vector_wrapper, make_env
 
 from .policy import Policy
+from .validation import check_int
 
 __all__ = ["EvalResult", "evaluate_policy"]
 
@@ -82,10 +83,9 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
         :class:`EvalResult` with returns, lengths and per-step critic values.
 
     Raises:
-        ValueError: ``num_episodes < 1``.
+        ValueError: ``num_episodes`` not an int >= 1.
     """
-    if num_episodes < 1:
-        raise ValueError(f"num_episodes must be >= 1, got {num_episodes}")
+    check_int("num_episodes", num_episodes, lo=1)
     env, reward_scale = _eval_env(env_id, train_envs, video_dir)
     returns, lengths, values = [], [], []
     bar = None

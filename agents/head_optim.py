@@ -6,7 +6,7 @@ tensors, so one step is a dozen kernels over the whole head whatever the number 
 step reads everything from device tensors (the learning rate, the global clip factor, the skip flag of
 an f16 overflow), so it needs no host sync and a captured PPO minibatch can include it. A skipped step
 changes nothing (parameters, moments and step count are selected back), unlike a zeroed gradient,
-which would still move the moments (issue #14).
+which would still move the moments.
 
 It stays a ``torch.optim.Adam`` for checkpoints: ``state_dict`` / ``load_state_dict`` have the usual
 per-parameter ``step`` / ``exp_avg`` / ``exp_avg_sq`` format, and a loaded state is copied into the
@@ -28,11 +28,12 @@ class FlatHeadAdam(torch.optim.Adam):
 
     Args:
         params: the head parameters (float32, one device).
-        lr, betas, eps: as ``torch.optim.Adam`` (weight decay 0). ``lr`` seeds the param group; the
-            arena step reads its lr from a device tensor (see :meth:`flat_step`).
+        lr, betas, eps: as ``torch.optim.Adam`` (weight decay 0). ``lr`` seeds the param group and
+            ``lr_t``; change both with :meth:`set_lr`.
 
     Attributes:
         param_arena, exp_avg, exp_avg_sq: flat float32 [P]. step_t: float32 [1], the shared step count.
+        lr_t: float64 0-d device tensor, the learning rate a captured step reads (:meth:`set_lr`).
 
     Raises:
         ValueError: no parameters, mixed devices or a non-float32 parameter.
@@ -54,6 +55,7 @@ class FlatHeadAdam(torch.optim.Adam):
         self.exp_avg = torch.zeros_like(self.param_arena)
         self.exp_avg_sq = torch.zeros_like(self.param_arena)
         self.step_t = torch.zeros(1, device=dev)
+        self.lr_t = torch.full((), float(lr), dtype=torch.float64, device=dev)
         self._params, self._views = params, []
         off = 0
         with torch.no_grad():
@@ -73,6 +75,13 @@ class FlatHeadAdam(torch.optim.Adam):
         for i, p in enumerate(self._params):
             self.state[p] = {"step": self.step_t.view(()), "exp_avg": self._slice(self.exp_avg, i, p),
                              "exp_avg_sq": self._slice(self.exp_avg_sq, i, p)}
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate: the param group's and ``lr_t`` (a device write, no sync; a captured
+        step follows it)."""
+        for g in self.param_groups:
+            g["lr"] = lr
+        self.lr_t.fill_(lr)
 
     def flat_grad(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The per-parameter gradients (in parameter order) as one flat [P] tensor (one kernel)."""
@@ -114,6 +123,7 @@ class FlatHeadAdam(torch.optim.Adam):
         (a missing state, as in a checkpoint saved before any step, means zeros)."""
         super().load_state_dict(state_dict)
         with torch.no_grad():
+            self.lr_t.fill_(self.param_groups[0]["lr"])
             steps = []
             for i, p in enumerate(self._params):
                 st = self.state.get(p, {})

@@ -22,7 +22,7 @@ import torch
 from gymnasium import spaces
 from torch import nn
 
-__all__ = ["ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim", "encode_prev_action"]
+__all__ = ["ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim"]
 
 
 def _check_action_space(space: spaces.Space) -> None:
@@ -52,31 +52,6 @@ def action_input_dim(space: spaces.Space) -> int:
     if isinstance(space, spaces.MultiDiscrete):
         return int(space.nvec.sum())
     return int(np.prod(space.shape))
-
-
-def encode_prev_action(space: spaces.Space, actions: torch.Tensor) -> torch.Tensor:
-    """Encode stored actions as backbone input.
-
-    Args:
-        space: the single-env action space.
-        actions: [..., action_dim(space)] (long for discrete spaces, float for Box).
-
-    Returns:
-        float32 [..., action_input_dim(space)]: one-hot for Discrete (stored actions are zero-based),
-        concatenated one-hots for MultiDiscrete, the (clipped) action for Box.
-    """
-    if isinstance(space, spaces.Discrete):
-        idx = actions[..., 0].long()
-        return torch.nn.functional.one_hot(idx, int(space.n)).float()
-    if isinstance(space, spaces.MultiDiscrete):
-        parts = [
-            torch.nn.functional.one_hot(actions[..., i].long(), int(n)).float()
-            for i, n in enumerate(space.nvec)
-        ]
-        return torch.cat(parts, dim=-1)
-    low = torch.as_tensor(space.low.reshape(-1), device=actions.device, dtype=torch.float32)
-    high = torch.as_tensor(space.high.reshape(-1), device=actions.device, dtype=torch.float32)
-    return torch.maximum(torch.minimum(actions.float(), high), low)
 
 
 def _layer_init(layer: nn.Linear, gain: float, generator: torch.Generator | None) -> nn.Linear:

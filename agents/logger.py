@@ -1,6 +1,6 @@
 """TensorBoard logging with CleanRL's tag names (one ``SummaryWriter`` per run).
 
-Tags written by :class:`mamba_rl.agents.RecurrentPPO`:
+Tags written by :class:`mamba_rl.agents.RecurrentPPO` (named in :mod:`mamba_rl.agents.tags`):
 
 * ``charts/episodic_return``, ``charts/episodic_length`` (one point per finished episode, at
   the global step it finished), ``charts/SPS``, ``charts/learning_rate``;
@@ -23,37 +23,9 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping
 
-from .config import PPOConfig
+from .tags import EPISODIC_LENGTH, EPISODIC_RETURN, SCALAR_TAGS
 
-__all__ = ["TensorBoardLogger", "SCALAR_TAGS", "hparams_markdown", "run_name_for"]
-
-SCALAR_TAGS = (
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/SPS",
-    "charts/learning_rate",
-    "losses/value_loss",
-    "losses/policy_loss",
-    "losses/entropy",
-    "losses/approx_kl",
-    "losses/old_approx_kl",
-    "losses/clipfrac",
-    "losses/explained_variance",
-    "backbone/grad_norm",
-    "backbone/loss_scale",
-    "backbone/overflow_skipped",
-    "perf/rollout_ms",
-    "perf/update_ms",
-)
-
-
-def run_name_for(config: PPOConfig, unix_time: int | None = None) -> str:
-    """A fresh run name ``{env}__{exp_name}__{seed}__{unix_time}__{suffix}`` (CleanRL's plus a random
-    suffix; see :mod:`mamba_rl.agents.runs`, which also creates the run's folders exclusively)."""
-    from .runs import new_run_name
-
-    return new_run_name(config, unix_time=unix_time)
-
+__all__ = ["TensorBoardLogger", "SCALAR_TAGS", "hparams_markdown"]
 
 def hparams_markdown(hparams: Mapping[str, Any]) -> str:
     """CleanRL's hyperparameter table: ``|param|value|`` markdown, one row per key."""
@@ -100,8 +72,8 @@ class TensorBoardLogger:
         if self._writer is None:
             return
         for step, ret, length in episodes:
-            self._writer.add_scalar("charts/episodic_return", float(ret), int(step))
-            self._writer.add_scalar("charts/episodic_length", float(length), int(step))
+            self._writer.add_scalar(EPISODIC_RETURN, float(ret), int(step))
+            self._writer.add_scalar(EPISODIC_LENGTH, float(length), int(step))
 
     def flush(self) -> None:
         if self._writer is not None:

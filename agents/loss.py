@@ -6,14 +6,34 @@ transition (see :mod:`mamba_rl.agents.gae`) and carries no loss.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import torch
 
 from .config import PPOConfig
 from .heads import ActionDist
 
-__all__ = ["ppo_loss", "explained_variance", "masked_mean"]
+__all__ = ["Minibatch", "ppo_loss", "explained_variance", "masked_mean"]
+
+
+@dataclass(frozen=True)
+class Minibatch:
+    """The stored rollout data of one minibatch of ``rows`` envs x T steps (the model is sb3-contrib's
+    ``RecurrentRolloutBufferSamples``; the backbone inputs, starts and initial state go straight into
+    the trainer's buffers instead).
+
+    Attributes:
+        actions: [rows, T, action_dim] float32 (stored form; discrete actions as whole numbers).
+        logprobs, values, advantages, returns: [rows, T] float32, from the rollout.
+        mask: [rows, T] float32, 1.0 at valid steps (0.0 at the NextStep reset step).
+    """
+
+    actions: torch.Tensor
+    logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    mask: torch.Tensor
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -21,16 +41,15 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tor
     return (x * mask).sum() / count
 
 
-def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: SimpleNamespace,
-             mask: torch.Tensor, count: torch.Tensor,
+def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibatch, count: torch.Tensor,
              adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CleanRL's PPO loss on one minibatch, averaged over its valid steps.
 
     Args:
         c: the config (clip_coef, norm_adv, clip_vloss, ent_coef, vf_coef).
         dist: the actor's distributions [rows, T]. newvalue: critic values [rows, T].
-        mb: the minibatch's stored ``actions``, ``logprobs``, ``values``, ``advantages``, ``returns``.
-        mask: [rows, T] float, 1 at valid steps. count: number of valid steps (>= 1); data-parallel
+        mb: the minibatch's stored rollout data and valid mask.
+        count: number of valid steps (>= 1); data-parallel
             runs pass the count over every rank, so each rank's loss is its share of the global mean.
         adv_norm: (mean, std) 0-d tensors to normalise the advantages with (data-parallel: over every
             rank's minibatch); None computes them from this minibatch.
@@ -39,6 +58,7 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: SimpleN
         (loss, stats): stats holds detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``
         and ``logratio`` (the new minus the stored log-probs, for the rollout-parity check).
     """
+    mask = mb.mask
     newlogprob = dist.log_prob(mb.actions)
     entropy = dist.entropy()
     logratio = newlogprob - mb.logprobs

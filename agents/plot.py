@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["read_scalars", "plot_run"]
+from .tags import EPISODIC_RETURN as _RETURN
 
-_RETURN = "charts/episodic_return"
+__all__ = ["read_scalars", "plot_run"]
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:

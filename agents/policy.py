@@ -7,35 +7,27 @@ one backbone step (a stepper of the backbone) followed by both heads, so one ste
 action and the value (see docs/architecture.md, "Agent loop"; episode starts reset the memory as
 in "Reset semantics").
 
-Actions are sampled on the host with an explicit ``torch.Generator`` (the agent's), as in the
-rollout, so that runs and resumed runs are reproducible.
+The input is built in numpy, in one place (:class:`HostStager`): the rollout stages every env step
+through it, and :meth:`Policy.act` (``predict``, evaluation) through the same code. :meth:`Policy.act`
+samples on the host with the ``torch.Generator`` its caller passes (``predict`` and evaluation own one
+each, never the rollout's), so acting never changes a training run; the rollout samples elsewhere
+(:mod:`mamba_rl.agents.rollout`, :mod:`mamba_rl.agents.device_actor`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from gymnasium import spaces
 from torch import nn
 
-from mamba_rl import MambaBackbone, MambaConfig, RecurrentState
+from mamba_rl import MambaBackbone, MambaConfig, RecurrentState, Stepper
 
-from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim, encode_prev_action
+from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim
 
-__all__ = ["Policy", "PolicyState", "resolve_device"]
-
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" -> cuda when available else cpu; "cuda" without CUDA raises RuntimeError."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device {device!r} requested but torch.cuda.is_available() is False")
-    return dev
+__all__ = ["Policy", "PolicyState", "HostStager"]
 
 
 @dataclass
@@ -62,7 +54,7 @@ class Policy:
         action_space: the single-env action space (Discrete, MultiDiscrete 1-D, Box).
         device: where the backbone and heads live.
         seed: seeds the backbone init and the heads' orthogonal init.
-        backend: backbone backend, "auto" | "cuda" | "reference".
+        backend: backbone backend, "auto" | "cuda" | "cpu" | "reference".
         prev_action, prev_reward: append the previous action / reward to the input.
         memoryless: treat every step as an episode start (ablation baseline).
 
@@ -90,42 +82,26 @@ class Policy:
             "actor": ActorHead(backbone.d_model, action_space, init_gen),
             "critic": CriticHead(backbone.d_model, init_gen),
         }).to(device)
-        self._steppers: dict[int, Any] = {}
-        self._act_low = self._act_high = None
-        if isinstance(action_space, spaces.Box):
-            self._act_low = torch.as_tensor(action_space.low.reshape(-1), dtype=torch.float32)
-            self._act_high = torch.as_tensor(action_space.high.reshape(-1), dtype=torch.float32)
+        self._steppers: dict[int, Stepper] = {}
+        self._stagers: dict[int, HostStager] = {}
 
     @property
     def actor(self) -> ActorHead:
+        """The actor head (``heads["actor"]``): features [.., d_model] -> an :class:`ActionDist`."""
         return self.heads["actor"]
 
     @property
     def critic(self) -> CriticHead:
+        """The critic head (``heads["critic"]``): features [.., d_model] -> values [..]."""
         return self.heads["critic"]
 
     # ---------------------------------------------------------------- inputs
-    def build_input(self, obs: torch.Tensor, prev_action: torch.Tensor, prev_reward: torch.Tensor,
-                    episode_starts: torch.Tensor) -> torch.Tensor:
-        """Backbone input [B, input_dim] f32 from obs [B, obs_dim], prev_action [B, action_dim],
-        prev_reward [B] and episode_starts [B] bool (previous action/reward are zero at starts)."""
-        parts = [obs.float()]
-        keep = (~episode_starts).float().unsqueeze(-1)
-        if self.use_prev_action:
-            parts.append(encode_prev_action(self.action_space, prev_action) * keep)
-        if self.use_prev_reward:
-            parts.append(prev_reward.float().unsqueeze(-1) * keep)
-        return torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
-
-    def to_env_action(self, action: torch.Tensor) -> np.ndarray:
-        """Stored actions [B, action_dim] -> env actions (``start`` added, Box clipped to its bounds)."""
-        space = self.action_space
-        if isinstance(space, spaces.Discrete):
-            return (action[:, 0] + int(space.start)).cpu().numpy()
-        if isinstance(space, spaces.MultiDiscrete):
-            return (action + torch.as_tensor(space.start, device=action.device)).cpu().numpy()
-        a = torch.maximum(torch.minimum(action, self._act_high), self._act_low)
-        return a.cpu().numpy().astype(space.dtype).reshape((action.shape[0],) + space.shape)
+    def stager(self, batch: int) -> HostStager:
+        """The :class:`HostStager` of ``batch`` rows over a stage of its own (one per batch size, reused)."""
+        st = self._stagers.get(batch)
+        if st is None:
+            st = self._stagers[batch] = HostStager(self, np.zeros((batch, self.input_dim + 1), np.float32))
+        return st
 
     def host_log_std(self) -> torch.Tensor | None:
         """The Gaussian log-std on the host (actions are sampled there), None for discrete spaces."""
@@ -148,7 +124,7 @@ class Policy:
                                        dtype=torch.int64 if self.discrete_actions else torch.float32),
                            torch.zeros(batch))
 
-    def _stepper(self, batch: int):
+    def _stepper(self, batch: int) -> Stepper:
         stepper = self._steppers.get(batch)
         if stepper is None:
             stepper = self._steppers[batch] = self.net.stepper(batch=batch)
@@ -166,10 +142,12 @@ class Policy:
     def _features(self, x: torch.Tensor, state: PolicyState, starts: torch.Tensor,
                   prev_reward: torch.Tensor) -> tuple[torch.Tensor, RecurrentState]:
         """One backbone step from ``state``: (features [B, d_model], the new recurrent state)."""
-        stepper = self._stepper(x.shape[0])
+        b = x.shape[0]
+        stepper, stager = self._stepper(b), self.stager(b)
         stepper.load_state(state.recurrent)
-        inp = self.build_input(x, state.prev_action, prev_reward, starts)
-        feat = stepper.step(inp.to(self.device), episode_starts=starts.to(self.device))
+        stager.build(x.numpy(), state.prev_action.numpy(), prev_reward.numpy(), starts.numpy())
+        inp = torch.from_numpy(stager.stage[:, :-1]).to(self.device).contiguous()
+        feat = stepper.step(inp, episode_starts=starts.to(self.device))
         return feat, stepper.get_state()
 
     @torch.no_grad()
@@ -216,7 +194,7 @@ class Policy:
         value = self.critic(feat).cpu().numpy()
         action = dist.mode() if deterministic else dist.sample(generator)
         new_state = PolicyState(recurrent, action.clone(), prev_reward.clone())
-        env_action = self.to_env_action(action)
+        env_action = self.stager(b).to_env(action.numpy())
         return (env_action[0] if single else env_action), new_state, value
 
     @torch.no_grad()
@@ -232,3 +210,73 @@ class Policy:
             np.asarray(reward, dtype=np.float32).reshape(b))
         feat, _ = self._features(x, state, starts, prev_reward)
         return self.critic(feat).cpu().numpy()
+
+
+class HostStager:
+    """Backbone inputs and env actions in numpy, written into a caller's staging array.
+
+    ``stage`` [N, input_dim + 1] float32 (pinned on CUDA) receives per step the backbone input of
+    the policy's input layout (obs, previous action encoding: one-hot when discrete, clipped for Box;
+    previous reward; both zero at an episode start) and, in its last column, the episode-start flag (1.0 / 0.0).
+
+    Args:
+        policy: the :class:`~mamba_rl.agents.policy.Policy` (input layout, action space).
+        stage: the [N, input_dim + 1] float32 numpy array to write.
+    Raises:
+        ValueError: a stage of the wrong shape or dtype.
+    """
+
+    def __init__(self, policy: Policy, stage: np.ndarray):
+        n, d = stage.shape[0], policy.input_dim
+        if stage.shape != (n, d + 1) or stage.dtype != np.float32:
+            raise ValueError(f"HostStager: stage must be float32 [N, {d + 1}], got {stage.dtype} {stage.shape}")
+        self.policy, self.stage, self.n = policy, stage, n
+        self.space = space = policy.action_space
+        self.obs_dim = policy.obs_dim
+        self.rows = np.arange(n)
+        col = self.obs_dim
+        self.act_cols = self.reward_col = None
+        if policy.use_prev_action:
+            self.act_cols = slice(col, col + action_input_dim(space))
+            col += action_input_dim(space)
+        if policy.use_prev_reward:
+            self.reward_col = col
+        self.start = 0
+        if isinstance(space, spaces.Discrete):
+            self.start = int(space.start)
+        elif isinstance(space, spaces.MultiDiscrete):
+            self.start = np.asarray(space.start).reshape(1, -1)
+            self.offsets = np.concatenate([[0], np.cumsum(space.nvec)[:-1]]).reshape(1, -1)
+        else:
+            self.low = np.asarray(space.low, np.float32).reshape(1, -1)
+            self.high = np.asarray(space.high, np.float32).reshape(1, -1)
+
+    def build(self, obs: np.ndarray, prev_action: np.ndarray, prev_reward: np.ndarray, start: np.ndarray) -> None:
+        """Write the input of obs [N, ...], prev_action [N, action_dim] (stored form), prev_reward [N]
+        and start [N] bool into ``stage``."""
+        x, n = self.stage, self.n
+        x[:, : self.obs_dim] = np.reshape(obs, (n, self.obs_dim))
+        keep = ~start
+        if self.act_cols is not None:
+            blk = x[:, self.act_cols]
+            if isinstance(self.space, spaces.Discrete):
+                blk.fill(0.0)
+                blk[self.rows, prev_action[:, 0]] = keep
+            elif isinstance(self.space, spaces.MultiDiscrete):
+                blk.fill(0.0)
+                blk[self.rows[:, None], prev_action + self.offsets] = keep[:, None]
+            else:
+                np.clip(prev_action, self.low, self.high, out=blk)
+                blk *= keep[:, None]
+        if self.reward_col is not None:
+            x[:, self.reward_col] = prev_reward * keep
+        x[:, -1] = start
+
+    def to_env(self, action: np.ndarray) -> np.ndarray:
+        """Stored actions [N, action_dim] -> env actions (``start`` added, Box clipped to its bounds)."""
+        if isinstance(self.space, spaces.Discrete):
+            return action[:, 0] + self.start
+        if isinstance(self.space, spaces.MultiDiscrete):
+            return action + self.start
+        a = np.clip(action, self.low, self.high).astype(self.space.dtype)
+        return a.reshape((self.n,) + self.space.shape)

@@ -7,7 +7,8 @@ Loop (docs/architecture.md, "Agent loop"), per update:
    reset only per env at episode starts, inside the kernel. The host stages each step's input in
    numpy (:func:`mamba_rl.agents.rollout.collect_rollout`); on CUDA one graph replay per step runs
    backbone, heads, sampling and device storage (:class:`~mamba_rl.agents.device_actor.GraphActor`),
-   elsewhere the backbone and heads run eagerly and sampling / storage happen on the host.
+   elsewhere (the CPU, or CUDA without graphs) the backbone and heads run eagerly and sampling /
+   storage happen on the host (:class:`~mamba_rl.agents.rollout.EagerActor`).
 2. Advantages: GAE under NextStep autoreset (:func:`mamba_rl.agents.gae.compute_gae`): the reset
    step after a done is never a transition; a truncation bootstraps with V(final obs) computed
    with the pre-reset state.
@@ -20,7 +21,12 @@ Loop (docs/architecture.md, "Agent loop"), per update:
 
 :class:`RecurrentPPO` composes :class:`~mamba_rl.agents.policy.Policy` (network, acting),
 :mod:`~mamba_rl.agents.evaluate` and :mod:`~mamba_rl.agents.checkpoint`. Defaults and TensorBoard
-tags follow CleanRL (Huang et al. 2022); the same code runs on CPU (reference backend) and CUDA.
+tags follow CleanRL (Huang et al. 2022); the same code runs on the CPU (the ``cpu`` kernel backend by
+default, ``reference`` on request) and on CUDA. The agent builds its parts and hands each module the
+typed pieces it works on: the rollout a :class:`~mamba_rl.agents.rollout.RolloutCarry` and a
+:class:`~mamba_rl.agents.rollout.RolloutBuffer`, the update the policy, trainer, head optimizer and
+buffer, the checkpoints all of them plus the :class:`~mamba_rl.agents.runs.Run` and its
+:class:`~mamba_rl.agents.runs.Progress`.
 """
 
 from __future__ import annotations
@@ -36,21 +42,27 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.envs import adopt_vec_env, find_vector_wrapper, finished_episodes, make_vec_env
-from mamba_rl.envs.guards import EnvGuard, flatten_observation
+from mamba_rl.ops.optim import make_hyper
+from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, make_env, make_vec_env,
+                           raw_observation_space)
 
-from .checkpoint import check_envs_file, checkpoint_file, load_envs, read_agent_config, restore_agent, save_agent
+from .checkpoint import (Rngs, check_envs_file, checkpoint_file, load_envs, read_agent_config, restore_agent,
+                         save_agent)
 from .config import PPOConfig
 from .device_actor import GraphActor
-from .distributed import DataParallel, RunningStatsSync, rank as dist_rank, world_size as dist_world_size
+from .devices import resolve_device
+from .distributed import (DataParallel, RunningStatsSync, rank as dist_rank, shard_permutation,
+                          world_size as dist_world_size)
 from .evaluate import EvalResult, evaluate_policy
 from .head_optim import FlatHeadAdam
 from .interrupts import deferred_signals
-from .logger import TensorBoardLogger, run_name_for
-from .policy import Policy, PolicyState, resolve_device
+from .logger import TensorBoardLogger
+from .policy import Policy, PolicyState
 from .progress import StepProgress, apply_thread_policy, notice
-from .rollout import EagerActor, RolloutBuffer, collect_rollout
-from .runs import claim_run
+from .rollout import EagerActor, RolloutBuffer, RolloutCarry, adopt_vec_env, collect_rollout
+from .runs import Progress, Run, claim_run, new_run_name
+from .tags import (LEARNING_RATE, NONFINITE_OBS, NONFINITE_REWARDS, OVERFLOW_SKIPPED, ROLLOUT_MS, SPS,
+                   UPDATE_MS)
 from .update import PPOUpdate
 
 __all__ = ["RecurrentPPO"]
@@ -70,9 +82,11 @@ class RecurrentPPO:
     Observation spaces: any space gymnasium can flatten (Box, Discrete, MultiDiscrete and
     Tuple/Dict of them; discrete parts one-hot). Action spaces: Discrete, MultiDiscrete, Box.
 
-    Attributes: ``policy`` (:class:`Policy`: backbone ``net``, ``heads``, acting), ``trainer``
-    (backbone AdamW), ``head_optimizer``, ``stepper`` (rollout, batch num_envs), ``buffer``,
-    ``global_step``, ``update``, ``history`` (per-update metrics).
+    Attributes: ``config``, ``policy`` (:class:`Policy`: backbone ``policy.net``, ``policy.heads``,
+    acting), ``trainer`` (backbone AdamW), ``head_optimizer``, ``stepper`` (rollout, batch num_envs),
+    ``buffer`` (:class:`RolloutBuffer`), ``carry`` (:class:`RolloutCarry`), ``rngs`` (:class:`Rngs`),
+    ``run`` (:class:`Run`), ``progress`` (:class:`Progress`: ``global_step``, ``update``,
+    ``recent_returns``, also readable as attributes of the agent), ``history`` (per-update metrics).
 
     Raises:
         ValueError: bad config, or a vector env whose sub-env count or autoreset mode differs.
@@ -87,81 +101,114 @@ class RecurrentPPO:
         if overrides:
             config = config.replace(**overrides)
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device, config.backend)
         # data-parallel (agents/distributed.py): num_envs is per rank, rank r's envs are seeded as envs
         # r*num_envs.. of one process; weights, minibatch order and lr schedule are shared by all ranks
         self.world_size, self.rank = dist_world_size(), dist_rank()
         self.env_seed = config.seed + self.rank * config.num_envs
-        if self.world_size > 1 and self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.run_name = run_name_for(config)
+        self.run = Run(new_run_name(config))
+        self.progress = Progress()
         self._logger: TensorBoardLogger | None = None
+        self._num_updates: int | None = None  # fixed while learn() runs
+        self._predict_generator: torch.Generator | None = None
+        self._raw_obs_space: gym.Space | None = None
         self.envs = self._make_envs() if env is None or isinstance(env, str) else \
             adopt_vec_env(env, config.num_envs, nonfinite=config.nonfinite)
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
-        self.policy = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
-                             self.envs.single_action_space, self.device, config.seed, backend=config.backend,
-                             prev_action=config.prev_action, prev_reward=config.prev_reward,
-                             memoryless=config.memoryless)
-        p = self.policy  # its parts, also as attributes of the agent
-        self.net, self.heads, self.action_space = p.net, p.heads, p.action_space
-        self.obs_dim, self.input_dim = p.obs_dim, p.input_dim
+        self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
+                                 self.envs.single_action_space, self.device, config.seed, backend=config.backend,
+                                 prev_action=config.prev_action, prev_reward=config.prev_reward,
+                                 memoryless=config.memoryless)
         # CUDA: the heads' Adam runs on a flat device arena inside the update graph (no sync per step)
         adam = FlatHeadAdam if self.device.type == "cuda" else torch.optim.Adam
-        self.head_optimizer = adam(self.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
-        self.trainer = MambaTrainer(self.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
+        self.head_optimizer = adam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        self.trainer = MambaTrainer(p.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,
                                     no_decay="reference", max_grad_norm=config.max_grad_norm)
-        # a step whose gradient holds NaN / inf is skipped in every dtype, not only under the f16 scaler:
-        # hyper[6] is the trainer's skip_on_overflow flag (mamba_rl.ops.optim); the update skips the heads
-        # with it and counts the step in backbone/overflow_skipped
-        self.trainer.hyper[6] = 1.0
+        # a step whose gradient holds NaN / inf is skipped in every dtype, not only under the f16 scaler: the
+        # trainer's hyperparameter buffer rebuilt by mamba_rl.ops.optim.make_hyper (its layout, by argument
+        # name) with skip_on_overflow on; the update skips the heads with it, counted in overflow_skipped
+        tr = self.trainer
+        tr.hyper.copy_(make_hyper(tr.lr, tr.betas, tr.eps, tr.weight_decay, tr.max_grad_norm, skip_on_overflow=True,
+                                  device=tr.device))
         self.dp = DataParallel() if self.world_size > 1 else None
         # data-parallel: the envs' running normalisation statistics, merged over the ranks once per update
         self.stats_sync = RunningStatsSync(self.envs) if self.dp is not None else None
         if self.dp is not None:
             self._sync_ranks()
-        self.stepper = self.net.stepper(batch=config.num_envs)
-        self._graphs = config.cuda_graphs and self.device.type == "cuda"
+        self.stepper = p.net.stepper(batch=config.num_envs)
+        graphs = config.cuda_graphs and self.device.type == "cuda"
         self._warned_pickle = False
 
-        # the eager path samples on the CPU with this generator; the graph path with the device's RNG
-        self.sample_generator = torch.Generator().manual_seed(config.seed + self.rank)
-        self.np_rng = np.random.default_rng(config.seed)
+        # the eager path samples on the CPU with rngs.sample; the graph path with the device's RNG
+        self.rngs = Rngs(sample=torch.Generator().manual_seed(config.seed + self.rank),
+                         minibatch=np.random.default_rng(config.seed))
         self.buffer = RolloutBuffer(config.num_envs, config.num_steps, p.input_dim, p.obs_dim, p.action_dim,
-                                    p.discrete_actions, self.stepper.state, self.device,
-                                    storage_device=self.device if self._graphs else torch.device("cpu"))
-        self._reset_carry(torch.zeros(config.num_envs, p.obs_dim))
-        self.env_started = False
-        self.actor = GraphActor(self) if self._graphs else EagerActor(self)
-        self.updater = PPOUpdate(self, capture=self._graphs)
+                                    p.discrete_actions, self.stepper.state,
+                                    storage_device=self.device if graphs else torch.device("cpu"))
+        self.carry = RolloutCarry.zeros(config.num_envs, p.obs_dim, p.action_dim, p.discrete_actions)
+        self.actor = (GraphActor(p, self.stepper, self.buffer, config.gamma, config.gae_lambda) if graphs else
+                      EagerActor(p, self.stepper, self.buffer, self.rngs.sample, config.gamma, config.gae_lambda))
+        self.updater = PPOUpdate(config, p, self.trainer, self.head_optimizer, self.buffer, self.dp, capture=graphs)
         self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
-        self.global_step = 0
-        self.update = 0
         self.history: list[dict[str, float]] = []
-        # the lr anneal as fractions of config.learning_rate: linear from (update u0, fraction f0) down to 0
-        # at update `end` (CleanRL's schedule: (1, 1.0, num_updates + 1)); set by learn(), saved
-        self.lr_plan: tuple[float, float, float] | None = None
         self.interrupted_checkpoint: Path | None = None  # the `interrupted` folder saved by learn(), if any
         self._warned_nonfinite = False
-        self.recent_returns: deque = deque(maxlen=100)
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
+
+    # ------------------------------------------------------------- progress
+    @property
+    def global_step(self) -> int:
+        """Env steps taken, all ranks together (``progress.global_step``)."""
+        return self.progress.global_step
+
+    @global_step.setter
+    def global_step(self, value: int) -> None:
+        self.progress.global_step = value
+
+    @property
+    def update(self) -> int:
+        """Whole updates done (``progress.update``)."""
+        return self.progress.update
+
+    @update.setter
+    def update(self, value: int) -> None:
+        self.progress.update = value
+
+    @property
+    def lr_plan(self) -> tuple[float, float, float] | None:
+        """The lr anneal (``progress.lr_plan``; see :meth:`current_lr`)."""
+        return self.progress.lr_plan
+
+    @lr_plan.setter
+    def lr_plan(self, value: tuple[float, float, float] | None) -> None:
+        self.progress.lr_plan = value
+
+    @property
+    def recent_returns(self) -> deque:
+        """The raw returns of the last 100 finished episodes (``progress.recent_returns``)."""
+        return self.progress.recent_returns
+
+    @property
+    def run_name(self) -> str:
+        """The run's name (``run.name``): its folder under ``runs_dir`` and ``checkpoint_dir``."""
+        return self.run.name
 
     def _sync_ranks(self) -> None:
         """Rank 0's weights on every rank (equal from the seed anyway) and per-rank sampling RNGs."""
-        net = self.net
+        net, heads = self.policy.net, self.policy.heads
         cfg = {k: v for k, v in self.config.to_dict().items() if k not in ("runs_dir", "checkpoint_dir", "device")}
         self.dp.check_same("the PPOConfig", cfg)
-        self.dp.check_same("the parameter count", (net.arena.numel(), sum(p.numel() for p in self.heads.parameters())))
-        ts = [net.arena] + [p.data for p in self.heads.parameters()]
-        if getattr(net, "compute_arena", None) is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
+        self.dp.check_same("the parameter count", (net.arena.numel(), sum(p.numel() for p in heads.parameters())))
+        ts = [net.arena] + [p.data for p in heads.parameters()]
+        if net.compute_arena is not None and net.compute_arena.data_ptr() != net.arena.data_ptr():
             ts.append(net.compute_arena)
         self.dp.broadcast_weights(ts)
         # device sampling (CUDA graph actor) differs per rank
-        torch.manual_seed(self.config.seed + 1000 * getattr(self, "update", 0) + self.rank)
+        torch.manual_seed(self.config.seed + 1000 * self.update + self.rank)
 
     @property
     def num_updates(self) -> int:
@@ -169,7 +216,7 @@ class RecurrentPPO:
         to reach ``total_timesteps`` (fixed when :meth:`learn` starts). ``total_timesteps`` and ``global_step``
         count the env steps of all ranks together, so a run resumed on another world size still stops at
         (about) ``total_timesteps``; on the same world size this is ceil(total_timesteps / (batch_size * world))."""
-        if getattr(self, "_num_updates", None) is not None:
+        if self._num_updates is not None:
             return self._num_updates
         c = self.config
         left = max(0, c.total_timesteps - self.global_step)
@@ -184,25 +231,11 @@ class RecurrentPPO:
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
                             start_method=c.async_start_method, nonfinite=c.nonfinite)
 
-    def _reset_carry(self, next_obs: torch.Tensor) -> None:
-        """The state carried between rollouts, at the start of every env's first episode. It lives on
-        the host as CPU tensors (checkpoints save it): the host stages each step's input from it (see
-        :func:`mamba_rl.agents.rollout.collect_rollout`)."""
-        n, p = self.config.num_envs, self.policy
-        self.next_obs = next_obs
-        self.next_start = torch.ones(n, dtype=torch.bool)
-        self.next_done = torch.zeros(n, dtype=torch.bool)
-        self.prev_action = torch.zeros(n, p.action_dim, dtype=torch.int64 if p.discrete_actions else torch.float32)
-        self.prev_reward = torch.zeros(n)
-
-    def _reset_envs(self) -> None:
-        obs, _ = self.envs.reset(seed=self.env_seed)
-        self._reset_carry(torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(self.config.num_envs,
-                                                                                   self.obs_dim)))
-        self.stepper.reset()
-        self.env_started = True
-
     # --------------------------------------------------------------- rollout
+    def _advance(self) -> int:
+        self.progress.global_step += self.config.num_envs * self.world_size  # all ranks together
+        return self.progress.global_step
+
     @torch.no_grad()
     def collect_rollout(self) -> tuple[list[tuple[int, float, int]], float]:
         """Fill :attr:`buffer` with ``num_steps`` steps of every env, then compute GAE
@@ -212,14 +245,21 @@ class RecurrentPPO:
             (episodes, rollout_ms): finished episodes as (global_step, return, length) and the wall
             time of the rollout in ms (the env.step share is kept in :attr:`last_env_ms`).
         """
-        episodes, rollout_ms, self.last_env_ms = collect_rollout(self, self.actor)
-        return episodes, rollout_ms
+        c = self.config
+        res = collect_rollout(self.envs, self.actor, self.carry, c.num_steps, c.memoryless, self.env_seed,
+                              self._advance)
+        self.recent_returns.extend(ret for _, ret, _ in res.episodes)
+        self.last_env_ms = res.env_ms
+        return res.episodes, res.rollout_ms
 
     # ---------------------------------------------------------------- update
     def _set_lr(self, lr: float) -> None:
         self.trainer.set_lr(lr)
-        for g in self.head_optimizer.param_groups:
-            g["lr"] = lr
+        if isinstance(self.head_optimizer, FlatHeadAdam):
+            self.head_optimizer.set_lr(lr)
+        else:
+            for g in self.head_optimizer.param_groups:
+                g["lr"] = lr
 
     def current_lr(self, update: int) -> float:
         """Learning rate of ``update`` (1-based): CleanRL's linear annealing when ``anneal_lr``
@@ -251,18 +291,14 @@ class RecurrentPPO:
             f_u = f0 * (old_end - u) / (old_end - u0)
             self.lr_plan = (u, f_u, end) if end > u else fresh
 
-    def minibatch_rows(self) -> list[torch.Tensor]:
-        """One epoch's minibatches: a permutation of the envs cut into ``num_minibatches`` equal
-        LongTensors of ``envs_per_minibatch`` rows each (fixed shape). Draws from :attr:`np_rng` as
-        :meth:`update_policy` does per epoch."""
+    def _draw_rows(self) -> torch.Tensor:
         c = self.config
-        perm = torch.as_tensor(self.np_rng.permutation(c.num_envs), device=self.device)
-        return list(perm.view(c.num_minibatches, c.envs_per_minibatch))
+        return shard_permutation(self.rngs.minibatch, c.num_envs, c.num_minibatches)
 
     def update_policy(self) -> dict[str, float]:
-        """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`); returns the
-        update's metrics as floats (one sync)."""
-        return self.updater.run()
+        """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`, with the current
+        config and this agent's minibatch order); returns the update's metrics as floats (one sync)."""
+        return self.updater.run(self.config, self._draw_rows)
 
     def _nonfinite_metrics(self, metrics: dict[str, float]) -> None:
         """Add the env guard's counters (policy "zero": ``env/nonfinite_obs``, ``env/nonfinite_rewards``, values
@@ -270,9 +306,9 @@ class RecurrentPPO:
         if self.config.nonfinite == "zero":
             guard = find_vector_wrapper(self.envs, EnvGuard)
             if guard is not None:
-                metrics["env/nonfinite_obs"] = float(guard.nonfinite_obs)
-                metrics["env/nonfinite_rewards"] = float(guard.nonfinite_rewards)
-        skipped = metrics.get("backbone/overflow_skipped", 0.0)
+                metrics[NONFINITE_OBS] = float(guard.nonfinite_obs)
+                metrics[NONFINITE_REWARDS] = float(guard.nonfinite_rewards)
+        skipped = metrics.get(OVERFLOW_SKIPPED, 0.0)
         if skipped and self.config.dtype != "f16" and not self._warned_nonfinite and self.rank == 0:
             notice(f"warning: update {metrics.get('update')}: {skipped:.0f} minibatch step(s) had a non-finite loss or "
                    "gradient and were skipped (weights unchanged; counted in backbone/overflow_skipped)")
@@ -291,12 +327,13 @@ class RecurrentPPO:
                                              purge_step=purge)
             hparams = c.to_dict()
             hparams.update(hparams.pop("backbone"))  # one flat table, as CleanRL's
-            hparams.update(backend=f"{c.backend} (ran: {self.net.backend})", device=f"{c.device} (ran: {self.device})")
+            hparams.update(backend=f"{c.backend} (ran: {self.policy.net.backend})", device=f"{c.device} (ran: {self.device})")
             self._logger.hparams(hparams)
         return self._logger
 
     @property
     def checkpoint_root(self) -> Path:
+        """``checkpoint_dir / run_name``: the folder of this run's checkpoints."""
         return Path(self.config.checkpoint_dir) / self.run_name
 
     def learn(self, total_timesteps: int | None = None, progress: bool = False,
@@ -325,7 +362,7 @@ class RecurrentPPO:
         self.interrupted_checkpoint = None
         lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
         if lead:
-            claim_run(self)  # this run's own folders, created exclusively (a resumed run keeps its own)
+            claim_run(self.run, c)  # this run's own folders, created exclusively (a resumed run keeps its own)
         logger = self.logger if lead else None
         # the bar follows global_step from a thread, so it moves during the rollout too
         planned = self.num_updates * c.batch_size * self.world_size
@@ -351,8 +388,8 @@ class RecurrentPPO:
                     local = len(episodes)
                     episodes, sps = self.dp.gather_episodes(episodes, sps)
                     self.recent_returns.extend(ret for _, ret, _ in episodes[local:])
-                metrics.update({"charts/SPS": sps, "charts/learning_rate": lr, "perf/rollout_ms": rollout_ms,
-                                "perf/update_ms": update_ms, "global_step": self.global_step, "update": update})
+                metrics.update({SPS: sps, LEARNING_RATE: lr, ROLLOUT_MS: rollout_ms, UPDATE_MS: update_ms,
+                                "global_step": self.global_step, "update": update})
                 self._nonfinite_metrics(metrics)
                 self.history.append(metrics)
                 if logger is not None:
@@ -401,7 +438,7 @@ class RecurrentPPO:
         training (:func:`mamba_rl.envs.flatten_observation`); anything else raises ValueError naming the
         space. ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
         (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
-        if getattr(self, "_predict_generator", None) is None:
+        if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
         obs = self._flat_obs(obs)
         action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
@@ -409,20 +446,9 @@ class RecurrentPPO:
 
     def raw_observation_space(self) -> gym.Space:
         """The single env's observation space before flattening (what ``env.reset()`` returns samples of)."""
-        if getattr(self, "_raw_obs_space", None) is None:
-            from mamba_rl.envs import FlattenObs, FlattenVecObs, find_vector_wrapper, make_env
-
-            space = None
-            vec = find_vector_wrapper(self.envs, FlattenVecObs)
-            if vec is not None:
-                space = vec._inner_single
-            elif isinstance(self.envs.unwrapped, gym.vector.SyncVectorEnv):
-                e = self.envs.unwrapped.envs[0]
-                while space is None and e is not None:
-                    space = e._inner_space if isinstance(e, FlattenObs) else None
-                    e = getattr(e, "env", None)
-                space = space or self.envs.unwrapped.envs[0].observation_space
-            else:  # async workers: build one env of the id here
+        if self._raw_obs_space is None:
+            space = raw_observation_space(self.envs)
+            if space is None:  # async workers: build one env of the id here
                 env = make_env(self.config.env_id, flatten_obs=False)
                 space = env.observation_space
                 env.close()
@@ -434,14 +460,14 @@ class RecurrentPPO:
         in training (:func:`mamba_rl.envs.flatten_observation`); anything that is not numeric raises a
         ValueError naming the observation space."""
         if isinstance(obs, (dict, tuple)) or (isinstance(obs, list) and obs and isinstance(obs[0], (dict, tuple))):
-            return flatten_observation(self.raw_observation_space(), obs, self.obs_dim)
+            return flatten_observation(self.raw_observation_space(), obs, self.policy.obs_dim)
         try:
             arr = np.asarray(obs)
         except ValueError as err:  # numpy's "inhomogeneous shape"
-            raise ValueError(f"predict: expected a float array [B, {self.obs_dim}] or an observation of the env's "
+            raise ValueError(f"predict: expected a float array [B, {self.policy.obs_dim}] or an observation of the env's "
                              f"space {self.raw_observation_space()}, got {type(obs).__name__}: {err}") from None
         if arr.dtype == object:
-            raise ValueError(f"predict: expected a float array [B, {self.obs_dim}] or an observation of the env's "
+            raise ValueError(f"predict: expected a float array [B, {self.policy.obs_dim}] or an observation of the env's "
                              f"space {self.raw_observation_space()}, got an object array of shape {arr.shape}")
         return arr
 
@@ -457,7 +483,7 @@ class RecurrentPPO:
         (default seed: config.seed + 10_000). Actions are sampled from a fresh generator seeded with
         ``config.seed`` (never the rollout's), so evaluating never changes training and the same call
         gives the same result. ``progress``: a tqdm bar over the episodes.
-        Raises ValueError if num_episodes < 1."""
+        Raises ValueError if num_episodes is not an int >= 1."""
         c = self.config
         return evaluate_policy(self.policy, c.env_id, num_episodes, deterministic,
                                seed=c.seed + 10_000 if seed is None else seed, video_dir=video_dir,
@@ -474,7 +500,9 @@ class RecurrentPPO:
         Raises:
             mamba_rl.agents.checkpoint.NonFiniteWeightsError: weights or optimizer moments hold NaN / inf
                 (nothing is written)."""
-        path, err = save_agent(self, path)
+        path, err = save_agent(path, config=self.config, run=self.run, progress=self.progress, policy=self.policy,
+                               trainer=self.trainer, head_optimizer=self.head_optimizer, rngs=self.rngs,
+                               stepper=self.stepper, carry=self.carry, envs=self.envs, world_size=self.world_size)
         if err is not None and not self._warned_pickle:  # once per agent, outside the progress bar
             notice(f"note: the envs could not be pickled ({err}); resuming from this run's checkpoints "
                    "restores the learner exactly but resets the envs")
@@ -510,11 +538,13 @@ class RecurrentPPO:
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
         try:
-            restore_agent(agent, ckpt, restore_carry=restore)
+            restore_agent(ckpt, run=agent.run, progress=agent.progress, policy=agent.policy, trainer=agent.trainer,
+                          head_optimizer=agent.head_optimizer, rngs=agent.rngs, stepper=agent.stepper,
+                          carry=agent.carry, envs=agent.envs, restore_carry=restore)
             if agent.stats_sync is not None:
                 agent.stats_sync.rebase()  # the restored statistics, equal on every rank, are the new base
             if agent.dp is not None:
-                agent.sample_generator.manual_seed(config.seed + 1000 * agent.update + agent.rank)
+                agent.rngs.sample.manual_seed(config.seed + 1000 * agent.update + agent.rank)
                 agent._sync_ranks()
         except BaseException:
             agent.close()  # a checkpoint that does not fit: do not leak the envs just built

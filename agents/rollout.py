@@ -1,6 +1,7 @@
-"""Rollout storage for recurrent PPO, batch-first ([num_envs, num_steps, ...]) on the agent's device.
+"""Rollout storage, the carried rollout state and the per-step loop of recurrent PPO.
 
-Under gymnasium's NextStep autoreset (see :mod:`mamba_rl.agents.gae`), column t of row n holds:
+Under gymnasium's NextStep autoreset (see :mod:`mamba_rl.agents.gae`), column t of row n of a
+:class:`RolloutBuffer` (batch-first, [num_envs, num_steps, ...]) holds:
 
 * ``inputs[n, t]``: the backbone input at step t: the (flattened, possibly normalised) obs,
   followed by the previous action encoding and previous reward when those options are on
@@ -14,49 +15,58 @@ Under gymnasium's NextStep autoreset (see :mod:`mamba_rl.agents.gae`), column t 
 * ``initial_state``: the stepper state at the start of the rollout (before step 0), i.e. the
   state the update feeds the trainer for column 0.
 
-:func:`collect_rollout` is the one per-step loop of every device. It keeps the carry (next obs,
-starts, dones, previous action and reward) in numpy and builds the backbone input on the host
-(:class:`HostStager`), so that per env step the device sees one staged input and gives back one
-action. The acting itself is an *actor*: :class:`EagerActor` here (CPU, or CUDA without graphs:
-backbone and heads on the device, sampling on the host) or
+:func:`collect_rollout` is the one per-step loop of every device. Between rollouts it carries a
+:class:`RolloutCarry` (next obs, starts, dones, previous action and reward as CPU tensors; the
+recurrent state stays in the stepper) and builds each step's backbone input on the host
+(:class:`~mamba_rl.agents.policy.HostStager`), so that per env step the device sees one staged input
+and gives back one action. The acting itself is an :class:`Actor`: :class:`EagerActor` here (CPU, or
+CUDA without graphs: backbone and heads on the device, sampling and storage on the host) or
 :class:`~mamba_rl.agents.device_actor.GraphActor` (CUDA: one graph replay per step, device storage).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
+import gymnasium as gym
 import numpy as np
 import torch
-from gymnasium import spaces
+from gymnasium.vector import AutoresetMode
 
-from mamba_rl.envs import finished_episodes
+from mamba_rl import RecurrentState, Stepper
+from mamba_rl.envs import EnvGuard, find_vector_wrapper, finished_episodes, flatten_vec_obs
 
 from .gae import compute_gae
+from .policy import HostStager, Policy
 
-__all__ = ["RolloutBuffer", "HostStager", "EagerActor", "collect_rollout"]
+__all__ = ["RolloutBuffer", "RolloutCarry", "RolloutResult", "Actor", "EagerActor", "collect_rollout",
+           "adopt_vec_env"]
+
+Episode = tuple[int, float, int]  # (global step at its end, return, length)
 
 
 class RolloutBuffer:
-    """Fixed-size rollout storage.
+    """Fixed-size rollout storage (see the module doc for the meaning of every field).
 
     Args:
         num_envs: N. num_steps: T. input_dim: width of the backbone input. obs_dim: width of
-        the observation part (the first ``obs_dim`` columns of ``inputs``).
-        action_dim: entries per stored action. discrete_actions: store actions as int64.
-        initial_state: a RecurrentState of batch N whose buffers are cloned as storage.
-        device: the backbone's device (``initial_state`` lives there).
-        storage_device: where the per-step tensors live (default ``device``). RecurrentPPO keeps
-            them on the CPU during the rollout and moves them once per update (:meth:`to_device`).
+            the observation part (the first ``obs_dim`` columns of ``inputs``).
+        action_dim: entries per stored action. discrete_actions: store actions as int64 (else float32).
+        initial_state: a RecurrentState of batch N whose buffers are cloned as ``initial_state``
+            (it stays on their device, the backbone's).
+        storage_device: where the per-step tensors live: the backbone's device for the graph actor,
+            the CPU for the eager actor (which writes them from the host).
+
+    Attributes: ``inputs`` [N, T, input_dim] f32, ``actions`` [N, T, action_dim] int64/f32,
+    ``logprobs``, ``values``, ``rewards``, ``advantages``, ``returns`` [N, T] f32, ``terminations``,
+    ``truncations``, ``episode_starts``, ``valid`` [N, T] bool, ``initial_state``.
     """
 
     def __init__(self, num_envs: int, num_steps: int, input_dim: int, obs_dim: int, action_dim: int,
-                 discrete_actions: bool, initial_state, device: torch.device,
-                 storage_device: torch.device | None = None):
+                 discrete_actions: bool, initial_state: RecurrentState, storage_device: torch.device):
         n, t = num_envs, num_steps
-        storage_device = device if storage_device is None else storage_device
-        self.device = torch.device(device)
         f32 = dict(dtype=torch.float32, device=storage_device)
         b = dict(dtype=torch.bool, device=storage_device)
         self.num_envs, self.num_steps, self.obs_dim = n, t, obs_dim
@@ -70,16 +80,9 @@ class RolloutBuffer:
         self.truncations = torch.zeros(n, t, **b)
         self.episode_starts = torch.zeros(n, t, **b)
         self.valid = torch.zeros(n, t, **b)
-        self.initial_state = initial_state.clone()  # on the backbone's device
+        self.initial_state = initial_state.clone()
         self.advantages = torch.zeros(n, t, **f32)
         self.returns = torch.zeros(n, t, **f32)
-
-    _FIELDS = ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations",
-               "episode_starts", "valid", "advantages", "returns")
-
-    def to_device(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Every per-step tensor on ``device`` (one copy each; no copy when already there)."""
-        return {k: getattr(self, k).to(device, non_blocking=True) for k in self._FIELDS}
 
     @property
     def obs(self) -> torch.Tensor:
@@ -87,111 +90,120 @@ class RolloutBuffer:
         return self.inputs[..., : self.obs_dim]
 
 
-class HostStager:
-    """Backbone inputs and env actions in numpy, written into a caller's staging array.
+@dataclass
+class RolloutCarry:
+    """What one rollout hands the next, per env (the env side of sb3-contrib's ``RNNStates``; the
+    recurrent state itself stays in the stepper's buffers). CPU tensors; checkpoints save them.
 
-    ``stage`` [N, input_dim + 1] float32 (pinned on CUDA) receives per step the backbone input of
-    :meth:`mamba_rl.agents.policy.Policy.build_input` (obs, previous action encoding, previous reward;
-    both zero at an episode start) and, in its last column, the episode-start flag (1.0 / 0.0).
-
-    Args:
-        policy: the :class:`~mamba_rl.agents.policy.Policy` (input layout, action space).
-        stage: the [N, input_dim + 1] float32 numpy array to write.
-    Raises:
-        ValueError: a stage of the wrong shape or dtype.
+    Attributes:
+        next_obs: [N, obs_dim] float32, the observation the next step acts on.
+        next_start: [N] bool, ``next_obs`` is the first observation of an episode.
+        next_done: [N] bool, the last step ended an episode (the next step is the NextStep reset step).
+        prev_action: [N, action_dim] int64 (discrete) / float32 (Box), stored form.
+        prev_reward: [N] float32.
+        started: the envs have been reset (False: the next rollout resets them first).
     """
 
-    def __init__(self, policy: Any, stage: np.ndarray):
-        n, d = stage.shape[0], policy.input_dim
-        if stage.shape != (n, d + 1) or stage.dtype != np.float32:
-            raise ValueError(f"HostStager: stage must be float32 [N, {d + 1}], got {stage.dtype} {stage.shape}")
-        self.policy, self.stage, self.n = policy, stage, n
-        self.space = space = policy.action_space
-        self.obs_dim = policy.obs_dim
-        self.rows = np.arange(n)
-        col = self.obs_dim
-        self.act_cols = self.reward_col = None
-        if policy.use_prev_action:
-            from .heads import action_input_dim
-            self.act_cols = slice(col, col + action_input_dim(space))
-            col += action_input_dim(space)
-        if policy.use_prev_reward:
-            self.reward_col = col
-        self.start = 0
-        if isinstance(space, spaces.Discrete):
-            self.start = int(space.start)
-        elif isinstance(space, spaces.MultiDiscrete):
-            self.start = np.asarray(space.start).reshape(1, -1)
-            self.offsets = np.concatenate([[0], np.cumsum(space.nvec)[:-1]]).reshape(1, -1)
-        else:
-            self.low = np.asarray(space.low, np.float32).reshape(1, -1)
-            self.high = np.asarray(space.high, np.float32).reshape(1, -1)
+    next_obs: torch.Tensor
+    next_start: torch.Tensor
+    next_done: torch.Tensor
+    prev_action: torch.Tensor
+    prev_reward: torch.Tensor
+    started: bool = False
 
-    def build(self, obs: np.ndarray, prev_action: np.ndarray, prev_reward: np.ndarray, start: np.ndarray) -> None:
-        """Write the input of obs [N, ...], prev_action [N, action_dim] (stored form), prev_reward [N]
-        and start [N] bool into ``stage``."""
-        x, n = self.stage, self.n
-        x[:, : self.obs_dim] = np.reshape(obs, (n, self.obs_dim))
-        keep = ~start
-        if self.act_cols is not None:
-            blk = x[:, self.act_cols]
-            if isinstance(self.space, spaces.Discrete):
-                blk.fill(0.0)
-                blk[self.rows, prev_action[:, 0]] = keep
-            elif isinstance(self.space, spaces.MultiDiscrete):
-                blk.fill(0.0)
-                blk[self.rows[:, None], prev_action + self.offsets] = keep[:, None]
-            else:
-                np.clip(prev_action, self.low, self.high, out=blk)
-                blk *= keep[:, None]
-        if self.reward_col is not None:
-            x[:, self.reward_col] = prev_reward * keep
-        x[:, -1] = start
+    # the tensor fields, in the order and under the names checkpoints store them (carry/<name>)
+    TENSORS = ("next_obs", "next_start", "next_done", "prev_action", "prev_reward")
 
-    def to_env(self, action: np.ndarray) -> np.ndarray:
-        """Stored actions [N, action_dim] -> env actions (``start`` added, Box clipped to its bounds)."""
-        if isinstance(self.space, spaces.Discrete):
-            return action[:, 0] + self.start
-        if isinstance(self.space, spaces.MultiDiscrete):
-            return action + self.start
-        a = np.clip(action, self.low, self.high).astype(self.space.dtype)
-        return a.reshape((self.n,) + self.space.shape)
+    @classmethod
+    def zeros(cls, num_envs: int, obs_dim: int, action_dim: int, discrete_actions: bool) -> RolloutCarry:
+        """The carry of envs not reset yet (``started`` False): zero obs, every env at an episode start."""
+        return cls(*_episode_start(torch.zeros(num_envs, obs_dim), action_dim, discrete_actions), started=False)
+
+    def restart(self, next_obs: torch.Tensor, action_dim: int, discrete_actions: bool) -> None:
+        """Every env at the start of an episode whose first observation is ``next_obs`` [N, obs_dim]."""
+        (self.next_obs, self.next_start, self.next_done, self.prev_action,
+         self.prev_reward) = _episode_start(next_obs, action_dim, discrete_actions)
+        self.started = True
+
+
+def _episode_start(next_obs: torch.Tensor, action_dim: int, discrete_actions: bool) -> tuple[torch.Tensor, ...]:
+    """The carry's tensors with every env at an episode start: (next_obs, starts, dones, prev action, reward)."""
+    n = next_obs.shape[0]
+    return (next_obs, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
+            torch.zeros(n, action_dim, dtype=torch.int64 if discrete_actions else torch.float32), torch.zeros(n))
+
+
+@dataclass
+class RolloutResult:
+    """What :func:`collect_rollout` reports.
+
+    Attributes:
+        episodes: the finished episodes as (global step at their end, return, length), in order.
+        rollout_ms: wall time of the rollout [ms]. env_ms: the env.step share of it [ms].
+    """
+
+    episodes: list[Episode] = field(default_factory=list)
+    rollout_ms: float = 0.0
+    env_ms: float = 0.0
+
+
+class Actor(Protocol):
+    """What :func:`collect_rollout` needs of an actor (:class:`EagerActor`, ``GraphActor``)."""
+
+    stager: HostStager  # the [N, input_dim + 1] stage the loop writes each step's input into
+    stepper: Stepper  # carries the recurrent state (reset with the envs)
+    env_arrays: tuple[np.ndarray, ...]  # [N, T] rewards, terminations, truncations, valid the loop fills
+
+    def begin(self) -> None:
+        """Rollout start: store the stepper state as the buffer's initial state, refresh the heads."""
+
+    def act(self, t: int) -> np.ndarray:
+        """Act on the staged input of step ``t``; store it; return the stored-form actions [N, action_dim]."""
+
+    def finish(self) -> None:
+        """Bootstrap V(next obs) from the staged input without advancing the state, then GAE into the buffer."""
 
 
 class EagerActor:
     """Acting without graphs (CPU, or CUDA with ``cuda_graphs=False``): the staged input goes to the device
     in one copy, the stepper and one fused head GEMM run there, the outputs come back in one copy, and
-    sampling (the agent's ``sample_generator``), log-probs and storage happen on the host, in the
-    agent's CPU :class:`RolloutBuffer`."""
+    sampling (``generator``), log-probs and storage happen on the host, in a CPU :class:`RolloutBuffer`.
 
-    def __init__(self, agent: Any):
-        self.agent, p = agent, agent.policy
-        self.stage_t = torch.zeros(agent.config.num_envs, p.input_dim + 1, pin_memory=agent.device.type == "cuda")
-        self.stager = HostStager(p, self.stage_t.numpy())
-        b = agent.buffer
+    Args:
+        policy: the policy (heads, input layout). stepper: its stepper of batch N (the rollout's state).
+        buffer: the CPU buffer of N envs to fill. generator: the CPU sampling generator.
+        gamma, gae_lambda: GAE's discount and lambda.
+    """
+
+    def __init__(self, policy: Policy, stepper: Stepper, buffer: RolloutBuffer, generator: torch.Generator,
+                 gamma: float, gae_lambda: float):
+        self.policy, self.stepper, self.buffer, self.generator = policy, stepper, buffer, generator
+        self.gamma, self.gae_lambda = gamma, gae_lambda
+        self.stage_t = torch.zeros(buffer.num_envs, policy.input_dim + 1, pin_memory=policy.device.type == "cuda")
+        self.stager = HostStager(policy, self.stage_t.numpy())
+        b = buffer
         self.env_arrays = (b.rewards.numpy(), b.terminations.numpy(), b.truncations.numpy(), b.valid.numpy())
 
     def begin(self) -> None:
-        a = self.agent
-        a.buffer.initial_state.copy_(a.stepper.state)
-        self.w, self.bias = a.policy.fused_heads()
-        self.log_std = a.policy.host_log_std()
+        """Rollout start: store the stepper state as the update's initial state, refresh the fused heads."""
+        self.buffer.initial_state.copy_(self.stepper.state)
+        self.w, self.bias = self.policy.fused_heads()
+        self.log_std = self.policy.host_log_std()
 
     def _heads(self) -> torch.Tensor:
-        a, d = self.agent, self.agent.policy.input_dim
-        dev = self.stage_t.to(a.device, non_blocking=True)
+        d = self.policy.input_dim
+        dev = self.stage_t.to(self.policy.device, non_blocking=True)
         starts = dev[:, d] > 0.5
-        feat = a.stepper.step(dev[:, :d].contiguous(), episode_starts=starts)
+        feat = self.stepper.step(dev[:, :d].contiguous(), episode_starts=starts)
         return torch.addmm(self.bias, feat, self.w).cpu()  # [N, P + 1]: actor raw outputs | value
 
     def act(self, t: int) -> np.ndarray:
         """One step from the staged input; returns the stored-form actions [N, action_dim]."""
-        a, buf = self.agent, self.agent.buffer
-        actor, d = a.policy.actor, a.policy.input_dim
+        buf, actor, d = self.buffer, self.policy.actor, self.policy.input_dim
         out = self._heads()
         p_dim = actor.out_dim
         dist = actor.dist(out[:, :p_dim], self.log_std)
-        action = dist.sample(a.sample_generator)
+        action = dist.sample(self.generator)
         buf.inputs[:, t] = self.stage_t[:, :d]
         buf.episode_starts[:, t] = self.stage_t[:, d] > 0.5
         buf.values[:, t] = out[:, p_dim]
@@ -201,50 +213,90 @@ class EagerActor:
 
     def finish(self) -> None:
         """V(next obs) with the carried state, without advancing it (exact V(final obs) after a done), then GAE."""
-        a, buf, c = self.agent, self.agent.buffer, self.agent.config
-        saved = a.stepper.get_state()
+        buf = self.buffer
+        saved = self.stepper.get_state()
         next_value = self._heads()[:, -1].clone()
-        a.stepper.load_state(saved)
+        self.stepper.load_state(saved)
         buf.advantages, buf.returns = compute_gae(buf.rewards, buf.values, buf.terminations, buf.truncations,
-                                                  buf.valid, next_value, c.gamma, c.gae_lambda)
+                                                  buf.valid, next_value, self.gamma, self.gae_lambda)
 
 
-def collect_rollout(agent: Any, actor: Any) -> tuple[list[tuple[int, float, int]], float, float]:
-    """Run ``num_steps`` steps of every env with ``actor`` and fill ``agent.buffer`` (GAE included).
-
-    Per step, the host only stages the input (:class:`HostStager`), lets the actor act, steps the envs
-    and records rewards / dones in numpy; it reads the infos only when an episode ended. Semantics of
-    docs/architecture.md, "Agent loop": NextStep autoreset (the reset step is marked invalid), previous
-    action/reward zeroed at starts, the carry kept across rollouts (as CPU tensors on the agent, which
-    checkpoints save).
+def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int, nonfinite: str = "raise") -> gym.vector.VectorEnv:
+    """Check that a caller-built vector env fits a rollout of ``num_envs`` envs; flatten its observations.
 
     Returns:
-        (episodes as (global_step, return, length), rollout wall time [ms], env.step time [ms]).
+        ``envs``, wrapped in :class:`mamba_rl.envs.FlattenVecObs` when its observations are not a 1-D
+        float32 Box, then in an :class:`mamba_rl.envs.EnvGuard` with ``nonfinite`` unless it holds one
+        already (outermost: wrappers of the caller's, such as a normalisation, see the values before the
+        guard does).
+
+    Raises:
+        ValueError: not a VectorEnv, another sub-env count, or an autoreset mode other than NextStep
+            (the rollout's reset-step and GAE semantics assume it).
     """
-    c, n = agent.config, agent.config.num_envs
-    if not agent.env_started:
-        agent._reset_envs()
+    if not isinstance(envs, gym.vector.VectorEnv):
+        raise ValueError(f"env must be an env id or a gymnasium.vector.VectorEnv, got {type(envs).__name__}")
+    if envs.num_envs != num_envs:
+        raise ValueError(f"the vector env has {envs.num_envs} sub-envs but config.num_envs is "
+                         f"{num_envs}; pass num_envs={envs.num_envs}")
+    mode = envs.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
+    if mode != AutoresetMode.NEXT_STEP:
+        raise ValueError(f"RecurrentPPO needs NextStep autoreset (gymnasium's default), got {mode}")
+    envs = flatten_vec_obs(envs)
+    if find_vector_wrapper(envs, EnvGuard) is None:
+        envs = EnvGuard(envs, nonfinite)
+    return envs
+
+
+def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarry, num_steps: int,
+                    memoryless: bool, env_seed: int, advance: Callable[[], int]) -> RolloutResult:
+    """Run ``num_steps`` steps of every env with ``actor``, which fills its buffer (GAE included).
+
+    Per step, the host only stages the input (:class:`~mamba_rl.agents.policy.HostStager`), lets the
+    actor act, steps the envs and records rewards / dones in numpy; it reads the infos only when an
+    episode ended. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
+    is marked invalid), previous action/reward zeroed at starts, the carry kept across rollouts.
+
+    Args:
+        envs: the vector env of N sub-envs (NextStep autoreset, RecordEpisodeStatistics).
+        actor: acts and stores (its stager and env arrays have N rows, T >= ``num_steps`` columns).
+        carry: the state carried from the previous rollout; replaced in place at the end. When
+            ``carry.started`` is False the envs are reset first (seed ``env_seed``: sub-env i gets
+            ``env_seed + i``) and the stepper state zeroed.
+        num_steps: T. memoryless: every step is an episode start (ablation).
+        advance: called once per env step; counts the step's env steps and returns the new global step
+            (the step an episode finishing there is logged at).
+
+    Returns:
+        :class:`RolloutResult`.
+    """
+    n = envs.num_envs
+    if not carry.started:
+        obs, _ = envs.reset(seed=env_seed)
+        carry.restart(torch.as_tensor(np.asarray(obs, dtype=np.float32).reshape(n, -1)), carry.prev_action.shape[1],
+                      carry.prev_action.dtype == torch.int64)
+        actor.stepper.reset()
     t0 = time.perf_counter()
     stager = actor.stager
-    next_obs = agent.next_obs.numpy()
-    next_start = agent.next_start.numpy().copy()
-    next_done = agent.next_done.numpy().copy()
-    prev_action = agent.prev_action.numpy().copy()
-    prev_reward = agent.prev_reward.numpy().copy()
+    next_obs = carry.next_obs.numpy()
+    next_start = carry.next_start.numpy().copy()
+    next_done = carry.next_done.numpy().copy()
+    prev_action = carry.prev_action.numpy().copy()
+    prev_reward = carry.prev_reward.numpy().copy()
     rewards, terms, truncs, valid = actor.env_arrays
-    episodes: list[tuple[int, float, int]] = []
+    result = RolloutResult()
     env_s = 0.0
     actor.begin()
-    for t in range(c.num_steps):
-        start = next_start | c.memoryless
+    for t in range(num_steps):
+        start = next_start | memoryless
         stager.build(next_obs, prev_action, prev_reward, start)
         valid[:, t] = ~next_done
         action = actor.act(t)
         np.copyto(prev_action, action)
         e0 = time.perf_counter()
-        obs, reward, term, trunc, info = agent.envs.step(stager.to_env(prev_action))
+        obs, reward, term, trunc, info = envs.step(stager.to_env(prev_action))
         env_s += time.perf_counter() - e0
-        agent.global_step += n * getattr(agent, "world_size", 1)  # all ranks together
+        global_step = advance()
         rewards[:, t] = reward
         terms[:, t] = term
         truncs[:, t] = trunc
@@ -254,14 +306,13 @@ def collect_rollout(agent: Any, actor: Any) -> tuple[list[tuple[int, float, int]
         prev_reward = np.asarray(reward, dtype=np.float32).copy()
         next_obs = obs
         if "_episode" in info:
-            for ret, length in finished_episodes(info):
-                episodes.append((agent.global_step, ret, length))
-                agent.recent_returns.append(ret)
-    stager.build(next_obs, prev_action, prev_reward, next_start | c.memoryless)
+            result.episodes.extend((global_step, ret, length) for ret, length in finished_episodes(info))
+    stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
     actor.finish()
-    agent.next_obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32).reshape(n, -1).copy())
-    agent.next_start = torch.from_numpy(np.asarray(next_start, dtype=bool).copy())
-    agent.next_done = torch.from_numpy(next_done.copy())
-    agent.prev_action = torch.from_numpy(prev_action)
-    agent.prev_reward = torch.from_numpy(prev_reward)
-    return episodes, (time.perf_counter() - t0) * 1e3, env_s * 1e3
+    carry.next_obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32).reshape(n, -1).copy())
+    carry.next_start = torch.from_numpy(np.asarray(next_start, dtype=bool).copy())
+    carry.next_done = torch.from_numpy(next_done.copy())
+    carry.prev_action = torch.from_numpy(prev_action)
+    carry.prev_reward = torch.from_numpy(prev_reward)
+    result.rollout_ms, result.env_ms = (time.perf_counter() - t0) * 1e3, env_s * 1e3
+    return result

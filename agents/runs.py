@@ -1,4 +1,4 @@
-"""Run names and run folders: every run gets folders of its own (issue #15).
+"""Run names and run folders: every run gets folders of its own.
 
 A run is named ``{env}__{exp_name}__{seed}__{unix_time}__{suffix}`` (CleanRL's name plus a short
 random suffix), so two runs started in the same second with the same env, experiment name and
@@ -8,17 +8,20 @@ trusted: :func:`claim_run` creates the run's folders (``runs_dir/name`` when tra
 suffix and tries again, so a new run never writes into a folder it did not create.
 
 A resumed run writes into its own folders on purpose: :func:`adopt_run` marks them as the
-agent's without the exclusive check.
+run's without the exclusive check. A :class:`Run` (name, claimed) is what the agent holds.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-__all__ = ["new_run_name", "run_folders", "claim_run", "adopt_run", "RunFolderError"]
+from .config import PPOConfig
+
+__all__ = ["Run", "Progress", "new_run_name", "run_folders", "claim_run", "adopt_run", "RunFolderError"]
 
 _SUFFIX_BYTES = 3  # 6 hex digits: 16.7M names per (env, exp_name, seed, second)
 _MAX_TRIES = 16
@@ -28,11 +31,34 @@ class RunFolderError(RuntimeError):
     """No fresh run folder could be created (each try found an existing one)."""
 
 
-def new_run_name(config: Any, unix_time: int | None = None, suffix: str | None = None) -> str:
+@dataclass
+class Run:
+    """A run's identity: its ``name`` (the folder name under ``runs_dir`` and ``checkpoint_dir``) and
+    whether its folders are this process's (``claimed``: created by :func:`claim_run`, or adopted by
+    :func:`adopt_run` on resume)."""
+
+    name: str
+    claimed: bool = False
+
+
+@dataclass
+class Progress:
+    """How far a run is: ``global_step`` (env steps of all ranks together), ``update`` (whole updates
+    done), ``recent_returns`` (the last 100 finished episodes' raw returns) and ``lr_plan``, the lr anneal
+    as fractions of the initial lr: linear from (update u0, fraction f0) down to 0 at update ``end``
+    (None until ``learn`` plans it; see ``RecurrentPPO.current_lr``). Checkpoints save it."""
+
+    global_step: int = 0
+    update: int = 0
+    recent_returns: deque = field(default_factory=lambda: deque(maxlen=100))
+    lr_plan: tuple[float, float, float] | None = None
+
+
+def new_run_name(config: PPOConfig, unix_time: int | None = None, suffix: str | None = None) -> str:
     """``{env}__{exp_name}__{seed}__{unix_time}__{suffix}`` ('/' and ':' in env ids become '_').
 
     Args:
-        config: a PPOConfig (reads ``env_id``, ``exp_name``, ``seed``).
+        config: reads ``env_id``, ``exp_name``, ``seed``.
         unix_time: seconds since the epoch (default: now).
         suffix: the random part (default: 6 fresh hex digits from :mod:`secrets`).
     """
@@ -42,7 +68,7 @@ def new_run_name(config: Any, unix_time: int | None = None, suffix: str | None =
     return f"{env}__{config.exp_name}__{config.seed}__{t}__{suffix}"
 
 
-def run_folders(config: Any, name: str) -> list[Path]:
+def run_folders(config: PPOConfig, name: str) -> list[Path]:
     """The folders a run named ``name`` writes: ``runs_dir/name`` (when ``track``) and ``checkpoint_dir/name``."""
     out = [Path(config.runs_dir) / name] if config.track else []
     return out + [Path(config.checkpoint_dir) / name]
@@ -63,36 +89,38 @@ def _create_exclusively(folders: list[Path]) -> bool:
     return True
 
 
-def claim_run(agent: Any) -> str:
-    """Create the agent's run folders exclusively (once per agent) and return its run name.
+def claim_run(run: Run, config: PPOConfig) -> str:
+    """Create ``run``'s folders exclusively (once per run) and return its name.
 
     Called before anything of the run is written (``RecurrentPPO.learn``, the CLI before it prints
-    the name). When a folder of ``agent.run_name`` exists already, the agent gets a new name (new
-    random suffix, same time) and the claim is tried again. Resumed agents (:func:`adopt_run`)
-    keep their name and folders.
+    the name). When a folder of ``run.name`` exists already, the run gets a new name (new random
+    suffix, same time) and the claim is tried again. A claimed or adopted run (:func:`adopt_run`)
+    keeps its name and folders (re-created when missing).
+
+    Args:
+        run: the run to claim (``name`` and ``claimed`` are updated in place).
+        config: where the folders go (``runs_dir`` when ``track``, ``checkpoint_dir``).
 
     Raises:
         RunFolderError: every try found an existing folder.
         OSError: a folder cannot be created (permissions, read-only file system).
     """
-    if getattr(agent, "_run_claimed", False):
-        for folder in run_folders(agent.config, agent.run_name):
+    if run.claimed:
+        for folder in run_folders(config, run.name):
             folder.mkdir(parents=True, exist_ok=True)
-        return agent.run_name
-    name = agent.run_name
+        return run.name
+    name = run.name
     for _ in range(_MAX_TRIES):
-        if _create_exclusively(run_folders(agent.config, name)):
-            agent.run_name = name
-            agent._run_claimed = True
+        if _create_exclusively(run_folders(config, name)):
+            run.name, run.claimed = name, True
             return name
         parts = name.split("__")
         unix_time = int(parts[3]) if len(parts) >= 5 and parts[3].isdigit() else None
-        name = new_run_name(agent.config, unix_time=unix_time)
-    raise RunFolderError(f"could not create a fresh run folder for {agent.run_name!r} after {_MAX_TRIES} tries "
-                         f"(under {agent.config.runs_dir!r} / {agent.config.checkpoint_dir!r})")
+        name = new_run_name(config, unix_time=unix_time)
+    raise RunFolderError(f"could not create a fresh run folder for {run.name!r} after {_MAX_TRIES} tries "
+                         f"(under {config.runs_dir!r} / {config.checkpoint_dir!r})")
 
 
-def adopt_run(agent: Any, name: str) -> None:
-    """Make ``name`` the agent's run, writing into its existing folders on purpose (resume)."""
-    agent.run_name = name
-    agent._run_claimed = True
+def adopt_run(run: Run, name: str) -> None:
+    """Make ``name`` the run's, writing into its existing folders on purpose (resume)."""
+    run.name, run.claimed = name, True

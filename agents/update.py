@@ -12,42 +12,53 @@ ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
 3. ``trainer.backward_body()``: backbone backward, one global clip over heads + backbone (the heads'
    squared norm goes in ``extra_sq_buf``), AdamW, the f16 scaler;
 4. the head optimizer with the same clip factor, skipped exactly when the backbone step was skipped
-   (an f16 overflow; issue #14): :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on CUDA (no sync),
+   (a NaN / inf gradient: an f16 overflow, or a non-finite loss in any dtype):
+   :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on CUDA (no sync),
    ``torch.optim.Adam`` on the CPU (where reading the flag costs nothing);
 5. the step's metrics go to row ``k`` of a device table; ``mb_index += 1``.
 
 The host reads the table once per update (one sync), plus once per epoch only when ``target_kl`` is set.
 
-Data-parallel (``agent.dp``, :mod:`mamba_rl.agents.distributed`): step 2 uses the count and advantage
+The body reads the config :meth:`PPOUpdate.run` was given (the agent's current one); a captured graph
+holds the loss coefficients it was captured with, so a run with other coefficients recaptures first.
+
+Data-parallel (a :class:`~mamba_rl.agents.distributed.DataParallel`): step 2 uses the count and advantage
 statistics of every rank's minibatch (one all-reduce), and ``trainer.grad_hook`` sums the backbone's
 gradient arena and the heads' flat gradient over the ranks (ONE all-reduce of both, packed in ``comm``)
-between the backbone backward and the clip (inside the same CUDA graph). The table is summed over ranks
-once per update; explained variance stays per rank (rank 0's is logged).
+between the backbone backward and the clip. The minibatch runs eagerly then (capturing the all-reduce is
+opt-in, ``MAMBA_RL_DDP_CAPTURE=1``). The table is summed over ranks once per update; explained variance
+stays per rank (rank 0's is logged).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from types import SimpleNamespace
-from typing import Any
+from typing import Callable
 
 import torch
 
-from mamba_rl.graphs import GraphSet, warm_up
+from mamba_rl import MambaTrainer
+from mamba_rl.graphs import GraphSet, capture_restoring, snapshot
 from mamba_rl.ops.optim import CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE
 
-from .distributed import shard_permutation
+from .config import PPOConfig
+from .distributed import DataParallel
 from .head_optim import FlatHeadAdam
-from .loss import explained_variance, ppo_loss
+from .loss import Minibatch, explained_variance, ppo_loss
+from .policy import Policy
+from .rollout import RolloutBuffer
+from .tags import UPDATE_METRICS
 
 __all__ = ["PPOUpdate", "METRIC_NAMES"]
 
+# the fields that fix the update's shapes (fixed for the PPOUpdate's life) and those the minibatch body reads
+_LAYOUT = ("num_envs", "num_steps", "num_minibatches", "update_epochs")
+_LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm")
+
 # per-minibatch metric columns of the device table
 _COLS = ("v", "pg", "ent", "kl", "old_kl", "clipfrac", "grad_norm", "skipped", "parity")
-METRIC_NAMES = ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
-                "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "backbone/grad_norm",
-                "backbone/loss_scale", "backbone/overflow_skipped", "debug/rollout_parity")
+METRIC_NAMES = UPDATE_METRICS  # the names of what run() returns, in order
 
 
 def _flag_nonfinite_heads(grad_arena: torch.Tensor, head_sq: torch.Tensor) -> None:
@@ -59,26 +70,40 @@ def _flag_nonfinite_heads(grad_arena: torch.Tensor, head_sq: torch.Tensor) -> No
 
 
 class PPOUpdate:
-    """PPO epochs over an agent's rollout buffer, one body per minibatch (captured on CUDA).
+    """PPO epochs over a rollout buffer, one body per minibatch (captured on CUDA).
 
     Args:
-        agent: a :class:`~mamba_rl.agents.RecurrentPPO` (its config, policy heads, trainer, head
-            optimizer, buffer and ``np_rng`` are used).
-        capture: capture the minibatch body as a CUDA graph (needs a CUDA agent).
+        config: the agent's config: its layout (num_envs, num_steps, num_minibatches, update_epochs)
+            fixes the buffers; :meth:`run` takes the then-current config.
+        policy: the policy (heads trained here; the backbone is the trainer's).
+        trainer: the backbone's :class:`~mamba_rl.MambaTrainer` (batch ``envs_per_minibatch``, T steps),
+            set to skip every step with a non-finite gradient (RecurrentPPO sets its skip-on-overflow flag):
+            a step it skipped (``found_inf``) skips the heads too.
+        head_optimizer: the heads' Adam: a :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` (needed to
+            capture) or a ``torch.optim.Adam`` over ``policy.heads``.
+        buffer: the rollout buffer the update reads (any device; copied in once per update).
+        dp: the data-parallel collectives when this is one rank of several, else None.
+        capture: capture the minibatch body as a CUDA graph.
 
     Raises:
-        RuntimeError: ``capture`` on a non-CUDA agent.
+        ValueError: ``capture`` on a non-CUDA policy or with a head optimizer that is not a FlatHeadAdam.
     """
 
-    def __init__(self, agent: Any, capture: bool = False):
-        c, p = agent.config, agent.policy
-        self.agent, self.config, self.trainer = agent, c, agent.trainer
+    def __init__(self, config: PPOConfig, policy: Policy, trainer: MambaTrainer,
+                 head_optimizer: torch.optim.Optimizer, buffer: RolloutBuffer, dp: DataParallel | None = None,
+                 capture: bool = False):
+        c, p = config, policy
+        self.flat_heads = isinstance(head_optimizer, FlatHeadAdam)
+        self.device = dev = policy.device
+        if capture and (dev.type != "cuda" or not self.flat_heads):
+            raise ValueError(f"PPOUpdate: capture needs a CUDA policy and a FlatHeadAdam, got device {dev} and "
+                             f"{type(head_optimizer).__name__}")
+        self._config = config
+        self.trainer, self.head_optimizer, self.buffer, self.dp = trainer, head_optimizer, buffer, dp
         self.actor, self.critic = p.actor, p.critic
-        self.head_params = list(agent.heads.parameters())
-        self.device = dev = agent.device
+        self.head_params = list(p.heads.parameters())
         n, t = c.num_envs, c.num_steps
         self.action_dim = a = p.action_dim
-        self.discrete = p.discrete_actions
         # packed per-step columns: actions (a) | logprob | value | advantage | return | valid
         self.inputs = torch.zeros(n, t, p.input_dim, device=dev)
         self.starts = torch.zeros(n, t, dtype=torch.bool, device=dev)
@@ -90,19 +115,28 @@ class PPOUpdate:
                                       pin_memory=dev.type == "cuda")
         self.mb_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.table = torch.zeros(self.max_steps, len(_COLS), device=dev)
-        self.flat_heads = isinstance(agent.head_optimizer, FlatHeadAdam)
-        self.dp = getattr(agent, "dp", None)  # a DataParallel when this is one rank of several
         n_heads = sum(q.numel() for q in self.head_params)
         # data-parallel: [backbone gradient arena | head gradient], summed over ranks by one all-reduce
-        self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if self.dp is not None else None
-        self.shards = 1  # > 1: one process lays its envs out as `shards` ranks would (shard_permutation)
+        self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if dp is not None else None
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
+        self._capture = capture
+        self._captured_loss: tuple | None = None  # the loss fields of the config the graph was captured with
         self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
+        if capture:
+            self._capture_minibatch()
+
+    @staticmethod
+    def _fields(config: PPOConfig, names: tuple[str, ...]) -> tuple:
+        return tuple(getattr(config, k) for k in names)
+
+    def _capture_minibatch(self) -> None:
+        """Capture the body (every rank or none in a data-parallel run; see :meth:`_fallback`)."""
+        self._captured_loss = self._fields(self._config, _LOSS)
         # Capturing the NCCL all-reduce inside the minibatch graph hung on 2 H200s (torch 2.11, NCCL of
         # cu130): off unless asked for with MAMBA_RL_DDP_CAPTURE=1; eager minibatches passed the same tests.
-        if capture and self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "0") != "1":
+        if self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "0") != "1":
             self.capture_error = "capture of the all-reduce is off (MAMBA_RL_DDP_CAPTURE=1 turns it on)"
-        elif capture and self.dp is not None:
+        elif self.dp is not None:
             err = None
             try:  # the all-reduces inside the graph need NCCL >= 2.9.6 and a warmed-up process group
                 self.capture()
@@ -111,21 +145,21 @@ class PPOUpdate:
             failed = torch.tensor([float(err is not None)], device=self.device)
             if float(self.dp.sum_(failed)) > 0:  # every rank captures, or none does
                 self._fallback(err if err is not None else RuntimeError("another rank's capture failed"))
-        elif capture:
+        else:
             self.capture()
 
     # ------------------------------------------------------------------------------------ the body
     def _minibatch(self) -> None:
-        c, tr, a = self.config, self.trainer, self.action_dim
+        c, tr, a = self._config, self.trainer, self.action_dim
         rows = self.perm.index_select(0, self.mb_index).view(-1)
         torch.index_select(self.inputs, 0, rows, out=tr.x_buf)
         torch.index_select(self.starts, 0, rows, out=tr.starts_buf)
         torch.index_select(self.init_state.conv, 1, rows, out=tr.state.conv)
         torch.index_select(self.init_state.ssm, 1, rows, out=tr.state.ssm)
         pk = self.pack.index_select(0, rows)
-        mb = SimpleNamespace(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1],
-                             advantages=pk[..., a + 2], returns=pk[..., a + 3])
-        mask = pk[..., a + 4]
+        mb = Minibatch(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1], advantages=pk[..., a + 2],
+                       returns=pk[..., a + 3], mask=pk[..., a + 4])
+        mask = mb.mask
         dp, adv_norm = self.dp, None
         if dp is not None:  # global count and advantage statistics over every rank's minibatch
             count, mean, std = dp.minibatch_stats(mb.advantages, mask)
@@ -135,7 +169,7 @@ class PPOUpdate:
         y = tr.forward_body().detach().float().requires_grad_()
         dist = self.actor(y)
         newvalue = self.critic(y)
-        loss, st = ppo_loss(c, dist, newvalue, mb, mask, count, adv_norm)
+        loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm)
         grads = torch.autograd.grad(loss, [y] + self.head_params)
         head_grads = grads[1:]
         tr.d_buf.copy_(grads[0])
@@ -163,17 +197,17 @@ class PPOUpdate:
             tr.backward_body()
         finally:
             tr.grad_hook = None
-        s, hyper = tr.scalars, tr.hyper
-        skip = (s[FOUND_INF] > 0) & (hyper[6] > 0)
+        s = tr.scalars
+        skip = s[FOUND_INF] > 0  # the trainer skipped its step (the agent makes it skip every non-finite one)
         if self.flat_heads:
-            self.agent.head_optimizer.flat_step(flat, hyper[0], s[CLIP_COEF], skip)
+            self.head_optimizer.flat_step(flat, self.head_optimizer.lr_t, s[CLIP_COEF], skip)
         elif not bool(skip):  # CPU: reading the flag is free; a skipped step skips the heads too
             if flat is not None:  # the summed gradient, back into per-parameter views
                 head_grads = torch.split(flat, [p.numel() for p in self.head_params])
             for p, g in zip(self.head_params, head_grads):
                 g = g.view_as(p)
                 p.grad = g * s[CLIP_COEF].to(g.dtype) if c.max_grad_norm is not None else g
-            self.agent.head_optimizer.step()
+            self.head_optimizer.step()
         with torch.no_grad():
             parity = torch.maximum((st["logratio"].abs() * mask).max(), ((newvalue - mb.values).abs() * mask).max())
             row = torch.stack([st["v"], st["pg"], st["ent"], st["kl"], st["old_kl"], st["clipfrac"],
@@ -181,12 +215,14 @@ class PPOUpdate:
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
             self.mb_index.add_(1)
 
+    def _head_state(self) -> tuple:
+        opt = self.head_optimizer
+        return (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t, opt.lr_t) if self.flat_heads else ()
+
     def _graph_buffers(self) -> tuple:
-        opt = self.agent.head_optimizer
-        heads = (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t) if self.flat_heads else ()
-        return self.trainer.graph_buffers() + heads + (self.comm, self.inputs, self.starts, self.pack,
-                                                       self.init_state.conv, self.init_state.ssm, self.perm,
-                                                       self.mb_index, self.table)
+        return self.trainer.graph_buffers() + self._head_state() + (
+            self.comm, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
+            self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture :meth:`_minibatch` as one CUDA graph; every buffer it changes is restored afterwards.
@@ -195,21 +231,13 @@ class PPOUpdate:
             RuntimeError: not on CUDA, or the head optimizer is not a :class:`FlatHeadAdam`.
         """
         if self.device.type != "cuda" or not self.flat_heads:
-            raise RuntimeError("PPOUpdate.capture needs a CUDA agent whose head optimizer is a FlatHeadAdam")
-        opt = self.agent.head_optimizer
-        mine = [self.table, self.mb_index, opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t]
-        snap = self.trainer.snapshot() + [(b, b.detach().clone()) for b in mine]
+            raise RuntimeError("PPOUpdate.capture needs a CUDA policy whose head optimizer is a FlatHeadAdam")
+        saved = self.trainer.snapshot() + snapshot((self.table, self.mb_index) + self._head_state()[:4])
         if self.dp is not None:
             self.dp.warm_up(self.device)  # NCCL's communicator exists before the capture records a collective
-        torch.cuda.synchronize()
-        warm_up(self._run_eager_once, warmup)
-        self.trainer.restore(snap)
-        self._graphs.clear()
         # data-parallel: thread-local capture mode, so NCCL's watchdog thread may poll events meanwhile
-        self._graphs.capture("minibatch", self._minibatch, mode="thread_local" if self.dp is not None else "global")
-        torch.cuda.synchronize()
-        self.trainer.restore(snap)
-        self._graphs.seal()
+        capture_restoring(self._graphs, {"minibatch": self._minibatch}, saved, warmup,
+                          warmup_body=self._run_eager_once, mode="thread_local" if self.dp is not None else "global")
 
     def _fallback(self, err: Exception) -> None:
         """Data-parallel capture failed: run the minibatch body eagerly (same numbers, one launch per
@@ -227,7 +255,7 @@ class PPOUpdate:
 
     # ------------------------------------------------------------------------------------ the update
     def _load_rollout(self) -> None:
-        buf = self.agent.buffer
+        buf = self.buffer
         with torch.no_grad():
             dev = self.device
             self.inputs.copy_(buf.inputs, non_blocking=True)
@@ -244,22 +272,40 @@ class PPOUpdate:
         kl = self.table[row, _COLS.index("kl")].clone()
         return float(self.dp.sum_(kl) if self.dp is not None else kl)
 
-    def run(self) -> dict[str, float]:
-        """``update_epochs`` x ``num_minibatches`` minibatch steps over the agent's buffer.
+    def run(self, config: PPOConfig, draw_rows: Callable[[], torch.Tensor]) -> dict[str, float]:
+        """``update_epochs`` x ``num_minibatches`` minibatch steps over the buffer.
+
+        Args:
+            config: the agent's current config (its layout must be the one this update was built for;
+                other loss coefficients than the captured graph's recapture it first).
+            draw_rows: called once at the start of each epoch; returns that epoch's minibatches, int64
+                [num_minibatches, envs_per_minibatch], row k the envs of minibatch k (the agent draws a
+                permutation of its envs: :func:`mamba_rl.agents.distributed.shard_permutation`).
 
         Returns:
             the update's metrics as floats, named :data:`METRIC_NAMES`: the losses of the last step,
             clipfrac averaged over all steps, grad_norm averaged over the steps not skipped (0 when all
             were), the loss scale after the update, the number of skipped f16 steps and the rollout
             parity of the first step. One device->host read (plus one per epoch with ``target_kl``).
+
+        Raises:
+            ValueError: a config of another layout, or rows of the wrong shape.
         """
-        c = self.config
+        if self._fields(config, _LAYOUT) != self._fields(self._config, _LAYOUT):
+            want, got = (dict(zip(_LAYOUT, self._fields(x, _LAYOUT))) for x in (self._config, config))
+            raise ValueError(f"PPOUpdate.run: expected a config with {want}, got {got}")
+        self._config = c = config
+        if self._capture and self._captured_loss != self._fields(config, _LOSS):
+            self._capture_minibatch()
         self._load_rollout()
         m = c.num_minibatches
         done = 0
         for epoch in range(c.update_epochs):
-            self._perm_host[epoch * m:(epoch + 1) * m].copy_(
-                shard_permutation(self.agent.np_rng, c.num_envs, m, self.shards))
+            rows = draw_rows()
+            if tuple(rows.shape) != (m, c.envs_per_minibatch) or rows.dtype != torch.int64:
+                raise ValueError(f"PPOUpdate.run: draw_rows() must give int64 [{m}, {c.envs_per_minibatch}], "
+                                 f"got {rows.dtype} {tuple(rows.shape)}")
+            self._perm_host[epoch * m:(epoch + 1) * m].copy_(rows)
             self.perm[epoch * m:(epoch + 1) * m].copy_(self._perm_host[epoch * m:(epoch + 1) * m], non_blocking=True)
             for _ in range(m):
                 if not self._graphs.replay("minibatch"):

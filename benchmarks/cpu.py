@@ -115,7 +115,7 @@ def main_job_sps(updates: int, backend: str) -> dict:
     dt = time.perf_counter() - t0
     steps = agent.global_step - s0
     agent.close()
-    return {"env_id": cfg.env_id, "steps": steps, "seconds": dt, "sps": steps / dt, "backend": agent.net.backend}
+    return {"env_id": cfg.env_id, "steps": steps, "seconds": dt, "sps": steps / dt, "backend": agent.policy.net.backend}
 
 
 def sb3_sps(steps: int) -> dict | None:

@@ -19,7 +19,7 @@ For each env count (default 16, 64, 256 and 1024) on CartPole-v1 it measures:
   with LSTM 128, same env count, n_steps 128, on the same device, timed after a warm-up learn.
 
 Ratios: ``agent_fraction_of_raw`` = agent_sps / raw_env_sps (target >= 0.5), ``agent_vs_sb3`` =
-agent_sps / sb3_sps (target >= 30; issue #9). The default rows finish in a few minutes on an H200.
+agent_sps / sb3_sps (target >= 30). The default rows finish in a few minutes on an H200.
 
 Usage:
     python benchmarks/sps.py --out $OUT/sps.json            # cuda if available, 16 / 64 / 256 / 1024 envs
@@ -99,7 +99,7 @@ def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: s
            "host_overhead_us": 1e3 * (rollout_ms - sum(env_ms) / n) / num_steps,
            "update_ms_per_update": update_ms, "update_ms_per_2048": update_ms * 2048 / (num_envs * num_steps),
            "final_losses": {k: hist[-1][k] for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy")},
-           "backend": agent.net.backend, "cuda_graphs": bool(agent._graphs),
+           "backend": agent.policy.net.backend, "cuda_graphs": agent.config.cuda_graphs and agent.device.type == "cuda",
            "host_copies_in_graph": bool(getattr(agent.actor, "copies_in_graph", False))}
     agent.close()
     return out
@@ -242,7 +242,7 @@ def _ddp(a: argparse.Namespace, device: str) -> dict:
         print(f"{a.nproc} ranks x {n} envs: {r['ddp_sps']:,.0f} SPS (sum over ranks) vs 1 x {n} envs: "
               f"{r['single_sps']:,.0f} SPS -> {r['speedup']:.2f}x (target {r['speedup_target']})",
               file=sys.stderr, flush=True)
-    report = {"benchmark": f"CartPole-v1 data-parallel SPS, {a.nproc} ranks vs 1 (issue #12)", "results": rows}
+    report = {"benchmark": f"CartPole-v1 data-parallel SPS, {a.nproc} ranks vs 1", "results": rows}
     _write(report, a.out, "sps_ddp.json")
     return report
 

@@ -1,4 +1,4 @@
-"""Data-parallel SPS (issue #12): N ranks x E envs each against one process with E envs.
+"""Data-parallel SPS: N ranks x E envs each against one process with E envs.
 
 ``python benchmarks/sps.py --nproc 2 --envs 64 --no-sb3 --out $OUT/sps_ddp.json`` calls :func:`compare`:
 
@@ -58,7 +58,7 @@ def worker(a: argparse.Namespace) -> None:
                    "ddp_sps_by_wall": a.updates * step / wall, "updates": a.updates,
                    "update_ms_per_update": sum(h["perf/update_ms"] for h in hist) / len(hist),
                    "rollout_ms_per_update": sum(h["perf/rollout_ms"] for h in hist) / len(hist),
-                   "backend": dist.get_backend(), "cuda_graphs": bool(agent._graphs),
+                   "backend": dist.get_backend(), "cuda_graphs": agent.config.cuda_graphs and agent.device.type == "cuda",
                    "update_graph": "minibatch" in agent.updater._graphs,
                    "capture_error": agent.updater.capture_error}
             with open(a.result, "w") as f:

@@ -7,11 +7,11 @@ would read freed memory, so it raises instead (docs/architecture.md, "CUDA graph
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["GraphSet", "warm_up"]
+__all__ = ["GraphSet", "warm_up", "snapshot", "restore", "capture_restoring"]
 
 
 def warm_up(body: Callable[[], object], iterations: int) -> None:
@@ -23,6 +23,51 @@ def warm_up(body: Callable[[], object], iterations: int) -> None:
             body()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
+
+
+def snapshot(tensors: Iterable[torch.Tensor | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(tensor, copy)`` pairs of every tensor given (None skipped), for :func:`restore`."""
+    return [(t, t.detach().clone()) for t in tensors if t is not None]
+
+
+def restore(saved: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write every copy of a :func:`snapshot` back into its tensor, in place (addresses unchanged)."""
+    with torch.no_grad():
+        for t, v in saved:
+            t.copy_(v)
+
+
+def capture_restoring(graphs: "GraphSet", bodies: Mapping[str, Callable[[], object]],
+                      saved: list[tuple[torch.Tensor, torch.Tensor]], warmup: int,
+                      warmup_body: Callable[[], object] | None = None, mode: str = "global") -> None:
+    """Warm up, capture and restore: the routine of a graph owner whose bodies change its buffers.
+
+    Synchronises; runs ``warmup_body`` (default: every body in order) ``warmup`` times on a side stream
+    (:func:`warm_up`); restores ``saved``; captures each body as graph ``name`` of ``graphs``, in order
+    (``mode``: see :meth:`GraphSet.capture`); synchronises; restores ``saved`` again (capturing runs
+    nothing, but this is exact about every buffer) and seals ``graphs``. So the buffers listed in
+    ``saved`` (a :func:`snapshot`) hold after the call what they held before it.
+
+    Raises:
+        RuntimeError: from torch when a body cannot be captured (the graphs are cleared then).
+    """
+    if warmup_body is None:
+        def warmup_body() -> None:
+            for body in bodies.values():
+                body()
+    torch.cuda.synchronize()
+    warm_up(warmup_body, warmup)
+    restore(saved)
+    graphs.clear()
+    try:
+        for name, body in bodies.items():
+            graphs.capture(name, body, mode=mode)
+    except BaseException:
+        graphs.clear()
+        raise
+    torch.cuda.synchronize()
+    restore(saved)
+    graphs.seal()
 
 
 class GraphSet:
@@ -90,5 +135,6 @@ class GraphSet:
         return True
 
     def clear(self) -> None:
+        """Drop every graph (and the recorded pointers)."""
         self._graphs.clear()
         self._ptrs = None

@@ -43,3 +43,32 @@ def test_cli_help_imports_neither_torch_nor_gymnasium():
                           "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
                           "    main(['train', '--help'])")
     assert "torch" not in mods and "gymnasium" not in mods, sorted(m for m in mods if m.split('.')[0] in ("torch", "gymnasium"))[:5]
+
+
+PACKAGES = ("mamba_rl", "agents", "envs", "csrc")
+
+
+@pytest.mark.parametrize("path", sorted(p for d in PACKAGES for p in (ROOT / d).rglob("__init__.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_package_faces_stay_small(path):
+    """An ``__init__.py`` re-exports; logic lives in modules (at most 60 lines)."""
+    n = len(path.read_text().splitlines())
+    assert n <= 60, f"{path.relative_to(ROOT)} has {n} lines; expected <= 60 (move logic into a module)"
+
+
+@pytest.mark.parametrize("path", sorted(p for d in ("agents", "envs") for p in (ROOT / d).rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_untyped_agent_parameter(path):
+    """Collaborators take typed pieces, not the whole agent as ``Any``: no parameter named like the agent is
+    annotated ``Any`` (or left unannotated in a public function)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in a.posonlyargs + a.args + a.kwonlyargs:
+                if "agent" not in arg.arg:
+                    continue
+                ann = ast.unparse(arg.annotation) if arg.annotation is not None else None
+                if ann in (None, "Any", "typing.Any") and not (ann is None and node.name.startswith("_")):
+                    bad.append(f"{node.name}({arg.arg}: {ann})")
+    assert not bad, f"{path.relative_to(ROOT)}: {bad}"

@@ -22,7 +22,7 @@ def fake_rollout(agent, total_envs: int, offset: int, seed: int) -> None:
     n, t = total_envs, c.num_steps
     rows = slice(offset, offset + c.num_envs)
     full = {
-        "inputs": torch.randn(n, t, agent.input_dim, generator=g),
+        "inputs": torch.randn(n, t, agent.policy.input_dim, generator=g),
         "episode_starts": torch.rand(n, t, generator=g) < 0.1,
         "actions": torch.randint(0, 2, (n, t, 1), generator=g),
         "logprobs": torch.log(torch.full((n, t), 0.5)) + 0.1 * torch.randn(n, t, generator=g),
@@ -43,7 +43,7 @@ def fake_rollout(agent, total_envs: int, offset: int, seed: int) -> None:
 def flat_state(agent) -> torch.Tensor:
     """Backbone weights + AdamW moments + head weights as one flat float32 tensor."""
     tr = agent.trainer
-    parts = [agent.net.arena, tr.exp_avg, tr.exp_avg_sq] + [p.detach().reshape(-1) for p in agent.heads.parameters()]
+    parts = [agent.policy.net.arena, tr.exp_avg, tr.exp_avg_sq] + [p.detach().reshape(-1) for p in agent.policy.heads.parameters()]
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in parts])
 
 
@@ -173,3 +173,64 @@ def normalize_obs_worker(rank: int, world: int, port: int, out: str) -> None:
         agent.close()
     finally:
         dist.destroy_process_group()
+
+
+BUGGY_ENV_ID = "mamba_rl_test/BuggyCartPole-v1"
+BUG_AT_STEP = 12  # env steps per sub-env: inside the second rollout (8 steps each)
+
+
+def make_buggy_cartpole(**kwargs):
+    """CartPole whose step raises ValueError at step ``BUG_AT_STEP``: a deliberate bug mid-training."""
+    import gymnasium as gym
+
+    class BuggyCartPole(gym.Wrapper):
+        steps = 0
+
+        def step(self, action):
+            self.steps += 1
+            if self.steps == BUG_AT_STEP:
+                raise ValueError(f"deliberate bug at env step {self.steps}")
+            return self.env.step(action)
+
+    return BuggyCartPole(gym.make("CartPole-v1", **kwargs))
+
+
+def register_buggy_env() -> None:
+    """Register ``BUGGY_ENV_ID`` (idempotent). Runs when this module is imported, so the id also works as
+    ``tests.agents.ddp_cases:mamba_rl_test/BuggyCartPole-v1`` in a subprocess (module:EnvId)."""
+    import gymnasium as gym
+
+    if BUGGY_ENV_ID not in gym.registry:
+        gym.register(BUGGY_ENV_ID, entry_point=make_buggy_cartpole, max_episode_steps=500)
+
+
+register_buggy_env()
+
+
+def cli_bug_worker(rank: int, world: int, port: int, out: str) -> None:
+    """``mamba-rl train`` on one rank of a gloo job (as under torchrun) whose env raises ValueError mid-training:
+    records whether ``main`` returned (and what) or raised, with the traceback, and the CLI's stderr."""
+    import contextlib
+    import io
+    import traceback
+
+    from mamba_rl.agents.cli import main
+
+    register_buggy_env()
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    argv = ["train", "--env-id", BUGGY_ENV_ID, "--num-envs", "2", "--num-steps", "8", "--num-minibatches", "1",
+            "--update-epochs", "1", "--d-model", "8", "--n-layers", "1", "--d-state", "2", "--device", "cpu",
+            "--total-timesteps", str(4 * world * 2 * 8), "--seed", "3", "--no-track", "--no-progress",
+            "--checkpoint-dir", os.path.join(out, f"ckpt{rank}"), "--runs-dir", os.path.join(out, "runs")]
+    stderr = io.StringIO()
+    result = {"returned": None, "raised": None, "traceback": None}
+    with contextlib.redirect_stderr(stderr):
+        try:
+            result["returned"] = main(argv)
+        except Exception as err:  # noqa: BLE001 - the test looks at what it was
+            result["raised"] = type(err).__name__
+            result["traceback"] = traceback.format_exc()
+    result["stderr"] = stderr.getvalue()
+    torch.save(result, os.path.join(out, f"bug{rank}.pt"))

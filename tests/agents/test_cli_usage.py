@@ -1,4 +1,4 @@
-"""Issue #14.4/#14.5 and #8 (CPU): user mistakes are one-line errors (exit 2), help texts, env listing,
+"""The CLI on the CPU: user mistakes are one-line errors (exit 2), help texts, env listing,
 exact counters, the Ctrl-C summary, the thread policy, progress and notices, `mamba-rl plot`."""
 
 import re
@@ -10,7 +10,7 @@ import gymnasium as gym
 import pytest
 import torch
 
-from mamba_rl.agents.cli import build_parser, main
+from mamba_rl.agents.cli import main
 
 TINY = ["--num-envs", "2", "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1",
         "--d-model", "16", "--n-layers", "1", "--d-state", "4", "--device", "cpu", "--no-progress"]
@@ -20,29 +20,48 @@ def _dirs(tmp_path):
     return ["--runs-dir", str(tmp_path / "runs"), "--checkpoint-dir", str(tmp_path / "ckpt")]
 
 
-def _subparsers():
-    return build_parser()._subparsers._group_actions[0].choices
+def _help(command, capsys) -> str:
+    """What ``mamba-rl COMMAND --help`` prints (it exits 0)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    return capsys.readouterr().out
+
+
+def _option_helps(help_text: str) -> dict[str, str]:
+    """``{invocation: help}`` of every option in an argparse help text (an option's entry starts with
+    ``  -``; its help follows on the same line after two spaces, or on the indented lines below)."""
+    out, current = {}, None
+    for line in help_text.splitlines():
+        if re.match(r"^ {2}-", line):
+            parts = re.split(r"\s{2,}", line.strip(), maxsplit=1)
+            current = parts[0]
+            out[current] = parts[1] if len(parts) > 1 else ""
+        elif current is not None and re.match(r"^ {3,}\S", line):
+            out[current] = (out[current] + " " + line.strip()).strip()
+        else:
+            current = None
+    return out
 
 
 @pytest.mark.parametrize("command", ["train", "eval", "envs", "plot"])
-def test_every_option_has_help_and_one_default(command):
-    p = _subparsers()[command]
-    for action in p._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        text = re.sub(r"\s*\(default: [^)]*\)", "", action.help or "").strip()
-        assert text, f"{command} {action.option_strings} has no help besides its default"
-    help_text = p.format_help()
+def test_every_option_has_help_and_one_default(command, capsys):
+    help_text = _help(command, capsys)
+    options = _option_helps(help_text)
+    assert options and "-h, --help" in options
+    for invocation, text in options.items():
+        assert re.sub(r"\s*\(default: [^)]*\)", "", text).strip(), f"{command} {invocation} has no help besides its default"
+        assert text.count("(default:") <= 1, (invocation, text)
     assert not re.search(r"\(default: ([^)]*)\)\s*\(default: \1\)", help_text), help_text
     assert help_text.count("(default: 10)") <= 1
 
 
-def test_help_comes_from_the_config_docstrings():
+def test_help_comes_from_the_config_docstrings(capsys):
     from mamba_rl.agents import PPOConfig
     from mamba_rl.agents.cli import field_docs
 
     docs = field_docs(PPOConfig)
-    help_text = " ".join(_subparsers()["train"].format_help().split())
+    help_text = " ".join(_help("train", capsys).split())
     assert docs["normalize_reward"].split()[0] in help_text and "(default: True)" in help_text
     assert "backbone residual stream width" in help_text  # MambaConfig's own docstring
 
@@ -57,7 +76,7 @@ USER_MISTAKES = [
     (["train", "--resume", "/no/such/checkpoint"], "no RecurrentPPO checkpoint"),
     (["train", "--env-id", "no_such_module_xyz:Foo-v0"], "no_such_module_xyz"),
     (["eval", "--checkpoint", "/no/such/checkpoint"], "no RecurrentPPO checkpoint"),
-    (["eval", "--checkpoint", ".", "--episodes", "0"], "--episodes must be >= 1"),
+    (["eval", "--checkpoint", ".", "--episodes", "0"], "--episodes must be an int >= 1, got 0"),
 ]
 
 

@@ -4,7 +4,6 @@ survives to_dict/from_dict and a checkpoint, and older flat configs still load."
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 
 import pytest
@@ -20,19 +19,23 @@ BACKBONE = MambaConfig(d_model=16, n_layers=1, d_state=4, d_conv=3, expand=2, dt
 OLD_FLAT = ("d_model", "n_layers", "d_state", "d_conv", "expand")  # what pre-backbone configs stored
 
 
-def test_every_backbone_field_can_be_given_flat():
-    from mamba_rl.agents.config import BACKBONE_FIELDS
-
-    assert BACKBONE_FIELDS == tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
+def test_the_backbone_lives_in_one_place():
+    """``backbone`` is PPOConfig's only representation of the backbone: no flat field to disagree with it."""
     fields = {f.name for f in dataclasses.fields(PPOConfig)}
-    init_only = tuple(n for n in inspect.signature(PPOConfig).parameters if n not in fields)
-    assert init_only == BACKBONE_FIELDS  # same order: __post_init__ zips them
+    flat = {f.name for f in dataclasses.fields(MambaConfig) if f.init}
+    assert "backbone" in fields and not fields & flat
+    c = PPOConfig(d_model=16)
+    for name in flat:  # every backbone field may be given flat, and is read through ``backbone`` only
+        PPOConfig(**{name: getattr(BACKBONE, name)})
+        with pytest.raises(AttributeError, match=rf"read config.backbone.{name}"):
+            getattr(c, name)
 
 
 def test_flat_backbone_fields_map_into_backbone():
     c = PPOConfig(d_model=16, n_layers=1, d_state=4, d_conv=3, dt_rank=3, rms_norm_eps=1e-3)
     assert c.backbone == BACKBONE
-    assert (c.d_model, c.dt_rank, c.rms_norm_eps) == (16, 3, 1e-3)  # read through to the backbone
+    assert PPOConfig(backbone=MambaConfig(d_model=16, n_layers=1), d_state=4, d_conv=3, dt_rank=3,
+                     rms_norm_eps=1e-3) == c  # flat fields change the backbone given
     assert PPOConfig(backbone=BACKBONE) == c
     r = c.replace(d_model=32, num_envs=4, num_minibatches=2)
     assert r.backbone == dataclasses.replace(BACKBONE, d_model=32) and r.num_envs == 4
@@ -83,13 +86,13 @@ def test_dt_rank_and_eps_reach_the_agent_and_survive_a_checkpoint(tmp_path):
     agent = RecurrentPPO("CartPole-v1", dt_rank=3, rms_norm_eps=1e-3, d_model=16, n_layers=1, d_state=4, d_conv=3,
                          checkpoint_dir=str(tmp_path / "ckpt"), **TINY)
     assert agent.config.backbone == BACKBONE
-    assert agent.net.cfg == BACKBONE  # the backbone was built from it, not from copied fields
-    assert dict(agent.net.named_parameters())["layers.0.mixer.dt_proj.weight"].shape[1] == 3
+    assert agent.policy.net.cfg == BACKBONE  # the backbone was built from it, not from copied fields
+    assert dict(agent.policy.net.named_parameters())["layers.0.mixer.dt_proj.weight"].shape[1] == 3
     agent.learn()
     path = agent.save(tmp_path / "saved")
     loaded = RecurrentPPO.load(path)
-    assert loaded.config == agent.config and loaded.net.cfg == BACKBONE
-    torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+    assert loaded.config == agent.config and loaded.policy.net.cfg == BACKBONE
+    torch.testing.assert_close(loaded.policy.net.arena, agent.policy.net.arena, rtol=0, atol=0)
     # a backbone field changed at load time reaches the backbone too, which then does not fit the weights
     with pytest.raises(CheckpointError, match="rms_norm_eps"):
         RecurrentPPO.load(path, rms_norm_eps=1e-4)
@@ -108,6 +111,6 @@ def test_checkpoint_with_old_flat_config_loads(tmp_path):
     _rewrite_ppo_config(path / "agent.safetensors", flatten)
     loaded = RecurrentPPO.load(path)
     assert loaded.config.backbone == agent.config.backbone
-    torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.policy.net.arena, agent.policy.net.arena, rtol=0, atol=0)
     agent.close()
     loaded.close()

@@ -1,10 +1,11 @@
-"""Data-parallel PPO (issue #12): 2 ranks x 4 envs = 1 process x 8 envs; bit-identical ranks; resume.
+"""Data-parallel PPO: 2 ranks x 4 envs = 1 process x 8 envs; bit-identical ranks; resume.
 
 Ranks are spawned with ``torch.multiprocessing`` (gloo on the CPU, NCCL on 2 GPUs for the ``cuda`` test).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 
@@ -16,7 +17,7 @@ import torch.multiprocessing as mp
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.distributed import shard_permutation
 
-from .ddp_cases import (TINY, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker,
+from .ddp_cases import (TINY, cli_bug_worker, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker,
                         normalize_obs_worker, update_worker)
 
 
@@ -43,11 +44,12 @@ def _one_process(tmp_path, device: str, updates: int):
     cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path / "runs"),
                     checkpoint_dir=str(tmp_path / "ckpt"))
     agent = RecurrentPPO(config=cfg)
-    agent.updater.shards = 2  # minibatch k = the envs of both ranks' minibatch k
     init, metrics = flat_state(agent), []
+    # minibatch k = the envs of both ranks' minibatch k
+    rows = lambda: shard_permutation(agent.rngs.minibatch, 8, cfg.num_minibatches, shards=2)  # noqa: E731
     for u in range(updates):
         fake_rollout(agent, 8, 0, seed=100 + u)
-        metrics.append(agent.update_policy())
+        metrics.append(agent.updater.run(agent.config, rows))
     final = flat_state(agent)
     agent.close()
     return init, final, metrics
@@ -153,3 +155,40 @@ def test_ranks_share_their_observation_statistics_gloo(tmp_path):
     # to float32 rounding (gymnasium accumulates in float32; the merge adds in another order)
     np.testing.assert_allclose(r0["mean"], want.mean, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(r0["var"], want.var, rtol=1e-5, atol=1e-7)
+
+
+def test_a_bug_mid_training_keeps_its_traceback_under_torchrun(tmp_path):
+    """A ValueError raised while training (here by the env, at its 12th step: the second rollout) is a bug,
+    not a usage error: on every rank ``mamba-rl train`` raises it with its traceback (the process exits 1
+    through Python's handler, torchrun reports the rank's traceback), never the one-line error of exit 2."""
+    _spawn(cli_bug_worker, str(tmp_path))
+    for r in range(2):
+        res = torch.load(tmp_path / f"bug{r}.pt")
+        assert res["returned"] is None, res  # main did not turn it into an exit code (2 would be the usage error)
+        assert res["raised"] == "ValueError", res
+        tb = res["traceback"]
+        assert "Traceback (most recent call last)" in tb and "ValueError: deliberate bug at env step 12" in tb
+        assert "in learn" in tb and "in collect_rollout" in tb and "in step" in tb  # the frames down to the bug
+        assert "mamba-rl train: error" not in res["stderr"], res["stderr"]
+
+
+def test_a_bug_mid_training_under_mamba_rl_train_nproc_exits_non_2_with_the_traceback(tmp_path):
+    """The same bug end to end: ``mamba-rl train --nproc 2`` (torchrun, 2 gloo ranks) prints the rank's
+    traceback and exits 1 (a rank failed), not 2 with a one-line usage error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env_id = "tests.agents.ddp_cases:mamba_rl_test/BuggyCartPole-v1"  # the module registers it on import
+    argv = [sys.executable, "-m", "mamba_rl", "train", "--nproc", "2", "--env-id", env_id, "--num-envs", "2",
+            "--num-steps", "8", "--num-minibatches", "1", "--update-epochs", "1", "--d-model", "8", "--n-layers",
+            "1", "--d-state", "2", "--device", "cpu", "--total-timesteps", "128", "--seed", "3", "--no-track",
+            "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt"), "--runs-dir", str(tmp_path / "runs")]
+    r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert r.returncode not in (0, 2), (r.returncode, r.stderr[-3000:])
+    assert "Traceback (most recent call last)" in r.stderr, r.stderr[-3000:]
+    assert "ValueError: deliberate bug at env step 12" in r.stderr, r.stderr[-3000:]
+    assert "mamba-rl train: error: deliberate bug" not in r.stderr
+    assert "mamba-rl train: error: a rank failed" in r.stderr

@@ -1,4 +1,4 @@
-"""Issue #14.3: evaluation and predict() never perturb training."""
+"""Evaluation and predict() never perturb training."""
 
 import numpy as np
 import torch
@@ -21,12 +21,12 @@ def test_stochastic_evaluate_and_predict_mid_run_leave_training_unchanged(tmp_pa
     def evaluate_midway(agent, metrics):
         if metrics["update"] == 1:
             agent.evaluate(2, deterministic=False)
-            obs = np.zeros((3, agent.obs_dim), np.float32)
+            obs = np.zeros((3, agent.policy.obs_dim), np.float32)
             agent.predict(obs, deterministic=False)
 
     probed = _train(tmp_path, "probed", evaluate_midway)
-    torch.testing.assert_close(probed.net.arena, plain.net.arena, rtol=0, atol=0)
-    for (n, p), (_, q) in zip(plain.heads.named_parameters(), probed.heads.named_parameters()):
+    torch.testing.assert_close(probed.policy.net.arena, plain.policy.net.arena, rtol=0, atol=0)
+    for (n, p), (_, q) in zip(plain.policy.heads.named_parameters(), probed.policy.heads.named_parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=n)
     assert [h["losses/value_loss"] for h in probed.history] == [h["losses/value_loss"] for h in plain.history]
 

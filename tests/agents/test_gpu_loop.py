@@ -1,9 +1,9 @@
-"""The GPU agent loop's parts, CPU-checkable where the logic allows (issue #9); `cuda` tests need a GPU.
+"""The GPU agent loop's parts, CPU-checkable where the logic allows; `cuda` tests need a GPU.
 
-- parallel GAE == the loop GAE; host-side input staging == Policy.build_input;
+- parallel GAE == the loop GAE; the one input staging (HostStager) writes the documented layout;
 - the sampler draws from the right distribution (chi-square), eagerly on the CPU and graph-captured on CUDA;
 - FlatHeadAdam == torch.optim.Adam, and a skipped step changes nothing;
-- f16 overflow skips skip the heads too (issue #14): finite metrics and weights, the scale recovers;
+- f16 overflow skips skip the heads too: finite metrics and weights, the scale recovers;
 - CUDA: the graph rollout keeps the eager semantics; the captured update equals the eager update.
 """
 
@@ -17,7 +17,7 @@ from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.gae import compute_gae, compute_gae_parallel
 from mamba_rl.agents.head_optim import FlatHeadAdam
 from mamba_rl.agents.heads import ActionDist, ActorHead
-from mamba_rl.agents.rollout import HostStager
+from mamba_rl.agents.policy import HostStager
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -50,7 +50,9 @@ def test_parallel_gae_matches_the_loop(gamma, lam):
 
 @pytest.mark.parametrize("space", [spaces.Discrete(3, start=2), spaces.MultiDiscrete([2, 3]),
                                    spaces.Box(-1.0, 2.0, (2,), np.float32)])
-def test_host_staging_equals_policy_build_input(space):
+def test_host_staging_writes_the_input_layout(space):
+    """[obs | previous action (one-hot per discrete part, clipped for Box) | previous reward | start], the
+    action and reward zeroed at starts; env actions shifted by ``start`` / clipped."""
     from mamba_rl import MambaConfig
     from mamba_rl.agents.policy import Policy
 
@@ -61,18 +63,22 @@ def test_host_staging_equals_policy_build_input(space):
     obs = rng.normal(size=(n, 3)).astype(np.float32)
     if isinstance(space, spaces.Box):
         act = rng.normal(scale=3, size=(n, 2)).astype(np.float32)
+        enc = np.clip(act, -1.0, 2.0)
+        env_act = np.clip(act, -1.0, 2.0)
     else:
         nvec = [space.n] if isinstance(space, spaces.Discrete) else list(space.nvec)
         act = np.stack([rng.integers(0, k, n) for k in nvec], 1).astype(np.int64)
+        enc = np.concatenate([np.eye(k, dtype=np.float32)[act[:, i]] for i, k in enumerate(nvec)], axis=1)
+        env_act = act[:, 0] + 2 if isinstance(space, spaces.Discrete) else act
     rew, start = rng.normal(size=n).astype(np.float32), np.array([True, False, False, True, False])
+    keep = (~start).astype(np.float32)[:, None]
+    want = np.concatenate([obs, enc * keep, rew[:, None] * keep, start[:, None].astype(np.float32)], axis=1)
     stage = np.full((n, pol.input_dim + 1), np.nan, np.float32)
     st = HostStager(pol, stage)
     st.build(obs, act, rew, start)
-    want = pol.build_input(torch.from_numpy(obs), torch.from_numpy(act), torch.from_numpy(rew), torch.from_numpy(start))
-    np.testing.assert_array_equal(stage[:, :-1], want.numpy())
-    np.testing.assert_array_equal(stage[:, -1], start.astype(np.float32))
-    np.testing.assert_array_equal(st.to_env(act), pol.to_env_action(torch.from_numpy(act)))
-    with pytest.raises(ValueError, match="stage must be float32"):
+    np.testing.assert_array_equal(stage, want)
+    np.testing.assert_array_equal(st.to_env(act), env_act)
+    with pytest.raises(ValueError, match=rf"stage must be float32 \[N, {pol.input_dim + 1}\]"):
         HostStager(pol, np.zeros((n, 2), np.float32))
 
 
@@ -195,9 +201,9 @@ def test_f16_skipped_steps_skip_the_heads_too(tmp_path):
     # before the fix: 16/16 skipped in both updates, scale 1.5e-05, NaN heads; now it settles
     assert last["backbone/overflow_skipped"] == 0
     assert last["backbone/loss_scale"] >= 2.0 ** 10
-    for name, p in agent.heads.named_parameters():
+    for name, p in agent.policy.heads.named_parameters():
         assert torch.isfinite(p).all(), name
-    assert torch.isfinite(agent.net.arena).all()
+    assert torch.isfinite(agent.policy.net.arena).all()
     agent.close()
 
 
@@ -210,16 +216,16 @@ def _gpu_agent(tmp_path, graphs=True, **kw):
     return RecurrentPPO(config=PPOConfig(**cfg))
 
 
-def _graph_rollout_semantics(tmp_path, terminate, device):
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("terminate", [False, True])
+def test_graph_rollout_keeps_the_rollout_semantics(tmp_path, terminate, toy_envs):
     from mamba_rl.agents.device_actor import GraphActor
-    from tests.agents.test_rollout import toy_envs
 
     agent = RecurrentPPO(toy_envs(terminate=terminate), config=PPOConfig(
         env_id="toy", num_envs=4, num_steps=24, num_minibatches=2, update_epochs=2, total_timesteps=10_000,
-        d_model=16, n_layers=2, d_state=16, device=device, track=False, checkpoint_every=0, seed=3,
+        d_model=16, n_layers=2, d_state=16, device="cuda", track=False, checkpoint_every=0, seed=3,
         runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt")))
-    if device == "cpu":  # the GPU actor's bodies, run eagerly on the CPU
-        agent.actor = GraphActor(agent, capture=False)
     assert isinstance(agent.actor, GraphActor)
     agent.collect_rollout()
     agent.collect_rollout()  # a carried state and resets mid-rollout
@@ -246,23 +252,11 @@ def _graph_rollout_semantics(tmp_path, terminate, device):
     agent.close()
 
 
-@pytest.mark.parametrize("terminate", [False, True])
-def test_graph_actor_bodies_keep_the_rollout_semantics_on_cpu(tmp_path, terminate):
-    _graph_rollout_semantics(tmp_path, terminate, "cpu")
-
-
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("terminate", [False, True])
-def test_graph_rollout_keeps_the_rollout_semantics(tmp_path, terminate):
-    _graph_rollout_semantics(tmp_path, terminate, "cuda")
-
-
 def _copy_rollout(src, dst):
     for k in ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "episode_starts",
               "valid", "advantages", "returns"):
         getattr(dst.buffer, k).copy_(getattr(src.buffer, k).to(getattr(dst.buffer, k).device))
-    dst.buffer.initial_state.copy_(src.buffer.initial_state.to(dst.device))
+    dst.buffer.initial_state.copy_(src.buffer.initial_state.to(dst.policy.device))
 
 
 def test_update_with_the_flat_head_adam_equals_torch_adam_on_cpu(tmp_path):
@@ -271,15 +265,15 @@ def test_update_with_the_flat_head_adam_equals_torch_adam_on_cpu(tmp_path):
     kw = dict(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
               device="cpu", track=False, checkpoint_every=0, total_timesteps=10_000, checkpoint_dir=str(tmp_path))
     ref, flat = RecurrentPPO("CartPole-v1", **kw), RecurrentPPO("CartPole-v1", **kw)
-    flat.head_optimizer = FlatHeadAdam(flat.heads.parameters(), lr=2.5e-4, eps=1e-5)
-    flat.updater = PPOUpdate(flat)
+    flat.head_optimizer = FlatHeadAdam(flat.policy.heads.parameters(), lr=flat.config.learning_rate, eps=1e-5)
+    flat.updater = PPOUpdate(flat.config, flat.policy, flat.trainer, flat.head_optimizer, flat.buffer)
     ref.collect_rollout()
     _copy_rollout(ref, flat)
     mr, mf = ref.update_policy(), flat.update_policy()
     for k in mr:
         assert mf[k] == pytest.approx(mr[k], rel=1e-4, abs=1e-6), k
-    torch.testing.assert_close(flat.net.arena, ref.net.arena, rtol=1e-5, atol=1e-6)
-    for (n, p), (_, q) in zip(flat.heads.named_parameters(), ref.heads.named_parameters()):
+    torch.testing.assert_close(flat.policy.net.arena, ref.policy.net.arena, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(flat.policy.heads.named_parameters(), ref.policy.heads.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
 
 
@@ -289,15 +283,15 @@ def test_update_with_the_flat_head_adam_equals_torch_adam_on_cpu(tmp_path):
 def test_captured_update_equals_eager_update(tmp_path, dtype):
     g_agent = _gpu_agent(tmp_path / "g", graphs=True, env_id="CartPole-v1", dtype=dtype)
     e_agent = _gpu_agent(tmp_path / "e", graphs=False, env_id="CartPole-v1", dtype=dtype)
-    torch.testing.assert_close(g_agent.net.arena, e_agent.net.arena, rtol=0, atol=0)
+    torch.testing.assert_close(g_agent.policy.net.arena, e_agent.policy.net.arena, rtol=0, atol=0)
     g_agent.collect_rollout()
     _copy_rollout(g_agent, e_agent)
     mg, me = g_agent.update_policy(), e_agent.update_policy()
     for k in mg:
         if not k.startswith("debug/"):
             assert mg[k] == pytest.approx(me[k], rel=1e-4, abs=1e-5), (k, mg[k], me[k])
-    torch.testing.assert_close(g_agent.net.arena, e_agent.net.arena, rtol=1e-5, atol=1e-6)
-    for (n, p), (_, q) in zip(g_agent.heads.named_parameters(), e_agent.heads.named_parameters()):
+    torch.testing.assert_close(g_agent.policy.net.arena, e_agent.policy.net.arena, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(g_agent.policy.heads.named_parameters(), e_agent.policy.heads.named_parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
     g_agent.close()
     e_agent.close()

@@ -66,8 +66,8 @@ def nan_env_ids():
 
 
 def _finite(agent) -> bool:
-    return bool(torch.isfinite(agent.net.arena).all()) and all(bool(torch.isfinite(p).all())
-                                                               for p in agent.heads.parameters())
+    return bool(torch.isfinite(agent.policy.net.arena).all()) and all(bool(torch.isfinite(p).all())
+                                                               for p in agent.policy.heads.parameters())
 
 
 # ---------------------------------------------------------------------------------------- NaN from the env
@@ -104,17 +104,17 @@ def test_nan_from_the_env_zeroed_and_counted_on_request(tmp_path, nan_env_ids, w
 def test_a_non_finite_update_is_skipped_and_counted(tmp_path):
     agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
     agent.collect_rollout()
-    before = [agent.net.arena.clone()] + [p.detach().clone() for p in agent.heads.parameters()]
+    before = [agent.policy.net.arena.clone()] + [p.detach().clone() for p in agent.policy.heads.parameters()]
     agent.buffer.advantages[0, 3] = float("nan")  # e.g. a NaN reward that got past the env
     agent.buffer.returns[1, 2] = float("inf")
     m = agent.update_policy()
     assert m["backbone/overflow_skipped"] == 1.0  # every (here: the one) minibatch step was skipped
-    after = [agent.net.arena] + [p.detach() for p in agent.heads.parameters()]
+    after = [agent.policy.net.arena] + [p.detach() for p in agent.policy.heads.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # nothing applied
     assert agent.trainer.state_dict()["meta"]["step"] == 0
     agent.collect_rollout()
     m = agent.update_policy()  # a clean rollout trains again
-    assert m["backbone/overflow_skipped"] == 0.0 and not torch.equal(before[0], agent.net.arena)
+    assert m["backbone/overflow_skipped"] == 0.0 and not torch.equal(before[0], agent.policy.net.arena)
     agent.close()
 
 
@@ -124,7 +124,7 @@ def test_a_checkpoint_never_holds_non_finite_weights(tmp_path):
     final = tmp_path / "ckpt" / agent.run_name / "final"
     good = (final / "agent.safetensors").read_bytes()
     with torch.no_grad():
-        agent.net.arena[5] = float("nan")
+        agent.policy.net.arena[5] = float("nan")
     with pytest.raises(NonFiniteWeightsError, match=r"refusing to save .*final: the backbone weights hold 1 "
                                                      r"non-finite values"):
         agent.save(final)

@@ -1,8 +1,8 @@
 """Rollout, episode boundaries and minibatches of RecurrentPPO on a deterministic toy env (CPU, f32).
 
-ToyEnv(k): obs = [t / 10, noise], reward = 1 + action; env i terminates after 3 + i steps when
-``terminate`` else is truncated by a TimeLimit of 3 + i steps. Episodes of different lengths
-put resets at different columns of the rollout.
+The ``toy_envs`` fixture (tests/agents/conftest.py): obs = [t / 10, noise], reward = 1 + action; env i
+terminates after 3 + i steps when ``terminate`` else is truncated by a TimeLimit of 3 + i steps. Episodes
+of different lengths put resets at different columns of the rollout.
 """
 
 import gymnasium as gym
@@ -11,35 +11,7 @@ import pytest
 import torch
 from gymnasium import spaces
 from mamba_rl.agents import PPOConfig, RecurrentPPO
-
-
-class ToyEnv(gym.Env):
-    def __init__(self, length: int, terminate: bool):
-        self.length, self.terminate = length, terminate
-        self.observation_space = spaces.Box(-10, 10, (2,), np.float32)
-        self.action_space = spaces.Discrete(2)
-
-    def _obs(self):
-        return np.array([self.t / 10.0, self.np_random.normal()], dtype=np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.t = 0
-        return self._obs(), {}
-
-    def step(self, action):
-        self.t += 1
-        return self._obs(), 1.0 + float(action), self.terminate and self.t >= self.length, False, {}
-
-
-def toy_envs(n=4, terminate=False):
-    def make(i):
-        def thunk():
-            env = ToyEnv(3 + i, terminate)
-            return env if terminate else gym.wrappers.TimeLimit(env, max_episode_steps=3 + i)
-        return thunk
-    envs = gym.vector.SyncVectorEnv([make(i) for i in range(n)])
-    return gym.wrappers.vector.RecordEpisodeStatistics(envs)
+from mamba_rl.agents.distributed import shard_permutation
 
 
 def small_agent(envs, tmp_path, **kw):
@@ -51,7 +23,7 @@ def small_agent(envs, tmp_path, **kw):
 
 
 @pytest.mark.parametrize("terminate", [False, True])
-def test_rollout_masks_the_reset_step_and_sets_episode_starts(tmp_path, terminate):
+def test_rollout_masks_the_reset_step_and_sets_episode_starts(tmp_path, terminate, toy_envs):
     agent = small_agent(toy_envs(terminate=terminate), tmp_path)
     agent.collect_rollout()
     b = agent.buffer
@@ -73,7 +45,7 @@ def test_rollout_masks_the_reset_step_and_sets_episode_starts(tmp_path, terminat
         assert (b.truncations[i].any().item() != terminate) and (b.terminations[i].any().item() == terminate)
 
 
-def test_truncation_bootstraps_with_value_of_final_obs(tmp_path):
+def test_truncation_bootstraps_with_value_of_final_obs(tmp_path, toy_envs):
     agent = small_agent(toy_envs(terminate=False), tmp_path)
     agent.collect_rollout()
     b, g, lam = agent.buffer, agent.config.gamma, agent.config.gae_lambda
@@ -86,12 +58,12 @@ def test_truncation_bootstraps_with_value_of_final_obs(tmp_path):
     torch.testing.assert_close(b.advantages[i, 1], d1 + g * lam * expect)
 
 
-def test_state_is_zero_at_every_episode_start_in_rollout_and_update(tmp_path):
+def test_state_is_zero_at_every_episode_start_in_rollout_and_update(tmp_path, toy_envs):
     torch.manual_seed(0)
     agent = small_agent(toy_envs(), tmp_path)
     agent.collect_rollout()  # carries a non-zero state into the next rollout
     agent.collect_rollout()
-    b, net, critic = agent.buffer, agent.net, agent.heads["critic"]
+    b, net, critic = agent.buffer, agent.policy.net, agent.policy.heads["critic"]
     assert b.initial_state.ssm.abs().sum() > 0  # the carried state is not zero...
     garbage = net.initial_state(1)
     garbage.conv.normal_()
@@ -123,7 +95,7 @@ def test_state_is_zero_at_every_episode_start_in_rollout_and_update(tmp_path):
     assert checked > 20
 
 
-def test_update_recomputes_the_rollout_features_at_the_first_minibatch(tmp_path):
+def test_update_recomputes_the_rollout_features_at_the_first_minibatch(tmp_path, toy_envs):
     agent = small_agent(toy_envs(), tmp_path)
     agent.collect_rollout()
     agent.collect_rollout()  # non-zero initial state and resets mid-rollout
@@ -131,29 +103,30 @@ def test_update_recomputes_the_rollout_features_at_the_first_minibatch(tmp_path)
     assert b.episode_starts[:, 1:].any() and b.initial_state.ssm.abs().sum() > 0
     # every minibatch, before any optimizer step: the trainer's features give the rollout's values and logprobs
     with torch.no_grad():
-        for rows in agent.minibatch_rows():
+        c = agent.config
+        for rows in shard_permutation(agent.rngs.minibatch, c.num_envs, c.num_minibatches):
             y = agent.trainer.forward(b.inputs[rows], initial_state=b.initial_state.index(rows),
                                       episode_starts=b.episode_starts[rows])
-            torch.testing.assert_close(agent.heads["critic"](y), b.values[rows], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(agent.heads["actor"](y).log_prob(b.actions[rows]), b.logprobs[rows],
+            torch.testing.assert_close(agent.policy.heads["critic"](y), b.values[rows], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(agent.policy.heads["actor"](y).log_prob(b.actions[rows]), b.logprobs[rows],
                                        rtol=1e-5, atol=1e-5)
     # and the agent's own diagnostic for its first minibatch agrees
     metrics = agent.update_policy()
     assert metrics["debug/rollout_parity"] < 1e-5
 
 
-def test_minibatches_are_fixed_shape_slices_over_envs(tmp_path):
+def test_minibatches_are_fixed_shape_slices_over_envs(tmp_path, toy_envs):
     agent = small_agent(toy_envs(n=8), tmp_path, num_minibatches=4)
-    for _ in range(3):
-        mbs = agent.minibatch_rows()
-        assert len(mbs) == 4 and all(m.shape == (2,) for m in mbs)
-        assert sorted(torch.cat(mbs).tolist()) == list(range(8))  # a partition of the envs
+    for _ in range(3):  # the draw the agent's update makes per epoch
+        mbs = shard_permutation(agent.rngs.minibatch, 8, 4)
+        assert mbs.shape == (4, 2) and mbs.dtype == torch.int64
+        assert sorted(mbs.reshape(-1).tolist()) == list(range(8))  # a partition of the envs
     assert agent.trainer.batch == 2 and agent.trainer.seq_len == 24
     with pytest.raises(ValueError, match=r"num_envs \(8\) must be divisible by num_minibatches \(3\)"):
         PPOConfig(num_envs=8, num_minibatches=3)
 
 
-def test_state_carries_across_rollouts(tmp_path):
+def test_state_carries_across_rollouts(tmp_path, toy_envs):
     agent = small_agent(toy_envs(), tmp_path)
     agent.collect_rollout()
     end_state = agent.stepper.get_state()
@@ -163,12 +136,12 @@ def test_state_carries_across_rollouts(tmp_path):
     assert end_state.ssm.abs().sum() > 0
 
 
-def test_memoryless_resets_every_step(tmp_path):
+def test_memoryless_resets_every_step(tmp_path, toy_envs):
     agent = small_agent(toy_envs(), tmp_path, memoryless=True)
     agent.collect_rollout()
     assert agent.buffer.episode_starts.all()
 
 
-def test_vector_env_mismatch_raises(tmp_path):
+def test_vector_env_mismatch_raises(tmp_path, toy_envs):
     with pytest.raises(ValueError, match="has 4 sub-envs but config.num_envs is 8"):
         RecurrentPPO(toy_envs(4), config=PPOConfig(num_envs=8, device="cpu"))

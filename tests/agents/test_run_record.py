@@ -11,7 +11,7 @@ def test_tensorboard_records_the_backend_that_ran(tmp_path):
                     checkpoint_dir=str(tmp_path / "ckpt"))
     agent = RecurrentPPO("CartPole-v1", config=cfg)
     agent.learn()
-    ran = agent.net.backend
+    ran = agent.policy.net.backend
     agent.close()
     acc = EventAccumulator(str(tmp_path / "runs" / agent.run_name), size_guidance={"tensors": 0})
     acc.Reload()

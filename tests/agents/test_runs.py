@@ -1,4 +1,4 @@
-"""Issue #15: two runs never share a run folder, even when started in the same second."""
+"""Two runs never share a run folder, even when started in the same second."""
 
 import itertools
 
@@ -19,7 +19,7 @@ def _two_runs_at_the_same_instant(tmp_path, monkeypatch):
     a = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, seed=3))
     b = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, seed=3))
     with torch.no_grad():  # different weights, so that a load shows whose checkpoint it read
-        b.net.arena.add_(0.25)
+        b.policy.net.arena.add_(0.25)
     return a, b
 
 
@@ -34,7 +34,7 @@ def test_same_second_runs_get_their_own_folders(tmp_path, monkeypatch):
         assert (tmp_path / root / a.run_name).is_dir() and (tmp_path / root / b.run_name).is_dir()
     for agent in (a, b):
         loaded = RecurrentPPO.load(tmp_path / "ckpt" / agent.run_name / "final")
-        torch.testing.assert_close(loaded.net.arena, agent.net.arena, rtol=0, atol=0)
+        torch.testing.assert_close(loaded.policy.net.arena, agent.policy.net.arena, rtol=0, atol=0)
         assert loaded.run_name == agent.run_name
         loaded.close()
 
@@ -52,7 +52,7 @@ def test_a_clashing_name_is_never_reused(tmp_path, monkeypatch):
     assert b.run_name.endswith("__bbbbbb") and a.run_name.endswith("__aaaaaa")
     assert (tmp_path / "ckpt" / a.run_name / "final" / "marker").read_text() == "run a"
     loaded = RecurrentPPO.load(tmp_path / "ckpt" / a.run_name / "final")
-    torch.testing.assert_close(loaded.net.arena, a.net.arena, rtol=0, atol=0)
+    torch.testing.assert_close(loaded.policy.net.arena, a.policy.net.arena, rtol=0, atol=0)
     loaded.close()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from gymnasium import spaces
+from mamba_rl import CheckpointError
 from mamba_rl.agents import SCALAR_TAGS, PPOConfig, RecurrentPPO
 
 TINY = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
@@ -62,8 +63,8 @@ def test_resume_continues_with_identical_losses(tmp_path, device):
             if not (math.isnan(a[k]) and math.isnan(b[k])):
                 assert a[k] == b[k], (k, a[k], b[k])
     # and the final weights are bit-identical
-    torch.testing.assert_close(resumed.net.arena, straight.net.arena, rtol=0, atol=0)
-    for (n, p), (_, q) in zip(straight.heads.named_parameters(), resumed.heads.named_parameters()):
+    torch.testing.assert_close(resumed.policy.net.arena, straight.policy.net.arena, rtol=0, atol=0)
+    for (n, p), (_, q) in zip(straight.policy.heads.named_parameters(), resumed.policy.heads.named_parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
 
 
@@ -74,7 +75,7 @@ def test_evaluation_resets_memory_per_episode(tmp_path):
     np.testing.assert_array_equal(many.values[2], alone.values[0])
     assert many.returns[2] == alone.returns[0]
     # control: memory does matter for this agent, so equal values above mean it was reset
-    obs = np.zeros((1, agent.obs_dim), np.float32)
+    obs = np.zeros((1, agent.policy.obs_dim), np.float32)
     _, s = agent.predict(obs)
     _, s = agent.predict(obs + 1, s)
     v_carry = agent.value(obs, s, episode_start=[False])
@@ -127,7 +128,7 @@ def test_observation_and_action_spaces_train(tmp_path, obs_space, act_space):
     try:
         agent = RecurrentPPO("mamba_rl_test/Any-v0", config=_cfg(tmp_path, total_timesteps=128, track=False,
                                                                  prev_action=True, prev_reward=True))
-        assert agent.obs_dim == spaces.flatdim(obs_space)
+        assert agent.policy.obs_dim == spaces.flatdim(obs_space)
         agent.learn()
         m = agent.history[-1]
         assert all(np.isfinite(m[k]) for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy"))
@@ -141,11 +142,11 @@ def test_observation_and_action_spaces_train(tmp_path, obs_space, act_space):
 
 def test_box_actions_are_clipped_for_the_env_and_stored_raw(tmp_path):
     agent = RecurrentPPO("Pendulum-v1", config=_cfg(tmp_path, total_timesteps=128, track=False))
-    agent.heads["actor"].log_std.data.fill_(2.0)  # std e^2: many samples fall outside [-2, 2]
+    agent.policy.heads["actor"].log_std.data.fill_(2.0)  # std e^2: many samples fall outside [-2, 2]
     agent.collect_rollout()
     acts = agent.buffer.actions
     assert acts.abs().max() > 2.0  # stored unclipped (its logprob is the sampled one)
-    env_a = agent.policy.to_env_action(acts[:, 0])
+    env_a = agent.policy.stager(4).to_env(acts[:, 0].numpy())
     assert np.abs(env_a).max() <= 2.0 and env_a.shape == (4, 1)
     agent.close()
 
@@ -168,5 +169,6 @@ def test_resume_never_reads_the_env_pickle_unless_asked(tmp_path):
     resumed = RecurrentPPO.load(ckpt)  # default: safetensors + JSON only, fresh envs
     assert resumed.update == agent.update
     resumed.close()
-    with pytest.raises(Exception):
-        RecurrentPPO.load(ckpt, restore_envs=True)
+    with pytest.raises(CheckpointError, match=r"this envs.pkl \(SHA-256 [0-9a-f]{12}\.\.\.\) is not the one saved with "
+                                              r"agent.safetensors"):
+        RecurrentPPO.load(ckpt, restore_envs=True)  # refused before anything is unpickled

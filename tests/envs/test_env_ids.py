@@ -1,4 +1,4 @@
-"""Issue #14.2 / #14.5: any id gymnasium.make accepts (``module:EnvId`` too, sync and async under every
+"""Any id gymnasium.make accepts (``module:EnvId`` too, sync and async under every
 start method), env listing, and flattened-observation envs that pickle."""
 
 import multiprocessing
@@ -78,7 +78,7 @@ def test_agent_takes_a_module_colon_id(env_module, tmp_path):
                          d_model=8, n_layers=1, d_state=2, device="cpu", total_timesteps=16, track=False,
                          checkpoint_dir=str(tmp_path / "ckpt"))
     agent.learn()
-    assert agent.global_step == 16 and agent.obs_dim == 3
+    assert agent.global_step == 16 and agent.policy.obs_dim == 3
     assert agent.run_name.startswith("tinyenvmod_TinyMod-v0__")  # no ':' in folder names
     agent.close()
 

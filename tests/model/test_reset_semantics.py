@@ -6,6 +6,8 @@
 - the ops' final conv window / SSM state equal those of the independent runs.
 """
 
+import zlib
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def start_patterns(B, T, gen):
 
 @pytest.mark.parametrize("pattern", ["none", "t0", "last", "every", "adjacent", "random", "mixed_rows"])
 def test_sequence_equals_independent_episodes(pattern):
-    gen = torch.Generator().manual_seed(hash(pattern) % 1000)
+    gen = torch.Generator().manual_seed(zlib.crc32(pattern.encode()) % 1000)  # the same in every process
     net = tiny()
     B, T = 3, 11
     x = torch.randn(B, T, 3, generator=gen, dtype=torch.float64)

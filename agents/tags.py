@@ -1,0 +1,33 @@
+"""The TensorBoard tag names of a run, in one place (CleanRL's names plus ``backbone/*`` and ``perf/*``).
+
+Written by :class:`~mamba_rl.agents.RecurrentPPO` through :class:`~mamba_rl.agents.logger.TensorBoardLogger`,
+produced by :meth:`~mamba_rl.agents.update.PPOUpdate.run` (:data:`UPDATE_METRICS`) and read back by
+``mamba-rl plot``. No imports: the CLI's plot command reads it without torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EPISODIC_RETURN", "EPISODIC_LENGTH", "SPS", "LEARNING_RATE", "ROLLOUT_MS", "UPDATE_MS",
+           "ROLLOUT_PARITY", "OVERFLOW_SKIPPED", "NONFINITE_OBS", "NONFINITE_REWARDS", "UPDATE_METRICS",
+           "SCALAR_TAGS"]
+
+EPISODIC_RETURN = "charts/episodic_return"  # one point per finished episode, at the step it finished
+EPISODIC_LENGTH = "charts/episodic_length"
+SPS = "charts/SPS"  # env steps per second of the run so far (summed over ranks)
+LEARNING_RATE = "charts/learning_rate"
+ROLLOUT_MS = "perf/rollout_ms"  # wall time of the last rollout
+UPDATE_MS = "perf/update_ms"  # wall time of the last update
+ROLLOUT_PARITY = "debug/rollout_parity"  # max |new - stored| log-prob / value of an update's first minibatch
+OVERFLOW_SKIPPED = "backbone/overflow_skipped"  # minibatch steps skipped on a NaN / inf gradient in the update
+NONFINITE_OBS = "env/nonfinite_obs"  # nonfinite="zero" only: non-finite values the env guard zeroed so far
+NONFINITE_REWARDS = "env/nonfinite_rewards"
+
+# what one update reports, in PPOUpdate.run's order: the last minibatch's losses, clipfrac averaged over the
+# update, explained variance, mean grad norm, the loss scale after the update, skipped f16 steps, parity
+UPDATE_METRICS = ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
+                  "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "backbone/grad_norm",
+                  "backbone/loss_scale", OVERFLOW_SKIPPED, ROLLOUT_PARITY)
+
+# every scalar tag a run writes (debug/* is kept in the history, not logged; env/* only with nonfinite="zero")
+SCALAR_TAGS = (EPISODIC_RETURN, EPISODIC_LENGTH, SPS, LEARNING_RATE,
+               *(t for t in UPDATE_METRICS if not t.startswith("debug/")), ROLLOUT_MS, UPDATE_MS)

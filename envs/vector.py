@@ -1,0 +1,158 @@
+"""Env factories: one env (:func:`make_env`) and a gymnasium vector env (:func:`make_vec_env`).
+
+The stack is gymnasium's: ``SyncVectorEnv`` / ``AsyncVectorEnv`` in the default NextStep autoreset
+mode, ``RecordEpisodeStatistics``, ``NormalizeObservation`` / ``NormalizeReward`` and ``RecordVideo``;
+observations are flattened by the picklable wrappers of :mod:`mamba_rl.envs.wrappers`.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode
+
+from .guards import NONFINITE_POLICIES, EnvGuard
+from .registry import check_env_id
+from .wrappers import FlattenObs, Float32Obs, needs_flatten
+
+__all__ = ["make_env", "make_vec_env", "check_start_method"]
+
+
+def check_start_method(start_method: str | None) -> None:
+    """Raise ValueError unless ``start_method`` is None or a start method this platform has."""
+    methods = multiprocessing.get_all_start_methods()
+    if start_method is not None and start_method not in methods:
+        raise ValueError(f"unknown multiprocessing start method {start_method!r}; this platform has {methods}")
+
+
+def make_env(
+    env_id: str,
+    idx: int = 0,
+    capture_video: bool = False,
+    video_dir: str = "videos",
+    flatten_obs: bool = True,
+    env_kwargs: dict[str, Any] | None = None,
+) -> gym.Env:
+    """Build one (non-vector) env: ``gym.make`` plus optional video and flattening.
+
+    Args:
+        env_id: a registered gymnasium id (see module doc).
+        idx: index of this env in its vector env; only env 0 records video.
+        capture_video: record episodes of env 0 with ``gymnasium.wrappers.RecordVideo``
+            (needs ``render_mode="rgb_array"`` support and moviepy).
+        video_dir: folder the videos go to.
+        flatten_obs: flatten Box/Discrete/MultiDiscrete/Tuple/Dict observations into one
+            float32 vector with :class:`FlattenObs` (gymnasium's FlattenObservation, picklable;
+            discrete parts become one-hot) followed by :class:`Float32Obs`.
+        env_kwargs: extra keyword arguments for ``gym.make``.
+
+    Raises:
+        ImportError: a ``popgym-*`` id without the popgym package, or a ``module:EnvId`` whose
+            module cannot be imported.
+        gymnasium.error.NameNotFound: unknown id (see :func:`check_env_id`).
+    """
+    check_env_id(env_id)
+    kwargs = dict(env_kwargs or {})
+    record = capture_video and idx == 0
+    if record:
+        kwargs["render_mode"] = "rgb_array"
+    env = gym.make(env_id, **kwargs)
+    if record:
+        env = gym.wrappers.RecordVideo(env, video_dir, disable_logger=True)
+    if flatten_obs and needs_flatten(env.observation_space):
+        if not (isinstance(env.observation_space, spaces.Box) and len(env.observation_space.shape) == 1):
+            env = FlattenObs(env)
+        if env.observation_space.dtype != np.float32:
+            env = Float32Obs(env)
+    return env
+
+
+def make_vec_env(
+    env_id: str,
+    num_envs: int = 8,
+    seed: int | None = None,
+    async_: bool = False,
+    capture_video: bool = False,
+    video_dir: str = "videos",
+    normalize_obs: bool = False,
+    flatten_obs: bool = True,
+    env_kwargs: dict[str, Any] | None = None,
+    normalize_reward: bool = False,
+    gamma: float = 0.99,
+    start_method: str | None = None,
+    nonfinite: str = "raise",
+) -> gym.vector.VectorEnv:
+    """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
+
+    The stack, innermost first: per env ``make_env`` (gym.make, RecordVideo on env 0,
+    FlattenObservation); ``SyncVectorEnv`` (or ``AsyncVectorEnv`` with ``async_``) in
+    gymnasium's default NextStep autoreset mode; :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite
+    observations / rewards, dead async workers); vector ``RecordEpisodeStatistics`` (raw
+    returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` and
+    ``NormalizeReward`` (discounted-return scaling with ``gamma``) if asked. Episode statistics
+    are recorded before any normalisation, so they are the raw returns.
+
+    The env is not reset here. ``seed`` seeds the vector action space; reset with
+    ``env.reset(seed=seed)`` to seed sub-env ``i`` with ``seed + i`` (what RecurrentPPO does).
+
+    Args:
+        env_id: registered id (gymnasium, ``mamba_rl/...`` or ``popgym-...``).
+        num_envs: number of sub-envs, >= 1.
+        seed: seed for the action space, or None.
+        async_: one process per sub-env (``AsyncVectorEnv``).
+        capture_video, video_dir, flatten_obs, env_kwargs: see ``make_env``.
+        normalize_obs: running mean/std observation normalisation (gymnasium's vector
+            ``NormalizeObservation``; freeze it with ``update_running_mean = False``).
+        normalize_reward: scale rewards by the running std of the discounted return
+            (gymnasium's vector ``NormalizeReward``, NextStep-aware). gamma: its discount.
+        start_method: with ``async_``, the multiprocessing start method of the workers
+            ("fork", "spawn", "forkserver"; None: the platform's default). Under "spawn" and
+            "forkserver" each worker imports this package and, for a ``module:EnvId`` id, that
+            module, so it must be importable there (on ``sys.path`` / ``PYTHONPATH``).
+        nonfinite: what a NaN / inf observation or reward does: "raise" (NonFiniteEnvError naming the
+            env and the step) or "zero" (replaced by 0 and counted); see :class:`EnvGuard`.
+
+    Returns:
+        A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
+        Box when ``flatten_obs`` is set.
+
+    Raises:
+        ValueError: ``num_envs < 1``, an unknown start method or nonfinite policy.
+        ImportError / gymnasium.error.NameNotFound: see ``make_env``.
+    """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
+    if int(num_envs) < 1:
+        raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    check_start_method(start_method)
+    check_env_id(env_id)
+    thunks = [
+        functools.partial(
+            make_env,
+            env_id,
+            idx=i,
+            capture_video=capture_video,
+            video_dir=video_dir,
+            flatten_obs=flatten_obs,
+            env_kwargs=env_kwargs,
+        )
+        for i in range(int(num_envs))
+    ]
+    if async_:
+        envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP, context=start_method)
+    else:
+        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP)
+    envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
+    envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
+    if normalize_obs:
+        envs = gym.wrappers.vector.NormalizeObservation(envs)
+    if normalize_reward:
+        envs = gym.wrappers.vector.NormalizeReward(envs, gamma=gamma)
+    if seed is not None:
+        envs.action_space.seed(int(seed))
+    return envs

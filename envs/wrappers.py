@@ -1,0 +1,116 @@
+"""Picklable observation wrappers and helpers over a vector-env stack.
+
+:class:`FlattenObs` / :class:`Float32Obs` (one env) and :class:`FlattenVecObs` (a vector env) are
+gymnasium's FlattenObservation / DtypeObservation without the lambdas that keep envs from being
+pickled (checkpointed mid-episode). :func:`find_vector_wrapper` finds a wrapper in a stack,
+:func:`finished_episodes` reads RecordEpisodeStatistics' info.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+__all__ = ["FlattenObs", "Float32Obs", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
+           "finished_episodes", "raw_observation_space"]
+
+
+class FlattenObs(gym.ObservationWrapper):
+    """Flatten any flattenable observation space into one 1-D Box (discrete parts one-hot), as
+    ``gymnasium.wrappers.FlattenObservation`` does, but picklable (no lambda inside), so that
+    vector envs of such envs can be checkpointed mid-episode."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        self._inner_space = env.observation_space
+        self.observation_space = spaces.flatten_space(env.observation_space)
+
+    def observation(self, observation: Any) -> np.ndarray:
+        return spaces.flatten(self._inner_space, observation)
+
+
+class Float32Obs(gym.ObservationWrapper):
+    """Cast a Box observation to float32 (``gymnasium.wrappers.DtypeObservation``, picklable)."""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        space = env.observation_space
+        if not isinstance(space, spaces.Box):
+            raise TypeError(f"Float32Obs expects a Box observation space, got {space!r}")
+        self.observation_space = spaces.Box(space.low.astype(np.float32), space.high.astype(np.float32),
+                                            shape=space.shape, dtype=np.float32)
+
+    def observation(self, observation: Any) -> np.ndarray:
+        return np.asarray(observation, dtype=np.float32)
+
+
+def needs_flatten(space: spaces.Space) -> bool:
+    """True unless ``space`` is already a 1-D float32 ``Box`` (the backbone's input format)."""
+    return not (
+        isinstance(space, spaces.Box) and len(space.shape) == 1 and space.dtype == np.float32
+    )
+
+
+class FlattenVecObs(gym.vector.VectorObservationWrapper):
+    """Vector counterpart of :class:`FlattenObs` + :class:`Float32Obs`: every sub-env's observation
+    flattened (discrete parts one-hot) into a float32 row. Picklable, unlike gymnasium's vector
+    FlattenObservation / DtypeObservation."""
+
+    def __init__(self, env: gym.vector.VectorEnv):
+        super().__init__(env)
+        self._inner_single = env.single_observation_space
+        flat = spaces.flatten_space(self._inner_single)
+        self.single_observation_space = spaces.Box(flat.low.astype(np.float32), flat.high.astype(np.float32),
+                                                   shape=flat.shape, dtype=np.float32)
+        self.observation_space = gym.vector.utils.batch_space(self.single_observation_space, env.num_envs)
+
+    def observations(self, observations: Any) -> np.ndarray:
+        rows = gym.vector.utils.iterate(self.env.observation_space, observations)
+        return np.stack([spaces.flatten(self._inner_single, o) for o in rows]).astype(np.float32, copy=False)
+
+
+def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type) -> gym.vector.VectorEnv | None:
+    """Return the outermost wrapper of type ``wrapper_type`` in a vector-env stack, or None."""
+    while True:
+        if isinstance(env, wrapper_type):
+            return env
+        inner = getattr(env, "env", None)
+        if inner is None or inner is env:
+            return None
+        env = inner
+
+
+def finished_episodes(info: dict[str, Any]) -> list[tuple[float, int]]:
+    """(return, length) of every sub-env whose episode ended at this step, from the ``info`` of a
+    vector env wrapped in ``RecordEpisodeStatistics`` (raw, unnormalised returns)."""
+    if "_episode" not in info:
+        return []
+    return [(float(info["episode"]["r"][i]), int(info["episode"]["l"][i]))
+            for i in np.nonzero(np.asarray(info["_episode"]))[0]]
+
+
+def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
+    """``envs``, wrapped in :class:`FlattenVecObs` unless its observations are a 1-D float32 Box already."""
+    return FlattenVecObs(envs) if needs_flatten(envs.single_observation_space) else envs
+
+
+def raw_observation_space(envs: gym.vector.VectorEnv) -> spaces.Space | None:
+    """The single-env observation space before this package's flattening, read from the stack: the space a
+    :class:`FlattenVecObs` flattens, else (a SyncVectorEnv) the one its first sub-env's :class:`FlattenObs`
+    flattens, else that sub-env's own (its outermost wrapper's). None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live
+    in the workers)."""
+    vec = find_vector_wrapper(envs, FlattenVecObs)
+    if vec is not None:
+        return vec._inner_single
+    if not isinstance(envs.unwrapped, gym.vector.SyncVectorEnv):
+        return None
+    first = envs.unwrapped.envs[0]
+    e = first
+    while e is not None:
+        if isinstance(e, FlattenObs):
+            return e._inner_space
+        e = getattr(e, "env", None)
+    return first.observation_space
