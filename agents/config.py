@@ -24,7 +24,8 @@ __all__ = ["PPOConfig", "BACKBONE_FIELDS"]
 
 # MambaConfig's constructor fields, in the order of PPOConfig's init-only fields below;
 # PPOConfig(...), replace(...) and from_dict(...) also take them flat (tests check it lists them all)
-BACKBONE_FIELDS = ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_rank", "rms_norm_eps")
+BACKBONE_FIELDS = ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_rank", "rms_norm_eps",
+                   "layer", "headdim", "rope_fraction", "dt_min", "dt_max", "A_floor", "is_outproj_norm")
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
@@ -133,6 +134,13 @@ class PPOConfig:
     expand: InitVar[int | None] = None
     dt_rank: InitVar[int | str | None] = None
     rms_norm_eps: InitVar[float | None] = None
+    layer: InitVar[str | None] = None
+    headdim: InitVar[int | None] = None
+    rope_fraction: InitVar[float | None] = None
+    dt_min: InitVar[float | None] = None
+    dt_max: InitVar[float | None] = None
+    A_floor: InitVar[float | None] = None
+    is_outproj_norm: InitVar[bool | None] = None
 
     def __post_init__(self, *flat: Any) -> None:
         if not isinstance(self.backbone, MambaConfig):
