@@ -25,7 +25,8 @@ __all__ = ["PPOConfig", "BACKBONE_FIELDS"]
 # MambaConfig's constructor fields, in the order of PPOConfig's init-only fields below;
 # PPOConfig(...), replace(...) and from_dict(...) also take them flat (tests check it lists them all)
 BACKBONE_FIELDS = ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_rank", "rms_norm_eps",
-                   "layer", "headdim", "rope_fraction", "dt_min", "dt_max", "A_floor", "is_outproj_norm")
+                   "layer", "headdim", "rope_fraction", "dt_min", "dt_max", "A_floor", "A_activation",
+                   "is_outproj_norm")
 
 _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
@@ -140,6 +141,7 @@ class PPOConfig:
     dt_min: InitVar[float | None] = None
     dt_max: InitVar[float | None] = None
     A_floor: InitVar[float | None] = None
+    A_activation: InitVar[str | None] = None
     is_outproj_norm: InitVar[bool | None] = None
 
     def __post_init__(self, *flat: Any) -> None:

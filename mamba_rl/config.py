@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["MambaConfig", "LAYERS"]
+__all__ = ["MambaConfig", "LAYERS", "A_ACTIVATIONS"]
 
 LAYERS = ("Mamba1", "Mamba3")
+A_ACTIVATIONS = ("heavy_tail", "softplus")
 
 
 def _check_int(name, value, lo, hi):
@@ -43,13 +44,14 @@ class MambaConfig:
         layer: the mixer, "Mamba1" (selective scan after a causal conv) or "Mamba3" (SISO: trapezoidal, rotary, no conv) (default "Mamba1").
         headdim: Mamba3: channels per head P; d_inner must be a multiple (nheads = d_inner / headdim), in [1, 1024] (default 64).
         rope_fraction: Mamba3: share of d_state rotated by the data-dependent angles, 0.5 or 1.0 (default 0.5).
-        dt_min: smallest dt of the initial dt bias (log-uniform in [dt_min, dt_max]), a float in (0, 1) (default 1e-3).
-        dt_max: largest dt of the initial dt bias, a float in [dt_min, 1) (default 0.1).
+        dt_min: smallest dt of the initial dt bias (log-uniform in [dt_min, dt_max]), a float in (0, 10) (default 1e-3).
+        dt_max: largest dt of the initial dt bias, a float in [dt_min, 10) (default 0.1).
         A_floor: Mamba3: A = min(-f(dd_A), -A_floor), so every head decays at least this fast per unit dt, in (0, 1) (default 1e-4).
+        A_activation: Mamba3: f of A = min(-f(dd_A), -A_floor), "heavy_tail" (mamba_ssm's current: 1 + a for a >= 0, 1 / (1 - a) below) or "softplus" (the paper's code release) (default "heavy_tail").
         is_outproj_norm: Mamba3: a gated RMSNorm per head before out_proj, norm(y) * SiLU(z), instead of y * SiLU(z) (default False).
 
     d_conv and dt_rank are Mamba1-only (Mamba3 has neither a conv nor a dt projection); headdim,
-    rope_fraction, A_floor and is_outproj_norm are Mamba3-only; both layers read dt_min / dt_max. Every
+    rope_fraction, A_floor, A_activation and is_outproj_norm are Mamba3-only; both layers read dt_min / dt_max. Every
     field is range-checked whatever the layer; the cross-field rules of Mamba3 (d_inner % headdim == 0,
     at least one rotary angle: int(d_state * rope_fraction) >= 2) only when layer == "Mamba3".
 
@@ -70,6 +72,7 @@ class MambaConfig:
     dt_min: float = 1e-3
     dt_max: float = 0.1
     A_floor: float = 1e-4
+    A_activation: str = "heavy_tail"
     is_outproj_norm: bool = False
     _dt_rank: int = field(init=False, repr=False, compare=False)
 
@@ -95,11 +98,13 @@ class MambaConfig:
         if isinstance(self.rope_fraction, bool) or self.rope_fraction not in (0.5, 1.0):
             raise ValueError(f"MambaConfig.rope_fraction must be 0.5 or 1.0 (mamba_ssm's choices), "
                              f"got {self.rope_fraction!r}")
-        _check_real("dt_min", self.dt_min, 0, 1)
-        _check_real("dt_max", self.dt_max, 0, 1)
+        _check_real("dt_min", self.dt_min, 0, 10)
+        _check_real("dt_max", self.dt_max, 0, 10)
         if self.dt_max < self.dt_min:
             raise ValueError(f"MambaConfig.dt_max must be >= dt_min = {self.dt_min}, got {self.dt_max!r}")
         _check_real("A_floor", self.A_floor, 0, 1)
+        if not isinstance(self.A_activation, str) or self.A_activation not in A_ACTIVATIONS:
+            raise ValueError(f"MambaConfig.A_activation must be one of {A_ACTIVATIONS}, got {self.A_activation!r}")
         if not isinstance(self.is_outproj_norm, bool):
             raise ValueError(f"MambaConfig.is_outproj_norm must be a bool, got {self.is_outproj_norm!r}")
         if self.layer == "Mamba3":

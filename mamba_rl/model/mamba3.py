@@ -13,8 +13,10 @@ even, halved; one B/C group, shared by all heads, mamba_ssm's ``ngroups=1``):
 1. ``[z, x, B, C, dd_dt, dd_A, trap, angles] = in_proj(u)`` (no bias), sizes [d_inner, d_inner, N, N, H, H,
    H, R] in that order (mamba_ssm's ``zxBCdtAtrap``). No short convolution, no dt projection.
 2. **A floor**: ``A = min(-f(dd_A), -A_floor)`` with mamba_ssm's current heavy-tail activation
-   ``f(a) = 1 + a`` (a >= 0), ``1 / (1 - a)`` (a < 0) (the code release used softplus; mamba_ssm #962
-   replaced it), so ``A <= -A_floor < 0`` per head and step.
+   ``f(a) = 1 + a`` (a >= 0), ``1 / (1 - a)`` (a < 0) by default (``A_activation="heavy_tail"``), so
+   ``A <= -A_floor < 0`` per head and step. ``A_activation="softplus"`` gives ``f = softplus``, the
+   paper's code release (mamba_ssm before #962): a slow decay (|A| << 1) then needs dd_A of about
+   log(|A|) instead of 1 - 1/|A|, which a long memory learns much sooner.
 3. **dt**: ``dt = softplus(dd_dt + dt_bias)`` per head; the **dt range** is the initialisation only:
    ``dt_bias`` = inverse softplus of dt drawn log-uniformly in [dt_min, dt_max], floored at 1e-4 (mamba_ssm
    ``dt_init_floor``); no clamp in the forward (mamba_ssm has none either).
@@ -222,7 +224,8 @@ class Mamba3Block(nn.Module):
         c, mx = self.cfg, self.mixer
         di, n, H, P, R = c.d_inner, c.d_state, c.nheads, c.headdim, c.num_rope_angles
         z, x, Bp, Cp, dd_dt, dd_A, trap, ang = zxbc.split([di, di, n, n, H, H, H, R], dim=-1)
-        A = torch.clamp(-heavy_tail(dd_A), max=-c.A_floor)
+        f = heavy_tail if c.A_activation == "heavy_tail" else F.softplus
+        A = torch.clamp(-f(dd_A), max=-c.A_floor)
         dt = F.softplus(dd_dt + mx.dt_bias)
         lead = zxbc.shape[:-1]
         k = rms_norm_ref(Bp, mx.B_norm.weight, eps).unsqueeze(-2).expand(*lead, H, n)

@@ -16,6 +16,9 @@ class RecurrentState:
         conv: [n_layers, B, d_inner, d_conv - 1] float32 (float64 in reference float64 mode); the last
             d_conv-1 pre-conv inputs ``xi`` of each row, oldest first.
         ssm: [n_layers, B, d_inner, d_state], same dtype; the SSM state s_t.
+
+    ``layer="Mamba3"`` uses the subclass :class:`~mamba_rl.model.mamba3.Mamba3State` (same two slots, Mamba-3
+    meaning); the methods below return the subclass they are called on.
     """
 
     conv: torch.Tensor
