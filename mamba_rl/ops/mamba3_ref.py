@@ -54,10 +54,15 @@ def _core(q, k, v, alpha, c_prev, c_cur, dang, q_bias, k_bias, D, angle, ssm, kp
     cos, sin = torch.cos(angle), torch.sin(angle)
     qr = rotate_pairs(q + q_bias, cos, sin)
     kr = rotate_pairs(k + k_bias, cos, sin)
-    ssm = (alpha[..., None, None] * ssm + c_prev[..., None, None] * (vp.unsqueeze(-1) * kp.unsqueeze(-2))
-           + c_cur[..., None, None] * (v.unsqueeze(-1) * kr.unsqueeze(-2)))
+    ssm = alpha[..., None, None] * ssm + _inflow(c_prev, vp, kp, c_cur, v, kr)
     y = (ssm * qr.unsqueeze(-2)).sum(-1) + D[:, None] * v
     return y, angle, ssm, kr, v
+
+
+def _inflow(c_prev, vp, kp, c_cur, v, kr):
+    """The trapezoid's two input terms [.., P, N]: c_prev v_{t-1} k~_{t-1}^T + c_cur v_t k~_t^T."""
+    return (c_prev[..., None, None] * (vp.unsqueeze(-1) * kp.unsqueeze(-2))
+            + c_cur[..., None, None] * (v.unsqueeze(-1) * kr.unsqueeze(-2)))
 
 
 def _coefs(adt, dt, trap, angles):
@@ -113,8 +118,9 @@ def _math_dtype(*ts):
 
 
 def mamba3_scan_ref(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z=None, state=None, episode_starts=None):
-    """The Mamba-3 SISO recurrence over a sequence: a loop over T of vectorised [B, H, P, N] updates,
-    differentiable by autograd (every float input, the initial state included).
+    """The Mamba-3 SISO recurrence over a sequence, differentiable by autograd (every float input, the
+    initial state included): two loops over T (the wrapped angle [B, H, R], then ``S = alpha S + inflow``
+    [B, H, P, N]), the rotations, the trapezoid's inflow and the read-out vectorised over T.
 
     Args:
         q: [B, T, H, N] float, C after its RMSNorm (before ``q_bias``). k: [B, T, H, N], B likewise.
@@ -139,20 +145,43 @@ def mamba3_scan_ref(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z=None, s
     q, k, v, adt, dt, trap, angles = (t.to(cdt) for t in (q, k, v, adt, dt, trap, angles))
     q_bias, k_bias, D = q_bias.to(cdt), k_bias.to(cdt), D.to(cdt)
     st = _zero_state(Bsz, H, P, N, R, cdt, v.device) if state is None else tuple(s.to(cdt) for s in state)
+    if T == 0:
+        return v.new_zeros(Bsz, 0, H, P, dtype=cdt), st
     alpha, c_prev, c_cur, dang = _coefs(adt, dt, trap, angles)
-    # unbind once along T (indexing [:, t] in the loop would scatter each step's gradient into a full-size
-    # zero tensor: quadratic in T)
-    per_t = [t.unbind(1) for t in (q, k, v, alpha, c_prev, c_cur, dang)]
-    starts_t = None if episode_starts is None else episode_starts.unbind(1)
+    a, S, k0, v0 = st
+    starts = episode_starts
     zero = torch.zeros((), dtype=cdt, device=v.device)
-    ys = []
-    for t in range(T):
+    # Two short loops over T on small tensors (indexing [:, t] in a loop would scatter each step's gradient
+    # into a full-size zero tensor, quadratic in T: unbind once); everything else is vectorised over T.
+    # 1. the accumulated angle, reset-aware and wrapped every step exactly as the one-token step does
+    thetas = []
+    starts_t = None if starts is None else starts.unbind(1)
+    for t, inc in enumerate(dang.unbind(1)):
         if starts_t is not None:
-            m = starts_t[t]
-            st = tuple(torch.where(m.view(-1, *([1] * (s.dim() - 1))), zero, s) for s in st)
-        y, *st = _core(*(p[t] for p in per_t), q_bias, k_bias, D, *st)
-        ys.append(y)
-    y = torch.stack(ys, dim=1) if T > 0 else v.new_zeros(Bsz, 0, H, P)
+            a = torch.where(starts_t[t][:, None, None], zero, a)
+        a = a + inc
+        a = a - TWO_PI * torch.floor(a / TWO_PI)
+        thetas.append(a)
+    theta = torch.stack(thetas, dim=1)  # [B, T, H, R]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    qr = rotate_pairs(q + q_bias, cos, sin)
+    kr = rotate_pairs(k + k_bias, cos, sin)  # [B, T, H, N]
+    # 2. the previous step's (k~, v): the carried ones at t = 0, zero at an episode start
+    kp = torch.cat((k0.unsqueeze(1), kr[:, :-1]), dim=1)
+    vp = torch.cat((v0.unsqueeze(1), v[:, :-1]), dim=1)
+    if starts is not None:
+        kp = torch.where(starts[:, :, None, None], zero, kp)
+        vp = torch.where(starts[:, :, None, None], zero, vp)
+    inflow = _inflow(c_prev, vp, kp, c_cur, v, kr)  # [B, T, H, P, N]
+    # 3. S_t = alpha_t S_{t-1} + inflow_t, S zeroed before a start (select: an old NaN never leaks)
+    Ss = []
+    for t, (al, u) in enumerate(zip(alpha.unbind(1), inflow.unbind(1))):
+        if starts_t is not None:
+            S = torch.where(starts_t[t][:, None, None, None], zero, S)
+        S = al[..., None, None] * S + u
+        Ss.append(S)
+    y = (torch.stack(Ss, dim=1) * qr.unsqueeze(-2)).sum(-1) + D[:, None] * v
+    st = (a, S, kr[:, -1], v[:, -1])
     if z is not None:
         y = y * F.silu(z.to(cdt))
     return y, tuple(st)
