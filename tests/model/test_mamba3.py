@@ -387,6 +387,18 @@ def test_checkpoint_round_trip_with_mamba3_state(tmp_path):
         load_checkpoint(path, m1)
 
 
+def test_mamba1_state_dict_saved_before_the_mamba3_fields_still_loads():
+    cfg = MambaConfig(d_model=8, n_layers=1, d_state=4)
+    a = MambaTrainer(MambaBackbone(cfg, IN, seed=1, backend="reference"), 2, 6)
+    a.step(torch.randn(2, 6, IN), torch.randn(2, 6, 8))
+    sd = a.state_dict()
+    sd["meta"]["config"] = {k: v for k, v in sd["meta"]["config"].items()
+                            if k in ("d_model", "n_layers", "d_state", "d_conv", "expand", "dt_rank", "rms_norm_eps")}
+    b = MambaTrainer(MambaBackbone(cfg, IN, seed=2, backend="reference"), 2, 6)
+    b.load_state_dict(sd)
+    assert torch.equal(a.net.arena, b.net.arena) and torch.equal(a.state.ssm, b.state.ssm)
+
+
 # ------------------------------------------------------------------------------------------- on a GPU
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -478,9 +490,11 @@ def _parity_run(layer: str, seed: int = 0, max_steps: int = 1500, T: int = 64, B
 @pytest.mark.slow
 def test_parity_is_learned_by_mamba3_with_mamba1_beside_it(record_property):
     """Default Mamba-3 parameterisation (heavy-tail A, dt in [1e-3, 0.1]), d_model 16, 1 layer, d_state 8,
-    4 heads of 8. Parity from scratch by gradient descent depends on the seed (a run can settle on equal
-    angle steps for both bits, see the report of issue 20): seeds 0, 1, 2 are tried in order, at most 1000
-    updates each, and the first that reaches 95% on fresh sequences counts. Mamba-1 (same width, d_state 8)
+    4 heads of 8. Parity from scratch by gradient descent depends on the seed: a run can settle on angle
+    steps that differ by pi/2 rather than pi between the bits, with a fast decay (measured on seeds 0-5, one
+    thread, at most 1000 updates: 5 of 6 reached >= 0.97, seed 2 stayed at 0.53; A_activation="softplus" also
+    5 of 6, in fewer updates; Mamba-1 0.56-0.62 on seeds 0-2). So seeds 0, 1, 2 are tried in order, at most
+    1000 updates each, and the first that reaches 95% on fresh sequences counts. Mamba-1 (same width, d_state 8)
     gets that seed and the same budget (at most 1000 updates, the same early stop)."""
     tried = []
     for seed in (0, 1, 2):
