@@ -51,9 +51,9 @@ only), out_proj.weight}``, plus ``input_proj.{weight,bias}`` and ``norm_f.weight
 No-decay group (the seed's M3 set): dt_bias, D, every norm scale and every bias (B_bias, C_bias,
 input_proj.bias).
 
-Backends: the pure-torch reference only (CPU or GPU, float32 or float64; bf16/f16 compute copies for the
-GEMMs under the trainer). ``backend="auto"`` falls back to it with one warning; ``"cuda"`` / ``"cpu"``
-raise ValueError until the Mamba-3 kernels exist.
+Backends: the pure-torch reference only (float32 or float64; bf16/f16 compute copies for the GEMMs under the
+trainer; tested on the CPU, its GPU test is marked ``cuda``). ``backend="auto"`` falls back to it with one
+warning; ``"cuda"`` / ``"cpu"`` raise ValueError until the Mamba-3 kernels exist.
 """
 from __future__ import annotations
 
