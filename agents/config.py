@@ -117,6 +117,9 @@ class _PPOFields:
         check_choice(name("dtype"), self.dtype, _DTYPES)
         check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
         check_choice(name("backend"), self.backend, _BACKENDS)
+        if self.backbone.layer != "Mamba1" and self.backend in ("cpu", "cuda"):
+            raise ValueError(f"{name('backend')}: layer {self.backbone.layer!r} runs on the reference backend only (its "
+                             f"kernels are not written yet); expected 'auto' or 'reference', got {self.backend!r}")
         if self.num_envs % self.num_minibatches != 0:
             raise ValueError(
                 f"PPOConfig.num_envs ({self.num_envs}) must be divisible by num_minibatches "

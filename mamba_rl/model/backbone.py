@@ -50,6 +50,13 @@ class MambaBackbone(ArenaModule):
         RuntimeError: backend "cuda" or "cpu" asked for but its kernels cannot load (the message says why).
     """
 
+    def __new__(cls, cfg=None, *args, **kwargs):
+        # layer="Mamba3" builds the Mamba-3 backbone, a subclass with the same API (mamba_rl/model/mamba3.py)
+        if cls is MambaBackbone and isinstance(cfg, MambaConfig) and cfg.layer == "Mamba3":
+            from .mamba3 import Mamba3Backbone
+            cls = Mamba3Backbone
+        return super().__new__(cls)
+
     def __init__(self, cfg: MambaConfig, input_dim: int, device=None, seed: int | None = 0,
                  backend: str = "auto", dtype: torch.dtype = torch.float32):
         super().__init__()

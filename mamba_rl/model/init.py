@@ -56,7 +56,7 @@ def _value(name: str, shape, cfg: MambaConfig, input_dim: int, gen: torch.Genera
     if key == "dt_proj.weight":
         return uniform(cfg.dt_rank_value ** -0.5)
     if key == "dt_proj.bias":
-        dt_min, dt_max = 1e-3, 1e-1
+        dt_min, dt_max = cfg.dt_min, cfg.dt_max  # mamba_ssm's defaults 1e-3, 1e-1
         dt = torch.exp(torch.rand(shape, generator=gen, dtype=torch.float64)
                        * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=1e-4)
         return dt + torch.log(-torch.expm1(-dt))  # inverse softplus

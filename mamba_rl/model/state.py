@@ -16,6 +16,9 @@ class RecurrentState:
         conv: [n_layers, B, d_inner, d_conv - 1] float32 (float64 in reference float64 mode); the last
             d_conv-1 pre-conv inputs ``xi`` of each row, oldest first.
         ssm: [n_layers, B, d_inner, d_state], same dtype; the SSM state s_t.
+
+    ``layer="Mamba3"`` uses the subclass :class:`~mamba_rl.model.mamba3.Mamba3State` (same two slots, Mamba-3
+    meaning); the methods below return the subclass they are called on.
     """
 
     conv: torch.Tensor
@@ -32,19 +35,19 @@ class RecurrentState:
 
     def clone(self) -> "RecurrentState":
         """A detached deep copy."""
-        return RecurrentState(self.conv.detach().clone(), self.ssm.detach().clone())
+        return type(self)(self.conv.detach().clone(), self.ssm.detach().clone())
 
     def detach(self) -> "RecurrentState":
         """Views without autograd history."""
-        return RecurrentState(self.conv.detach(), self.ssm.detach())
+        return type(self)(self.conv.detach(), self.ssm.detach())
 
     def to(self, *args, **kwargs) -> "RecurrentState":
         """``Tensor.to`` applied to both tensors."""
-        return RecurrentState(self.conv.to(*args, **kwargs), self.ssm.to(*args, **kwargs))
+        return type(self)(self.conv.to(*args, **kwargs), self.ssm.to(*args, **kwargs))
 
     def index(self, rows) -> "RecurrentState":
         """Rows ``rows`` (an index, slice, bool mask or LongTensor over B) of both tensors."""
-        return RecurrentState(self.conv[:, rows], self.ssm[:, rows])
+        return type(self)(self.conv[:, rows], self.ssm[:, rows])
 
     def copy_(self, other: "RecurrentState") -> "RecurrentState":
         """In-place copy from ``other`` (same shapes); keeps this object's buffers (graph-safe)."""

@@ -217,7 +217,11 @@ def validate_trainer_state(trainer, sd: dict) -> TrainerLoadPlan:
     if missing:
         raise ValueError(f"{where}: metadata lacks {missing}")
     mine = trainer.net.cfg.to_dict()
-    if meta["config"] != mine or meta["input_dim"] != trainer.net.input_dim:
+    try:  # fields added since the checkpoint was written read as their defaults (e.g. a Mamba-1 config)
+        theirs = type(trainer.net.cfg).from_dict(meta["config"]).to_dict()
+    except (ValueError, TypeError):
+        theirs = meta["config"]
+    if theirs != mine or meta["input_dim"] != trainer.net.input_dim:
         raise ValueError(f"{where}: checkpoint is for config {meta['config']} with input_dim "
                          f"{meta['input_dim']}, this trainer has {mine} with input_dim {trainer.net.input_dim}")
     step, bc1, bc2, lr, sc = (meta[k] for k in ("step", "bias_correction1", "bias_correction2", "lr", "scaler"))
@@ -243,14 +247,16 @@ def validate_trainer_state(trainer, sd: dict) -> TrainerLoadPlan:
     load_state = False
     if all(has_state):
         sc_, ss_ = tens["state_conv"], tens["state_ssm"]
-        c = trainer.net.cfg
+        mc, ms = trainer.state.conv.shape, trainer.state.ssm.shape  # any batch; the other dims of this config
         ok = (isinstance(sc_, torch.Tensor) and isinstance(ss_, torch.Tensor) and sc_.dim() == 4 and ss_.dim() == 4
               and sc_.shape[1] == ss_.shape[1]
-              and tuple(sc_.shape[::2]) + (sc_.shape[3],) == (c.n_layers, c.d_inner, c.d_conv - 1)
-              and tuple(ss_.shape[::2]) + (ss_.shape[3],) == (c.n_layers, c.d_inner, c.d_state))
+              and tuple(sc_.shape[::2]) + (sc_.shape[3],) == tuple(mc[::2]) + (mc[3],)
+              and tuple(ss_.shape[::2]) + (ss_.shape[3],) == tuple(ms[::2]) + (ms[3],))
         if not ok:
+            slot = ("conv [L, B, H, R + N + P] (Mamba-3 carry)" if trainer.net.cfg.layer == "Mamba3"
+                    else "conv [L, B, d_inner, d_conv-1]")
             raise ValueError(f"{where}: carried state of shapes {list(getattr(sc_, 'shape', []))} / "
-                             f"{list(getattr(ss_, 'shape', []))} does not fit conv [L, B, d_inner, d_conv-1] / "
-                             f"ssm [L, B, d_inner, d_state] of this config")
+                             f"{list(getattr(ss_, 'shape', []))} does not fit {slot} = {list(mc)} / "
+                             f"ssm [L, B, d_inner, d_state] = {list(ms)} of this config (B any)")
         load_state = sc_.shape[1] == trainer.batch  # another batch size: the weights load, our state stays
     return TrainerLoadPlan(step, float(bc1), float(bc2), float(lr), sc, load_state)

@@ -114,3 +114,11 @@ def test_checkpoint_with_old_flat_config_loads(tmp_path):
     torch.testing.assert_close(loaded.policy.net.arena, agent.policy.net.arena, rtol=0, atol=0)
     agent.close()
     loaded.close()
+
+
+def test_a_layer_without_kernels_refuses_a_kernel_backend_at_config_time():
+    """Mamba-3 runs on the reference only: a forced kernel backend is a config error (the CLI's one-line usage
+    error), not a traceback from the model build."""
+    with pytest.raises(ValueError, match=r"layer 'Mamba3' runs on the reference backend only.*got 'cpu'"):
+        PPOConfig(layer="Mamba3", backend="cpu")
+    assert PPOConfig(layer="Mamba3", backend="reference").backbone.layer == "Mamba3"
