@@ -4,6 +4,9 @@
   they kill a job) raise :class:`Interrupted`, a ``KeyboardInterrupt``, so that a run saves its
   ``interrupted`` checkpoint exactly as on Ctrl-C. ``mamba-rl train`` then exits with 128 + the signal
   number: 130 after Ctrl-C (SIGINT), 143 after SIGTERM (:func:`exit_code`).
+* :func:`interrupt_once` wraps a training loop: the first Ctrl-C (or SIGTERM, where it interrupts) raises as
+  usual and at once switches both signals to holding, so a second one that follows within microseconds
+  cannot cut short the handler that saves ``interrupted``.
 * :func:`deferred_signals` wraps the ``interrupted`` save: a second Ctrl-C or SIGTERM while it runs prints
   one line and is otherwise ignored, so the save completes (a resume command never points at a folder
   that was cut short). SIGKILL still ends the process at once; the previous checkpoint folder is then
@@ -20,7 +23,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["Interrupted", "terminate_as_interrupt", "deferred_signals", "exit_code"]
+__all__ = ["Interrupted", "terminate_as_interrupt", "interrupt_once", "deferred_signals", "exit_code"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -54,6 +57,46 @@ def exit_code(err: BaseException) -> int:
     return 128 + getattr(err, "signum", int(signal.SIGINT))
 
 
+def _hold(what: str, received: list[int]):
+    def hold(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
+        received.append(signum)
+        print(f"\n{signal.Signals(signum).name} received while saving {what}: waiting for the save to finish "
+              f"(SIGKILL would abort it and keep the previous checkpoint)", file=sys.stderr, flush=True)
+    return hold
+
+
+@contextlib.contextmanager
+def interrupt_once(what: str) -> Iterator[list[int]]:
+    """While the block runs, the first SIGINT (and SIGTERM where :func:`terminate_as_interrupt` made it raise)
+    raises ``KeyboardInterrupt`` / :class:`Interrupted` and first switches both signals to holding (a later
+    one prints that ``what`` is being saved and is otherwise ignored), so the ``except KeyboardInterrupt``
+    that saves runs to its end however fast a second signal follows. The previous handlers are restored when
+    the block exits (after that handler). Signals whose handler is not the raising one are left alone."""
+    received: list[int] = []
+    if not _main_thread():
+        yield received
+        return
+    watched = [s for s, raising in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, _raise_interrupted))
+               if signal.getsignal(s) is raising]
+    old = {s: signal.getsignal(s) for s in watched}
+    hold = _hold(what, received)
+
+    def first(signum: int, frame: Any) -> None:  # noqa: ARG001
+        for s in watched:  # before anything else: a second signal now only prints
+            signal.signal(s, hold)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Interrupted(signum)
+
+    for s in watched:
+        signal.signal(s, first)
+    try:
+        yield received
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 @contextlib.contextmanager
 def deferred_signals(what: str) -> Iterator[list[int]]:
     """Hold off SIGINT and SIGTERM while the block runs (e.g. a checkpoint save).
@@ -66,12 +109,7 @@ def deferred_signals(what: str) -> Iterator[list[int]]:
         yield received
         return
 
-    def hold(signum: int, frame: Any) -> None:  # noqa: ARG001
-        received.append(signum)
-        print(f"\n{signal.Signals(signum).name} received while saving {what}: waiting for the save to finish "
-              f"(SIGKILL would abort it and keep the previous checkpoint)", file=sys.stderr, flush=True)
-
-    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, _hold(what, received)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield received
     finally:

@@ -31,6 +31,7 @@ buffer, the checkpoints all of them plus the :class:`~mamba_rl.agents.runs.Run` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -54,7 +55,7 @@ from .distributed import (DataParallel, RunningStatsSync, rank as dist_rank, sha
                           world_size as dist_world_size)
 from .evaluate import EvalResult, evaluate_policy
 from .head_optim import FlatHeadAdam
-from .interrupts import deferred_signals
+from .interrupts import deferred_signals, interrupt_once
 from .logger import TensorBoardLogger
 from .policy import Policy, PolicyState
 from .progress import StepProgress, apply_thread_policy, notice
@@ -363,6 +364,9 @@ class RecurrentPPO:
         bar = StepProgress(planned, self.global_step, lambda: self.global_step) if progress and lead else None
         start_time, start_step = time.perf_counter(), self.global_step
         update_start_step = self.global_step
+        # the first Ctrl-C / SIGTERM interrupts, a second one (however soon) waits for the interrupted save
+        signals = contextlib.ExitStack()
+        signals.enter_context(interrupt_once(str(self.checkpoint_root / "interrupted")))
         try:
             while self.update < self.num_updates:
                 update_start_step = self.global_step
@@ -415,6 +419,7 @@ class RecurrentPPO:
                 bar.close()
             if logger is not None:
                 logger.flush()
+            signals.close()
         if lead:
             self.save(self.checkpoint_root / "final")
         return self

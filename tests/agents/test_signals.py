@@ -81,3 +81,32 @@ def test_a_second_ctrl_c_during_the_save_waits_for_it(tmp_path):
     agent = RecurrentPPO.load(path)
     assert agent.update == 1 and agent.global_step == 16
     agent.close()
+
+
+_SIMULTANEOUS = """
+import os, signal, sys
+from mamba_rl.agents import RecurrentPPO
+from mamba_rl.agents.cli import main
+
+real_update = RecurrentPPO.update_policy
+def update_policy(self):  # Ctrl-C and SIGTERM delivered together: Python runs the second handler at its next
+    if self.update == 1:  # check, i.e. inside the `except KeyboardInterrupt` that saves (the race, made certain)
+        both = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
+    return real_update(self)
+RecurrentPPO.update_policy = update_policy
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_two_signals_at_once_still_save_interrupted(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _SIMULTANEOUS, "train", *TINY, "--total-timesteps", "160",
+                        "--checkpoint-dir", str(tmp_path / "ckpt")], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 130, r.stderr
+    assert "SIGTERM received while saving" in r.stderr and "nothing was saved" not in r.stderr, r.stderr
+    path = _resume_path(r.stderr)
+    assert os.path.isfile(os.path.join(path, "agent.safetensors")), r.stderr
