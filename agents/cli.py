@@ -184,13 +184,17 @@ def _flag_names(message: str) -> str:
 
 @contextlib.contextmanager
 def _checkpoint_input() -> Iterator[None]:
-    """Turn a checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit
-    file, found only once its tensors are read) into :class:`UsageError`; every other error passes."""
+    """Turn what only building the agent can find out about the user's input into :class:`UsageError`: a
+    checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit file) and an
+    env whose optional dependency is missing (gymnasium's DependencyNotInstalled, e.g. Box2D); every other
+    error passes with its traceback."""
+    import gymnasium as gym
+
     from mamba_rl.train.checkpoint import CheckpointError
 
     try:
         yield
-    except CheckpointError as err:
+    except (CheckpointError, gym.error.DependencyNotInstalled) as err:
         raise UsageError(str(err).strip()) from err
 
 
@@ -221,14 +225,12 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.interrupts import exit_code, terminate_as_interrupt
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.devices import resolve_device
-    from mamba_rl.agents.runs import claim_run
+    from mamba_rl.agents.runs import RunFolderError, claim_run
     from mamba_rl.agents.validation import check_int
     from mamba_rl.envs import check_env_id, check_start_method
 
     with _user_input():
         check_int("--nproc", args.nproc, lo=1)
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return train_ddp.launch(args.nproc, args._argv)
     overrides = _config_overrides(args)
     # the user-input scope covers reading and validating what the user asked for, nothing after it: an
     # error while building the model, capturing graphs or training is a bug and keeps its traceback
@@ -238,13 +240,20 @@ def _run_train(args: argparse.Namespace) -> int:
         check_env_id(config.env_id)
         if config.async_envs:
             check_start_method(config.async_start_method)
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # validated once here, not once per rank
+        return train_ddp.launch(args.nproc, args._argv)
     threads = apply_thread_policy(config.threads)  # before anything builds a model
     if distributed.init_from_env(config.device):  # under torchrun: one rank of a data-parallel job
         return train_ddp.train_rank(args.resume, overrides, not args.no_progress, _checkpoint_input)
     with _checkpoint_input():
         agent = (RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides) if args.resume
                  else RecurrentPPO(config=config))
-    claim_run(agent.run, agent.config)  # the run's folders, created exclusively, before the name is printed
+    try:  # the run's folders, created exclusively, before the name is printed
+        claim_run(agent.run, agent.config)
+    except (OSError, RunFolderError) as err:
+        agent.close()
+        raise UsageError(f"cannot create the run's folders under --runs-dir {agent.config.runs_dir!r} / "
+                         f"--checkpoint-dir {agent.config.checkpoint_dir!r}: {err}") from err
     c = agent.config
     if args.resume:
         print(f"resuming {agent.run_name} after update {agent.update} of {agent.num_updates} "
@@ -311,6 +320,8 @@ def _run_eval(args: argparse.Namespace) -> int:
 
     with _user_input():
         check_int("--episodes", args.episodes, lo=1)
+        if args.seed is not None:
+            check_int("--seed", args.seed, lo=0, hi=2**32 - 1 - args.episodes)
     overrides: dict[str, Any] = {"track": False, "num_envs": 1, "num_minibatches": 1, "capture_video": False,
                                  "async_envs": False}
     if args.device:

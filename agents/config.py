@@ -29,6 +29,7 @@ __all__ = ["PPOConfig", "BACKBONE_FIELDS"]
 BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
 
 _DEVICES = ("auto", "cpu", "cuda")
+MAX_THREADS = 1024
 _DTYPES = ("f32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
@@ -95,8 +96,11 @@ class _PPOFields:
         def name(field_name: str) -> str:
             return f"PPOConfig.{field_name}"
 
-        for f in ("seed", "checkpoint_every", "threads"):
-            check_int(name(f), getattr(self, f), lo=0)
+        # seed: numpy's SeedSequence and the env seeds (seed + i) take it; threads: an OpenMP pool of more
+        # than a few thousand threads makes libgomp crash the process instead of failing
+        check_int(name("seed"), self.seed, lo=0, hi=2**32 - 1 - 2**20)
+        check_int(name("checkpoint_every"), self.checkpoint_every, lo=0)
+        check_int(name("threads"), self.threads, lo=0, hi=MAX_THREADS)
         for f in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
             check_int(name(f), getattr(self, f), lo=1)
         for f in _BOOL_FIELDS:
@@ -112,8 +116,12 @@ class _PPOFields:
             v = getattr(self, f)
             if not isinstance(v, str) or not v:
                 raise ValueError(f"PPOConfig.{f} must be a non-empty string, got {v!r}")
-        if self.device not in _DEVICES and not str(self.device).startswith("cuda:"):
-            raise ValueError(f"PPOConfig.device must be one of {_DEVICES} or 'cuda:N', got {self.device!r}")
+        if "/" in self.exp_name or "\\" in self.exp_name or self.exp_name in (".", ".."):
+            raise ValueError(f"PPOConfig.exp_name is part of one folder name: expected no path separator, got "
+                             f"{self.exp_name!r}")
+        if self.device not in _DEVICES and not (isinstance(self.device, str) and self.device.startswith("cuda:")
+                                                and self.device[5:].isdigit()):
+            raise ValueError(f"PPOConfig.device must be one of {_DEVICES} or 'cuda:N' (N >= 0), got {self.device!r}")
         check_choice(name("dtype"), self.dtype, _DTYPES)
         check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
         check_choice(name("backend"), self.backend, _BACKENDS)

@@ -178,9 +178,12 @@ class Policy:
             state = self.initial_state(b)
             starts = torch.ones(b, dtype=torch.bool)
         else:
+            if not isinstance(state, PolicyState):
+                raise ValueError(f"predict: state must be the PolicyState a previous call returned (or None), got "
+                                 f"{type(state).__name__}")
             starts = torch.zeros(b, dtype=torch.bool)
         if episode_start is not None:
-            starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(b))
+            starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool))
         if self.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = state.prev_reward
@@ -188,7 +191,7 @@ class Policy:
             if reward is None and not bool(starts.all()):
                 raise ValueError("predict: this agent uses prev_reward; pass reward= (the last reward, [B])")
             if reward is not None:
-                prev_reward = torch.as_tensor(np.asarray(reward, dtype=np.float32).reshape(b))
+                prev_reward = torch.as_tensor(_per_env("reward", reward, b, np.float32))
         feat, recurrent = self._features(x, state, starts, prev_reward)
         dist: ActionDist = self.actor.dist(self.actor.linear(feat).cpu(), self.host_log_std())  # sampled on the host
         value = self.critic(feat).cpu().numpy()
@@ -210,6 +213,16 @@ class Policy:
             np.asarray(reward, dtype=np.float32).reshape(b))
         feat, _ = self._features(x, state, starts, prev_reward)
         return self.critic(feat).cpu().numpy()
+
+
+def _per_env(name: str, value, batch: int, dtype) -> np.ndarray:
+    """``value`` as a [batch] array of ``dtype``; ValueError naming ``name`` when it holds another number of
+    values (one per env is expected)."""
+    arr = np.asarray(value, dtype=dtype)
+    if arr.size != batch:
+        raise ValueError(f"predict: {name} must hold one value per env, expected shape [{batch}], got "
+                         f"{list(arr.shape)}")
+    return arr.reshape(batch)
 
 
 class HostStager:
@@ -267,9 +280,9 @@ class HostStager:
                 blk[self.rows[:, None], prev_action + self.offsets] = keep[:, None]
             else:
                 np.clip(prev_action, self.low, self.high, out=blk)
-                blk *= keep[:, None]
+                blk[start] = 0.0  # a select, not a multiply: a NaN / inf of the old episode never leaks
         if self.reward_col is not None:
-            x[:, self.reward_col] = prev_reward * keep
+            x[:, self.reward_col] = np.where(keep, prev_reward, 0.0)
         x[:, -1] = start
 
     def to_env(self, action: np.ndarray) -> np.ndarray:

@@ -269,3 +269,25 @@ def test_ctrl_c_before_training_is_one_line_not_a_traceback(capsys):
         del cli.SUBCOMMANDS["interrupted-setup"]
     err = capsys.readouterr().err
     assert err.strip() == "mamba-rl interrupted-setup: interrupted before anything was saved"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--threads", "99999"], "--threads (PPOConfig.threads) must be an int in [0, 1024], got 99999"),
+    (["--seed", "99999999999999999999"], "--seed (PPOConfig.seed) must be an int in [0, "),
+    (["--exp-name", "a/b"], "expected no path separator, got 'a/b'"),
+    (["--device", "cuda:x"], "'cuda:N' (N >= 0), got 'cuda:x'"),
+    (["--runs-dir", "/proc/no-such-dir/runs", "--d-model", "16", "--n-layers", "1"],
+     "cannot create the run's folders under --runs-dir '/proc/no-such-dir/runs'"),
+])
+def test_unfit_values_are_one_line_errors(flags, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mamba-rl train: error: ") and message in err, err
+
+
+def test_nproc_validates_before_launching_the_ranks(capsys):
+    """A usage mistake under --nproc is one line from the launcher (exit 2), not one per rank."""
+    assert main(["train", "--nproc", "2", "--num-envs", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "must be divisible by num_minibatches" in err
