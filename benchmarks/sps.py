@@ -67,6 +67,180 @@ def raw_env_sps(num_envs: int, steps: int, async_envs: bool, seed: int = 0) -> f
     return n_iter * num_envs / dt
 
 
+# ----------------------------------------------------------------------------------- the env loop alone
+def _bare_vec_env(env_id: str, num_envs: int, backend: str):
+    """The library's own vector env, nothing of ours: gymnasium's SyncVectorEnv of ``gym.make`` envs (NextStep
+    autoreset), or ``envpool.make(env_type="gymnasium")`` in sync mode."""
+    import functools
+
+    import gymnasium as gym
+
+    if backend == "envpool":
+        import envpool
+
+        return envpool.make(env_id, env_type="gymnasium", num_envs=num_envs, seed=0)
+    return gym.vector.SyncVectorEnv([functools.partial(gym.make, env_id)] * num_envs,
+                                    autoreset_mode=gym.vector.AutoresetMode.NEXT_STEP)
+
+
+def _our_vec_env(env_id: str, num_envs: int, backend: str, async_envs: bool = False):
+    """The agent's vector env: make_vec_env with the default training stack (guard, statistics, NormalizeReward)."""
+    from mamba_rl.envs import make_vec_env
+
+    kw = {} if backend == "gymnasium" else {"backend": backend}
+    return make_vec_env(env_id, num_envs, seed=0, async_=async_envs, normalize_reward=True, **kw)
+
+
+def _step_rate(envs, actions: np.ndarray) -> float:
+    """Env steps per second of ``envs`` stepped with ``actions`` [iters, num_envs] (after a reset)."""
+    t0 = time.perf_counter()
+    for a in actions:
+        envs.step(a)
+    return actions.size / (time.perf_counter() - t0)
+
+
+def env_rates(num_envs: int, steps: int, backend: str = "gymnasium", async_envs: bool = False, rounds: int = 5,
+              env_id: str = "CartPole-v1", seed: int = 0) -> dict:
+    """Random-action rates of the bare library vector env and of ours, measured in alternation (``rounds`` rounds
+    of ``steps`` env steps each, bare then ours) so that both see the same machine load; medians and the median of
+    the per-round ratios ours / bare."""
+    bare = _bare_vec_env(env_id, num_envs, backend)
+    ours = _our_vec_env(env_id, num_envs, backend, async_envs)
+    n_iter = max(20, steps // num_envs)
+    actions = np.random.default_rng(seed).integers(0, 2, size=(n_iter, num_envs))
+    bare.reset(seed=seed)
+    ours.reset(seed=seed)
+    _step_rate(bare, actions[:50])  # warm-up
+    _step_rate(ours, actions[:50])
+    b, o = [], []
+    for _ in range(rounds):
+        b.append(_step_rate(bare, actions))
+        o.append(_step_rate(ours, actions))
+    bare.close()
+    ours.close()
+    return {"bare_env_sps": statistics.median(b), "raw_env_sps": statistics.median(o),
+            "raw_over_bare": statistics.median(x / y for x, y in zip(o, b)),
+            "raw_over_bare_rounds": [round(x / y, 3) for x, y in zip(o, b)]}
+
+
+class _Timer:
+    """Accumulated wall time of one layer's ``step`` calls (inclusive of the layers below it); ``inner_s``: the
+    time of the layers right below it (per-env layers, filled by the probe under it)."""
+
+    def __init__(self, name: str):
+        self.name, self.s, self.calls, self.inner_s = name, 0.0, 0, 0.0
+
+
+def _probe_vector(env, timer: _Timer):
+    """A VectorWrapper that adds the time of ``env.step`` to ``timer``."""
+    import gymnasium as gym
+
+    class _Probe(gym.vector.VectorWrapper):
+        def step(self, actions):
+            t0 = time.perf_counter()
+            out = self.env.step(actions)
+            timer.s += time.perf_counter() - t0
+            timer.calls += 1
+            return out
+
+    return _Probe(env)
+
+
+def _probe_env(env, timer: _Timer, parent: _Timer | None = None):
+    """A gymnasium Wrapper that adds the time of ``env.step`` to ``timer.s`` (``env``'s inclusive time) and to
+    ``parent.inner_s`` (the time below the layer that wraps ``env``)."""
+    import gymnasium as gym
+
+    class _Probe(gym.Wrapper):
+        def step(self, action):
+            t0 = time.perf_counter()
+            out = self.env.step(action)
+            dt = time.perf_counter() - t0
+            timer.s += dt
+            timer.calls += 1
+            if parent is not None:
+                parent.inner_s += dt
+            return out
+
+    return _Probe(env)
+
+
+def env_profile(num_envs: int, steps: int, backend: str = "gymnasium", env_id: str = "CartPole-v1",
+                seed: int = 0) -> dict:
+    """Where the time of one vector step of our env goes: µs per vector step spent in each layer of the stack
+    itself (exclusive of the layers below it), outermost first, down to the sub-envs' own ``step`` and, for a
+    SyncVectorEnv, each per-env wrapper ``gym.make`` added (summed over the sub-envs). A timing probe sits below
+    every layer; its own cost (~0.2-0.5 µs a call) is charged to the layer above it (``probe_us`` estimates it)."""
+    import gymnasium as gym
+
+    envs = _our_vec_env(env_id, num_envs, backend)
+    layers, timers = [], []
+    w = envs
+    while isinstance(w, gym.vector.VectorWrapper):  # a probe below every vector wrapper
+        t = _Timer(type(w.env).__name__)
+        layers.append(type(w).__name__)
+        timers.append(t)
+        w.env = _probe_vector(w.env, t)
+        w = w.env.env
+    base = w
+    layers.append(type(base).__name__)
+    sub_timers: dict[str, _Timer] = {}  # per-env layer name -> its time summed over the sub-envs
+    if isinstance(base, gym.vector.SyncVectorEnv):  # a probe below every per-env wrapper of every sub-env
+        whole = sub_timers.setdefault("(whole sub-env)", _Timer("(whole sub-env)"))
+        for i, e in enumerate(base.envs):
+            t = sub_timers.setdefault(type(e).__name__, _Timer(type(e).__name__))
+            base.envs[i] = _probe_env(e, t, whole)
+            while isinstance(e, gym.Wrapper):
+                inner = e.env
+                ti = sub_timers.setdefault(type(inner).__name__, _Timer(type(inner).__name__))
+                e.env = _probe_env(inner, ti, sub_timers[type(e).__name__])
+                e = inner
+    envs.reset(seed=seed)
+    n_iter = max(50, steps // num_envs)
+    actions = np.random.default_rng(seed).integers(0, 2, size=(n_iter, num_envs))
+    for a in actions[:20]:
+        envs.step(a)
+    for t in timers + list(sub_timers.values()):
+        t.s, t.calls, t.inner_s = 0.0, 0, 0.0
+    t0 = time.perf_counter()
+    for a in actions:
+        envs.step(a)
+    total = time.perf_counter() - t0
+    incl = [total] + [t.s for t in timers]
+    names = list(layers)
+    below_base = sub_timers["(whole sub-env)"].inner_s if sub_timers else 0.0  # the sub-envs' step, all together
+    us = {n: 1e6 * (incl[i] - (incl[i + 1] if i + 1 < len(incl) else below_base)) / n_iter
+          for i, n in enumerate(names)}
+    for name, t in sub_timers.items():  # exclusive: a layer's time minus the time of the layer it wraps
+        if name != "(whole sub-env)":
+            us[f"sub-envs: {name}"] = 1e6 * (t.s - t.inner_s) / n_iter
+    probe_us = _probe_cost_us()
+    envs.close()
+    return {"num_envs": num_envs, "env_backend": backend, "us_per_vector_step": 1e6 * total / n_iter,
+            "layers_us": {k: round(v, 2) for k, v in us.items()}, "probe_us": round(probe_us, 3)}
+
+
+def _probe_cost_us(calls: int = 20000) -> float:
+    """µs one timing probe adds to a step (a probe over a trivial env against the trivial env alone)."""
+    import gymnasium as gym
+
+    class _Null(gym.Env):
+        observation_space = action_space = gym.spaces.Discrete(2)
+
+        def step(self, action):
+            return 0, 0.0, False, False, {}
+
+    env, probed = _Null(), _probe_env(_Null(), _Timer("probe"))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        env.step(0)
+    t1 = time.perf_counter()
+    for _ in range(calls):
+        probed.step(0)
+    t2 = time.perf_counter()
+    return 1e6 * ((t2 - t1) - (t1 - t0)) / calls
+
+
 def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: str, async_envs: bool,
               d_model: int, n_layers: int, seed: int = 0) -> dict:
     """RecurrentPPO training SPS and its rollout / update split over ``updates`` updates after one
