@@ -32,6 +32,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _DTYPES = ("f32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
+_ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
 _BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_action",
                 "prev_reward", "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
 # (field, lo, hi, lo open, None allowed)
@@ -58,6 +59,7 @@ class _PPOFields:
     num_steps: int = 128
     async_envs: bool = False
     async_start_method: str | None = None
+    env_backend: str = "gymnasium"
     threads: int = 0
     learning_rate: float = 1e-3
     anneal_lr: bool = True
@@ -117,6 +119,7 @@ class _PPOFields:
         check_choice(name("dtype"), self.dtype, _DTYPES)
         check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
         check_choice(name("backend"), self.backend, _BACKENDS)
+        check_choice(name("env_backend"), self.env_backend, _ENV_BACKENDS)
         if self.backbone.layer != "Mamba1" and self.backend in ("cpu", "cuda"):
             raise ValueError(f"{name('backend')}: layer {self.backbone.layer!r} runs on the reference backend only (its "
                              f"kernels are not written yet); expected 'auto' or 'reference', got {self.backend!r}")
@@ -178,6 +181,7 @@ class PPOConfig(_PPOFields):
         num_steps: steps per env per rollout, the BPTT length [steps].
         async_envs: one process per env (gymnasium AsyncVectorEnv).
         async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
+        env_backend: vector env: "gymnasium" (SyncVectorEnv / AsyncVectorEnv), "envpool" (EnvPool's C++ thread pool, same semantics; pip install -e ".[envpool]"; its ids and the mamba_rl/*NoVel* ids of its tasks; no async_envs or video) or "auto" (envpool when installed and it has the id, else gymnasium).
         threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.
