@@ -166,7 +166,8 @@ class Actor(Protocol):
 
 class EagerActor:
     """Acting without graphs (CPU, or CUDA with ``cuda_graphs=False``): the staged input goes to the device
-    in one copy, the stepper and one fused head GEMM run there, the outputs come back in one copy, and
+    in one copy (from a pinned stage on CUDA), the stepper and one fused head GEMM run there, the outputs come
+    back in one copy (into a pinned buffer on CUDA, valid until the next step), and
     sampling (``generator``), log-probs and storage happen on the host, in a CPU :class:`RolloutBuffer`.
 
     Args:
@@ -179,8 +180,12 @@ class EagerActor:
                  gamma: float, gae_lambda: float):
         self.policy, self.stepper, self.buffer, self.generator = policy, stepper, buffer, generator
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.stage_t = torch.zeros(buffer.num_envs, policy.input_dim + 1, pin_memory=policy.device.type == "cuda")
+        cuda = policy.device.type == "cuda"
+        self.stage_t = torch.zeros(buffer.num_envs, policy.input_dim + 1, pin_memory=cuda)
         self.stager = HostStager(policy, self.stage_t.numpy())
+        # CUDA: the heads' outputs come back into one pinned buffer (an async copy and a stream sync per step,
+        # no pageable allocation); on the CPU they are used where they are
+        self.out_pin = torch.zeros(buffer.num_envs, policy.actor.out_dim + 1, pin_memory=True) if cuda else None
         b = buffer
         self.env_arrays = (b.rewards.numpy(), b.terminations.numpy(), b.truncations.numpy(), b.valid.numpy())
 
@@ -195,7 +200,12 @@ class EagerActor:
         dev = self.stage_t.to(self.policy.device, non_blocking=True)
         starts = dev[:, d] > 0.5
         feat = self.stepper.step(dev[:, :d].contiguous(), episode_starts=starts)
-        return torch.addmm(self.bias, feat, self.w).cpu()  # [N, P + 1]: actor raw outputs | value
+        out = torch.addmm(self.bias, feat, self.w)  # [N, P + 1]: actor raw outputs | value
+        if self.out_pin is None:
+            return out
+        self.out_pin.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(self.policy.device).synchronize()
+        return self.out_pin
 
     def act(self, t: int) -> np.ndarray:
         """One step from the staged input; returns the stored-form actions [N, action_dim]."""

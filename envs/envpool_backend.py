@@ -133,7 +133,7 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
     def _rows(self, obs: np.ndarray, info: dict[str, Any], *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
         """The batch in env order, observations masked and float32."""
         env_id = info.get("env_id")
-        if env_id is not None and not np.array_equal(env_id, self._order):
+        if env_id is not None and not (env_id.shape == self._order.shape and (env_id == self._order).all()):
             order = np.argsort(env_id, kind="stable")
             obs, arrays = obs[order], tuple(a[order] for a in arrays)
         if self._keep is not None:

@@ -118,6 +118,13 @@ def test_masked_ids_seeding_and_spaces():
     np.testing.assert_array_equal(o2, o)
     np.testing.assert_array_equal([envs.step(a)[0] for _ in range(5)], first)
     assert envpool_task("mamba_rl/CartPoleNoVel-v1") == ("CartPole-v1", (0, 2), 500)
+    # a batch in another env order comes back in env order (masked and float32)
+    raw = find_vector_wrapper(envs, EnvPoolVecEnv)
+    full = np.arange(12, dtype=np.float64).reshape(3, 4)
+    obs, rew = raw._rows(full[[2, 0, 1]], {"env_id": np.array([2, 0, 1], np.int32)}, np.array([20.0, 0.0, 10.0]))
+    np.testing.assert_array_equal(obs, full[:, [0, 2]].astype(np.float32))
+    np.testing.assert_array_equal(rew, [0.0, 10.0, 20.0])
+    assert obs.dtype == np.float32
     with pytest.raises(ValueError, match=r"expected an int seed \(sub-env i gets seed \+ i\), got 'x'"):
         envs.reset(seed="x")
     with pytest.raises(TypeError, match="cannot be pickled"):
