@@ -120,6 +120,10 @@ class _PPOFields:
         check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
         check_choice(name("backend"), self.backend, _BACKENDS)
         check_choice(name("env_backend"), self.env_backend, _ENV_BACKENDS)
+        if self.env_backend == "envpool" and (self.async_envs or self.capture_video):
+            what = "async_envs" if self.async_envs else "capture_video"
+            raise ValueError(f"{name('env_backend')} 'envpool' runs its envs in EnvPool's own thread pool and records no "
+                             f"video; expected {what}=False (or env_backend 'gymnasium' / 'auto'), got {what}=True")
         if self.backbone.layer != "Mamba1" and self.backend in ("cpu", "cuda"):
             raise ValueError(f"{name('backend')}: layer {self.backbone.layer!r} runs on the reference backend only (its "
                              f"kernels are not written yet); expected 'auto' or 'reference', got {self.backend!r}")

@@ -194,6 +194,11 @@ def test_config_and_cli_take_the_env_backend():
     assert PPOConfig().env_backend == "gymnasium"
     with pytest.raises(ValueError, match=r"PPOConfig.env_backend must be one of .*'gymnasium'.*got 'pool'"):
         PPOConfig(env_backend="pool")
+    with pytest.raises(ValueError, match=r"expected async_envs=False .*got async_envs=True"):
+        PPOConfig(env_backend="envpool", async_envs=True)
+    with pytest.raises(ValueError, match=r"expected capture_video=False .*got capture_video=True"):
+        PPOConfig(env_backend="envpool", capture_video=True)
+    assert PPOConfig(env_backend="auto", async_envs=True).env_backend == "auto"  # auto: gymnasium's async workers
     from mamba_rl.agents.cli import build_parser
 
     args = build_parser().parse_args(["train", "--env-backend", "auto"])
