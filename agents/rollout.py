@@ -263,8 +263,9 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     """Run ``num_steps`` steps of every env with ``actor``, which fills its buffer (GAE included).
 
     Per step, the host only stages the input (:class:`~mamba_rl.agents.policy.HostStager`), lets the
-    actor act, steps the envs and records rewards / dones in numpy; it reads the infos only when an
-    episode ended. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
+    actor act, steps the envs and records rewards / dones in numpy (whole-array operations, no per-env
+    Python; rows of time-major scratch, copied into the actor's [N, T] arrays after the last step); it reads
+    the infos only when an episode ended. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
     is marked invalid), previous action/reward zeroed at starts, the carry kept across rollouts.
 
     Args:
@@ -293,23 +294,26 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     next_done = carry.next_done.numpy().copy()
     prev_action = carry.prev_action.numpy().copy()
     prev_reward = carry.prev_reward.numpy().copy()
-    rewards, terms, truncs, valid = actor.env_arrays
+    out = actor.env_arrays  # [N, T] rewards, terminations, truncations, valid (batch-first)
+    # written per step into time-major scratch [T, N] of the same dtypes (a contiguous row per step: a column
+    # of an [N, T] array touches N cache lines) and copied into the actor's arrays once, after the loop
+    rewards, terms, truncs, valid = (np.empty((num_steps, n), dtype=a.dtype) for a in out)
     result = RolloutResult()
     env_s = 0.0
     actor.begin()
     for t in range(num_steps):
         start = next_start | memoryless
         stager.build(next_obs, prev_action, prev_reward, start)
-        valid[:, t] = ~next_done
+        valid[t] = ~next_done
         action = actor.act(t)
         np.copyto(prev_action, action)
         e0 = time.perf_counter()
         obs, reward, term, trunc, info = envs.step(stager.to_env(prev_action))
         env_s += time.perf_counter() - e0
         global_step = advance()
-        rewards[:, t] = reward
-        terms[:, t] = term
-        truncs[:, t] = trunc
+        rewards[t] = reward
+        terms[t] = term
+        truncs[t] = trunc
         # the obs after a reset step is the first obs of the next episode
         next_start = next_done
         next_done = np.logical_or(term, trunc)
@@ -317,6 +321,8 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
         next_obs = obs
         if "_episode" in info:
             result.episodes.extend((global_step, ret, length) for ret, length in finished_episodes(info))
+    for dst, src in zip(out, (rewards, terms, truncs, valid)):
+        dst[:, :num_steps] = src.T
     stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
     actor.finish()
     carry.next_obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32).reshape(n, -1).copy())

@@ -11,6 +11,8 @@ For each env backend (``--env-backend``: gymnasium, plus envpool when installed)
   load, and ``raw_over_bare`` is the median of the per-round ratios (target >= 0.8 from 64 envs on);
 * ``env_profile``: where one vector step of our env goes, µs per layer of the stack (each layer's own time,
   the sub-envs' per-env wrappers summed over the sub-envs; :func:`env_profile`);
+* ``loop_us``: the rollout loop's own host work per vector step without the policy (staging, storing rewards
+  and dones, episode bookkeeping; :func:`loop_overhead_us`), the part that should not grow with the env count;
 * ``agent_sps``: RecurrentPPO training (rollout + PPO update, the default CleanRL-like config,
   d_model 128, 3 layers, f32 unless overridden) on that backend, steps / wall time over the measured
   updates (the first update, which warms up, is excluded);
@@ -204,6 +206,42 @@ def env_profile(num_envs: int, steps: int, backend: str = "gymnasium", env_id: s
     envs.close()
     return {"num_envs": num_envs, "env_backend": backend, "us_per_vector_step": 1e6 * total / n_iter,
             "layers_us": {k: round(v, 2) for k, v in us.items()}, "probe_us": round(probe_us, 3)}
+
+
+def loop_overhead_us(num_envs: int, backend: str = "gymnasium", num_steps: int = 128, rollouts: int = 3,
+                     seed: int = 0) -> dict:
+    """The rollout loop's own host work per vector step, without the policy: ``collect_rollout`` (staging,
+    reading and storing rewards / dones, the episode bookkeeping) of a small CPU agent whose actor returns
+    pre-drawn random actions; ``loop_us`` = (rollout time - env.step time) / steps, median over ``rollouts``."""
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+    from mamba_rl.agents.rollout import collect_rollout
+
+    tmp = tempfile.mkdtemp(prefix="mamba_rl_loop_")
+    cfg = PPOConfig(env_id="CartPole-v1", num_envs=num_envs, num_steps=num_steps, num_minibatches=1, device="cpu",
+                    total_timesteps=num_envs * num_steps, d_model=8, n_layers=1, d_state=4, track=False,
+                    checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp, env_backend=backend, seed=seed)
+    agent = RecurrentPPO(config=cfg)
+    real = agent.actor
+    actions = np.random.default_rng(seed).integers(0, 2, size=(num_steps, num_envs, 1))
+
+    class _RandomActor:  # the Actor protocol with no policy behind it
+        stager, stepper, env_arrays = real.stager, real.stepper, real.env_arrays
+
+        def begin(self):
+            pass
+
+        def act(self, t):
+            return actions[t]
+
+        def finish(self):
+            pass
+
+    loop = []
+    for _ in range(rollouts + 1):
+        res = collect_rollout(agent.envs, _RandomActor(), agent.carry, num_steps, False, seed, lambda: 0)
+        loop.append(1e3 * (res.rollout_ms - res.env_ms) / num_steps)
+    agent.close()
+    return {"loop_us": statistics.median(loop[1:]), "loop_us_per_env": statistics.median(loop[1:]) / num_envs}
 
 
 def _probe_cost_us(calls: int = 20000) -> float:
@@ -401,6 +439,7 @@ def _row(a: argparse.Namespace, backend: str, n: int, device: str) -> dict:
     row.update(env_rates(n, max(a.raw_steps, 20 * n), backend, a.async_envs, rounds=a.env_rounds))
     if not a.no_profile and not a.async_envs:
         row["env_profile"] = env_profile(n, max(a.raw_steps // 2, 20 * n), backend)
+        row.update(loop_overhead_us(n, backend))
     if a.env_only:
         return row
     row.update(agent_sps(n, _updates_for(n, a.updates), a.num_steps, device, a.dtype, a.async_envs, a.d_model,

@@ -90,8 +90,9 @@ def finished_episodes(info: dict[str, Any]) -> list[tuple[float, int]]:
     vector env wrapped in ``RecordEpisodeStatistics`` (raw, unnormalised returns)."""
     if "_episode" not in info:
         return []
-    return [(float(info["episode"]["r"][i]), int(info["episode"]["l"][i]))
-            for i in np.nonzero(np.asarray(info["_episode"]))[0]]
+    idx = np.flatnonzero(info["_episode"])
+    ep = info["episode"]
+    return list(zip(np.asarray(ep["r"])[idx].astype(np.float64).tolist(), np.asarray(ep["l"])[idx].astype(np.int64).tolist()))
 
 
 def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
