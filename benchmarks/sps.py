@@ -439,7 +439,7 @@ def _row(a: argparse.Namespace, backend: str, n: int, device: str) -> dict:
     row.update(env_rates(n, max(a.raw_steps, 20 * n), backend, a.async_envs, rounds=a.env_rounds))
     if not a.no_profile and not a.async_envs:
         row["env_profile"] = env_profile(n, max(a.raw_steps // 2, 20 * n), backend)
-        row.update(loop_overhead_us(n, backend))
+        row.update(loop_overhead_us(n, backend, num_steps=32, rollouts=2))
     if a.env_only:
         return row
     row.update(agent_sps(n, _updates_for(n, a.updates), a.num_steps, device, a.dtype, a.async_envs, a.d_model,
