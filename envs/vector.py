@@ -130,13 +130,16 @@ def make_vec_env(
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
-    The stack, innermost first: per env ``make_env`` (gym.make, RecordVideo on env 0,
-    FlattenObservation); ``SyncVectorEnv`` (or ``AsyncVectorEnv`` with ``async_``) in
-    gymnasium's default NextStep autoreset mode; :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite
-    observations / rewards, dead async workers); vector ``RecordEpisodeStatistics`` (raw
+    The stack, innermost first: per env ``make_env`` (gym.make, with its PassiveEnvChecker and
+    OrderEnforcing on env 0 only; RecordVideo on env 0, FlattenObservation); ``SyncVectorEnv`` (or
+    ``AsyncVectorEnv`` with ``async_``) in gymnasium's default NextStep autoreset mode, or with
+    ``backend="envpool"`` an :class:`~mamba_rl.envs.EnvPoolVecEnv` in its place;
+    :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite observations / rewards, dead async workers);
+    :class:`~mamba_rl.envs.stats.VecEpisodeStatistics` (gymnasium's vector RecordEpisodeStatistics: raw
     returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` and
-    ``NormalizeReward`` (discounted-return scaling with ``gamma``) if asked. Episode statistics
-    are recorded before any normalisation, so they are the raw returns.
+    :class:`~mamba_rl.envs.stats.VecNormalizeReward` (gymnasium's vector NormalizeReward:
+    discounted-return scaling with ``gamma``) if asked. Episode statistics are recorded before any
+    normalisation, so they are the raw returns.
 
     The env is not reset here. ``seed`` seeds the vector action space; reset with
     ``env.reset(seed=seed)`` to seed sub-env ``i`` with ``seed + i`` (what RecurrentPPO does).

@@ -158,6 +158,8 @@ def test_agent_rollout_on_envpool_has_the_reset_step_semantics(tmp_path):
                 assert starts[i, t] == (not valid[i, t - 1])  # the obs after a reset step starts an episode
     assert all(length >= 8 for _, _, length in episodes)
     agent.update_policy()
+    path = agent.save(tmp_path / "ckpt")  # the pool cannot be pickled: the learner is saved, the envs are not
+    assert (path / "agent.safetensors").exists() and not (path / "envs.pkl").exists()
     agent.close()
 
 
