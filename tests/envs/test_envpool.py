@@ -4,7 +4,8 @@ truncations, episode statistics and normalised rewards for the same actions from
 EnvPool draws its initial states from its own RNG, so the gymnasium path's CartPole sub-envs are made to start
 every episode (the first and every NextStep autoreset) from the state EnvPool's reset step returned; from
 there both run the same dynamics. The tests that need EnvPool skip without it (an optional extra); the
-backend-selection tests run everywhere.
+backend-selection tests and the adapter over a fake in-process pool (FakePool: gymnasium's envs behind
+EnvPool's sync-mode API, rows shuffled per step) run everywhere.
 """
 
 
@@ -207,3 +208,77 @@ def test_config_and_cli_take_the_env_backend():
     assert args.env_backend == "auto"
 
 
+
+
+class FakePool:
+    """What EnvPoolVecEnv uses of a sync-mode EnvPool pool, built from gymnasium's own envs, so that the adapter
+    runs without envpool (CI): sub-env i seeded with seed + i at the first reset, NextStep autoreset (the step
+    after a done resets and returns reward 0, no done), float32 rewards, and the rows of every step in another
+    order, named by ``info["env_id"]``."""
+
+    def __init__(self, task_id, num_envs, seed, max_episode_steps=None, **kwargs):
+        self.envs = [gym.make(task_id, max_episode_steps=max_episode_steps) for _ in range(num_envs)]
+        self.observation_space, self.action_space = self.envs[0].observation_space, self.envs[0].action_space
+        self.seed, self.n, self.t, self.seeded = seed, num_envs, 0, False
+        self.done = np.zeros(num_envs, bool)
+
+    def _order(self):
+        self.t += 1
+        return np.roll(np.arange(self.n, dtype=np.int32), self.t)
+
+    def reset(self):
+        obs = [e.reset(seed=None if self.seeded else self.seed + i)[0] for i, e in enumerate(self.envs)]
+        self.seeded, self.done[:] = True, False
+        order = self._order()
+        return np.stack(obs)[order], {"env_id": order}
+
+    def step(self, actions):
+        out = []
+        for i, e in enumerate(self.envs):
+            out.append((e.reset()[0], 0.0, False, False) if self.done[i] else e.step(actions[i])[:4])
+        obs, rew, term, trunc = (np.array(x) for x in zip(*out))
+        self.done = term | trunc
+        order = self._order()
+        return obs[order], rew[order].astype(np.float32), term[order], trunc[order], {"env_id": order}
+
+    def close(self):
+        for e in self.envs:
+            e.close()
+
+
+def test_the_adapter_over_a_fake_pool_matches_the_gymnasium_path_bit_for_bit(monkeypatch):
+    """Runs everywhere: the EnvPool path's adapter and wrappers over FakePool (gymnasium's CartPole, so the
+    same seeds give the same episodes) against the gymnasium path, transition by transition."""
+    import mamba_rl.envs.envpool_backend as eb
+
+    monkeypatch.setattr(eb, "envpool_available", lambda: True)
+    monkeypatch.setattr(eb, "_envpool_ids", lambda: frozenset({"CartPole-v1"}))
+    monkeypatch.setattr(eb.EnvPoolVecEnv, "_make_pool",
+                        lambda self, seed: FakePool(self.task_id, self.num_envs, seed, **self.pool_kwargs))
+    n, seed = 5, 7
+    kw = dict(seed=seed, normalize_reward=True, env_kwargs={"max_episode_steps": 30})
+    pool = make_vec_env("CartPole-v1", n, backend="envpool", **kw)
+    ref = make_vec_env("CartPole-v1", n, backend="gymnasium", **kw)
+    assert isinstance(pool.unwrapped, EnvPoolVecEnv)
+    np.testing.assert_array_equal(pool.reset(seed=seed)[0], ref.reset(seed=seed)[0])
+    rng = np.random.default_rng(1)
+    obs = None
+    ends = truncs = 0
+    for t in range(300):  # mostly the balancing policy (truncations at 30 steps), every third step at random
+        a = rng.integers(0, 2, n) if obs is None or t % 3 == 0 else (obs[:, 2] + 0.5 * obs[:, 3] > 0).astype(np.int64)
+        o1, r1, te1, tr1, i1 = pool.step(a)
+        o2, r2, te2, tr2, i2 = ref.step(a)
+        for x, y in ((o1, o2), (r1, r2), (te1, te2), (tr1, tr2)):
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), f"step {t}"
+        assert ("_episode" in i1) == ("_episode" in i2)
+        if "_episode" in i1:
+            np.testing.assert_array_equal(i1["_episode"], i2["_episode"])
+            for k in ("r", "l"):
+                np.testing.assert_array_equal(i1["episode"][k], i2["episode"][k])
+            ends += int(i1["_episode"].sum())
+        truncs += int(tr1.sum())
+        obs = o1
+    assert ends > 20 and truncs > 0
+    np.testing.assert_array_equal(pool.reset(seed=seed)[0], ref.reset(seed=seed)[0])  # reseeding: a new pool
+    pool.close()
+    ref.close()
