@@ -41,7 +41,10 @@ ENV_BACKENDS = ("gymnasium", "envpool", "auto")
 
 def envpool_available() -> bool:
     """Whether the optional ``envpool`` package can be imported here (without importing it)."""
-    return importlib.util.find_spec("envpool") is not None
+    try:
+        return importlib.util.find_spec("envpool") is not None
+    except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["envpool"] set to None (blocked)
+        return False
 
 
 @functools.lru_cache(maxsize=None)
