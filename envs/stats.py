@@ -82,9 +82,10 @@ class VecEpisodeStatistics(RecordEpisodeStatistics):
             infos[f"_{key}"] = dones
             self.episode_count += num_dones
             idx = np.nonzero(dones)[0]
-            self.time_queue.extend(episode_time_length[idx])
-            self.return_queue.extend(self.episode_returns[idx])
-            self.length_queue.extend(self.episode_lengths[idx])
+            for queue, values in ((self.time_queue, episode_time_length), (self.return_queue, self.episode_returns),
+                                  (self.length_queue, self.episode_lengths)):
+                # a bounded deque keeps its last maxlen items: extending with only those leaves the same deque
+                queue.extend(values[idx if queue.maxlen is None else idx[-queue.maxlen:]])
             if self._autoreset_mode == AutoresetMode.SAME_STEP:
                 self.episode_returns[dones] = 0
                 self.episode_lengths[dones] = 0
