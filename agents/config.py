@@ -33,6 +33,7 @@ MAX_THREADS = 1024
 _DTYPES = ("f32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
+_ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
 _BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_action",
                 "prev_reward", "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
 # (field, lo, hi, lo open, None allowed)
@@ -59,6 +60,7 @@ class _PPOFields:
     num_steps: int = 128
     async_envs: bool = False
     async_start_method: str | None = None
+    env_backend: str = "gymnasium"
     threads: int = 0
     learning_rate: float = 1e-3
     anneal_lr: bool = True
@@ -125,6 +127,11 @@ class _PPOFields:
         check_choice(name("dtype"), self.dtype, _DTYPES)
         check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
         check_choice(name("backend"), self.backend, _BACKENDS)
+        check_choice(name("env_backend"), self.env_backend, _ENV_BACKENDS)
+        if self.env_backend == "envpool" and (self.async_envs or self.capture_video):
+            what = "async_envs" if self.async_envs else "capture_video"
+            raise ValueError(f"{name('env_backend')} 'envpool' runs its envs in EnvPool's own thread pool and records no "
+                             f"video; expected {what}=False (or env_backend 'gymnasium' / 'auto'), got {what}=True")
         if self.backbone.layer != "Mamba1" and self.backend in ("cpu", "cuda"):
             raise ValueError(f"{name('backend')}: layer {self.backbone.layer!r} runs on the reference backend only (its "
                              f"kernels are not written yet); expected 'auto' or 'reference', got {self.backend!r}")
@@ -186,6 +193,7 @@ class PPOConfig(_PPOFields):
         num_steps: steps per env per rollout, the BPTT length [steps].
         async_envs: one process per env (gymnasium AsyncVectorEnv).
         async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
+        env_backend: vector env: "gymnasium" (SyncVectorEnv / AsyncVectorEnv), "envpool" (EnvPool's C++ thread pool, same semantics; pip install -e ".[envpool]"; its ids and the mamba_rl/*NoVel* ids of its tasks; no async_envs or video) or "auto" (envpool when installed and it has the id, else gymnasium).
         threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.

@@ -224,7 +224,7 @@ class RecurrentPPO:
                             capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
-                            start_method=c.async_start_method, nonfinite=c.nonfinite)
+                            start_method=c.async_start_method, nonfinite=c.nonfinite, backend=c.env_backend)
 
     # --------------------------------------------------------------- rollout
     def _advance(self) -> int:

@@ -166,7 +166,8 @@ class Actor(Protocol):
 
 class EagerActor:
     """Acting without graphs (CPU, or CUDA with ``cuda_graphs=False``): the staged input goes to the device
-    in one copy, the stepper and one fused head GEMM run there, the outputs come back in one copy, and
+    in one copy (from a pinned stage on CUDA), the stepper and one fused head GEMM run there, the outputs come
+    back in one copy (into a pinned buffer on CUDA, valid until the next step), and
     sampling (``generator``), log-probs and storage happen on the host, in a CPU :class:`RolloutBuffer`.
 
     Args:
@@ -179,8 +180,12 @@ class EagerActor:
                  gamma: float, gae_lambda: float):
         self.policy, self.stepper, self.buffer, self.generator = policy, stepper, buffer, generator
         self.gamma, self.gae_lambda = gamma, gae_lambda
-        self.stage_t = torch.zeros(buffer.num_envs, policy.input_dim + 1, pin_memory=policy.device.type == "cuda")
+        cuda = policy.device.type == "cuda"
+        self.stage_t = torch.zeros(buffer.num_envs, policy.input_dim + 1, pin_memory=cuda)
         self.stager = HostStager(policy, self.stage_t.numpy())
+        # CUDA: the heads' outputs come back into one pinned buffer (an async copy and a stream sync per step,
+        # no pageable allocation); on the CPU they are used where they are
+        self.out_pin = torch.zeros(buffer.num_envs, policy.actor.out_dim + 1, pin_memory=True) if cuda else None
         b = buffer
         self.env_arrays = (b.rewards.numpy(), b.terminations.numpy(), b.truncations.numpy(), b.valid.numpy())
 
@@ -195,7 +200,12 @@ class EagerActor:
         dev = self.stage_t.to(self.policy.device, non_blocking=True)
         starts = dev[:, d] > 0.5
         feat = self.stepper.step(dev[:, :d].contiguous(), episode_starts=starts)
-        return torch.addmm(self.bias, feat, self.w).cpu()  # [N, P + 1]: actor raw outputs | value
+        out = torch.addmm(self.bias, feat, self.w)  # [N, P + 1]: actor raw outputs | value
+        if self.out_pin is None:
+            return out
+        self.out_pin.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(self.policy.device).synchronize()
+        return self.out_pin
 
     def act(self, t: int) -> np.ndarray:
         """One step from the staged input; returns the stored-form actions [N, action_dim]."""
@@ -253,8 +263,9 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     """Run ``num_steps`` steps of every env with ``actor``, which fills its buffer (GAE included).
 
     Per step, the host only stages the input (:class:`~mamba_rl.agents.policy.HostStager`), lets the
-    actor act, steps the envs and records rewards / dones in numpy; it reads the infos only when an
-    episode ended. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
+    actor act, steps the envs and records rewards / dones in numpy (whole-array operations, no per-env
+    Python; rows of time-major scratch, copied into the actor's [N, T] arrays after the last step); it reads
+    the infos only when an episode ended. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
     is marked invalid), previous action/reward zeroed at starts, the carry kept across rollouts.
 
     Args:
@@ -283,23 +294,26 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     next_done = carry.next_done.numpy().copy()
     prev_action = carry.prev_action.numpy().copy()
     prev_reward = carry.prev_reward.numpy().copy()
-    rewards, terms, truncs, valid = actor.env_arrays
+    out = actor.env_arrays  # [N, T] rewards, terminations, truncations, valid (batch-first)
+    # written per step into time-major scratch [T, N] of the same dtypes (a contiguous row per step: a column
+    # of an [N, T] array touches N cache lines) and copied into the actor's arrays once, after the loop
+    rewards, terms, truncs, valid = (np.empty((num_steps, n), dtype=a.dtype) for a in out)
     result = RolloutResult()
     env_s = 0.0
     actor.begin()
     for t in range(num_steps):
         start = next_start | memoryless
         stager.build(next_obs, prev_action, prev_reward, start)
-        valid[:, t] = ~next_done
+        valid[t] = ~next_done
         action = actor.act(t)
         np.copyto(prev_action, action)
         e0 = time.perf_counter()
         obs, reward, term, trunc, info = envs.step(stager.to_env(prev_action))
         env_s += time.perf_counter() - e0
         global_step = advance()
-        rewards[:, t] = reward
-        terms[:, t] = term
-        truncs[:, t] = trunc
+        rewards[t] = reward
+        terms[t] = term
+        truncs[t] = trunc
         # the obs after a reset step is the first obs of the next episode
         next_start = next_done
         next_done = np.logical_or(term, trunc)
@@ -307,6 +321,8 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
         next_obs = obs
         if "_episode" in info:
             result.episodes.extend((global_step, ret, length) for ret, length in finished_episodes(info))
+    for dst, src in zip(out, (rewards, terms, truncs, valid)):
+        dst[:, :num_steps] = src.T
     stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
     actor.finish()
     carry.next_obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32).reshape(n, -1).copy())

@@ -126,11 +126,9 @@ class EnvGuard(gym.vector.VectorWrapper):
         if isinstance(obs, tuple):
             return tuple(self._check_obs(v, where) for v in obs)
         arr = np.asarray(obs)
-        if not np.issubdtype(arr.dtype, np.floating):
+        if arr.dtype.kind != "f" or np.isfinite(arr).all():  # kind "f": every numpy floating type
             return obs
         bad = ~np.isfinite(arr)
-        if not bad.any():
-            return obs
         if self.nonfinite == "raise":
             rows = np.nonzero(bad.reshape(arr.shape[0], -1).any(axis=1))[0] if arr.ndim else np.array([0])
             vals = arr.reshape(arr.shape[0], -1)[rows[0]] if arr.ndim else arr.reshape(1)
@@ -144,11 +142,9 @@ class EnvGuard(gym.vector.VectorWrapper):
 
     def _check_reward(self, reward: Any, where: str) -> Any:
         arr = np.asarray(reward)
-        if not np.issubdtype(arr.dtype, np.floating):
+        if arr.dtype.kind != "f" or np.isfinite(arr).all():
             return reward
         bad = ~np.isfinite(arr)
-        if not bad.any():
-            return reward
         if self.nonfinite == "raise":
             rows = np.nonzero(bad.reshape(-1))[0]
             raise NonFiniteEnvError(

@@ -1,12 +1,15 @@
 """Env factories: one env (:func:`make_env`) and a gymnasium vector env (:func:`make_vec_env`).
 
 The stack is gymnasium's: ``SyncVectorEnv`` / ``AsyncVectorEnv`` in the default NextStep autoreset
-mode, ``RecordEpisodeStatistics``, ``NormalizeObservation`` / ``NormalizeReward`` and ``RecordVideo``;
-observations are flattened by the picklable wrappers of :mod:`mamba_rl.envs.wrappers`.
+mode (or, with ``backend="envpool"``, an EnvPool pool with the same semantics, :mod:`.envpool_backend`),
+``RecordEpisodeStatistics`` and ``NormalizeReward`` (as the bit-identical, cheaper subclasses of
+:mod:`.stats`), ``NormalizeObservation`` and ``RecordVideo``; observations are flattened by the picklable
+wrappers of :mod:`mamba_rl.envs.wrappers`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import multiprocessing
 from typing import Any
@@ -16,11 +19,39 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
+from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_task
 from .guards import NONFINITE_POLICIES, EnvGuard
 from .registry import check_env_id
-from .wrappers import FlattenObs, Float32Obs, needs_flatten
+from .stats import VecEpisodeStatistics, VecNormalizeReward
+from .wrappers import FlattenObs, Float32Obs, flatten_vec_obs, needs_flatten
 
-__all__ = ["make_env", "make_vec_env", "check_start_method"]
+__all__ = ["make_env", "make_vec_env", "check_start_method", "resolve_env_backend"]
+
+
+def resolve_env_backend(backend: str, env_id: str, async_: bool = False, capture_video: bool = False) -> str:
+    """The env backend a vector env of ``env_id`` runs on: "gymnasium" or "envpool".
+
+    ``"auto"`` picks EnvPool when it is installed, has the id (:func:`mamba_rl.envs.envpool_task`) and neither
+    gymnasium's async workers nor video recording are asked for; else gymnasium.
+
+    Raises:
+        ValueError: an unknown backend, or "envpool" with ``async_`` / ``capture_video`` (EnvPool runs its own
+            thread pool and records no video) or an id EnvPool does not have.
+        ImportError: "envpool" without the envpool package.
+    """
+    if backend not in ENV_BACKENDS:
+        raise ValueError(f"env backend must be one of {ENV_BACKENDS}, got {backend!r}")
+    if backend == "gymnasium":
+        return backend
+    if backend == "auto":
+        return "envpool" if (not async_ and not capture_video and envpool_task(env_id) is not None) else "gymnasium"
+    if async_:
+        raise ValueError("env backend 'envpool' steps its envs in its own C++ thread pool; expected async_envs=False "
+                         "(drop --async-envs), got async_envs=True")
+    if capture_video:
+        raise ValueError("env backend 'envpool' records no video; expected capture_video=False (or use "
+                         "--env-backend gymnasium), got capture_video=True")
+    return backend
 
 
 def check_start_method(start_method: str | None) -> None:
@@ -37,6 +68,7 @@ def make_env(
     video_dir: str = "videos",
     flatten_obs: bool = True,
     env_kwargs: dict[str, Any] | None = None,
+    checks: bool = True,
 ) -> gym.Env:
     """Build one (non-vector) env: ``gym.make`` plus optional video and flattening.
 
@@ -50,18 +82,26 @@ def make_env(
             float32 vector with :class:`FlattenObs` (gymnasium's FlattenObservation, picklable;
             discrete parts become one-hot) followed by :class:`Float32Obs`.
         env_kwargs: extra keyword arguments for ``gym.make``.
+        checks: keep the two checking wrappers ``gym.make`` adds, ``PassiveEnvChecker`` (API checks on the
+            first reset and step) and ``OrderEnforcing`` (no step before a reset), as the id's spec asks.
+            False leaves both out (``TimeLimit`` and everything else stay): :func:`make_vec_env` keeps them
+            on sub-env 0 only, since the copies are the same env and the vector env resets them together.
 
     Raises:
         ImportError: a ``popgym-*`` id without the popgym package, or a ``module:EnvId`` whose
             module cannot be imported.
         gymnasium.error.NameNotFound: unknown id (see :func:`check_env_id`).
     """
-    check_env_id(env_id)
+    resolved = check_env_id(env_id)
     kwargs = dict(env_kwargs or {})
     record = capture_video and idx == 0
     if record:
         kwargs["render_mode"] = "rgb_array"
-    env = gym.make(env_id, **kwargs)
+    if checks:
+        env = gym.make(env_id, **kwargs)
+    else:  # the same spec without the two checking layers (~1 µs a step each)
+        env = gym.make(dataclasses.replace(gym.spec(resolved), order_enforce=False), disable_env_checker=True,
+                       **kwargs)
     if record:
         env = gym.wrappers.RecordVideo(env, video_dir, disable_logger=True)
     if flatten_obs and needs_flatten(env.observation_space):
@@ -86,16 +126,20 @@ def make_vec_env(
     gamma: float = 0.99,
     start_method: str | None = None,
     nonfinite: str = "raise",
+    backend: str = "gymnasium",
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
-    The stack, innermost first: per env ``make_env`` (gym.make, RecordVideo on env 0,
-    FlattenObservation); ``SyncVectorEnv`` (or ``AsyncVectorEnv`` with ``async_``) in
-    gymnasium's default NextStep autoreset mode; :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite
-    observations / rewards, dead async workers); vector ``RecordEpisodeStatistics`` (raw
+    The stack, innermost first: per env ``make_env`` (gym.make, with its PassiveEnvChecker and
+    OrderEnforcing on env 0 only; RecordVideo on env 0, FlattenObservation); ``SyncVectorEnv`` (or
+    ``AsyncVectorEnv`` with ``async_``) in gymnasium's default NextStep autoreset mode, or with
+    ``backend="envpool"`` an :class:`~mamba_rl.envs.EnvPoolVecEnv` in its place;
+    :class:`~mamba_rl.envs.guards.EnvGuard` (non-finite observations / rewards, dead async workers);
+    :class:`~mamba_rl.envs.stats.VecEpisodeStatistics` (gymnasium's vector RecordEpisodeStatistics: raw
     returns and lengths in ``info["episode"]``); vector ``NormalizeObservation`` and
-    ``NormalizeReward`` (discounted-return scaling with ``gamma``) if asked. Episode statistics
-    are recorded before any normalisation, so they are the raw returns.
+    :class:`~mamba_rl.envs.stats.VecNormalizeReward` (gymnasium's vector NormalizeReward:
+    discounted-return scaling with ``gamma``) if asked. Episode statistics are recorded before any
+    normalisation, so they are the raw returns.
 
     The env is not reset here. ``seed`` seeds the vector action space; reset with
     ``env.reset(seed=seed)`` to seed sub-env ``i`` with ``seed + i`` (what RecurrentPPO does).
@@ -116,21 +160,47 @@ def make_vec_env(
             module, so it must be importable there (on ``sys.path`` / ``PYTHONPATH``).
         nonfinite: what a NaN / inf observation or reward does: "raise" (NonFiniteEnvError naming the
             env and the step) or "zero" (replaced by 0 and counted); see :class:`EnvGuard`.
+        backend: "gymnasium" (the Sync/AsyncVectorEnv above), "envpool" (an :class:`EnvPoolVecEnv` in place
+            of it, same semantics, ``env_kwargs`` go to ``envpool.make``; the wrappers above it are the same) or
+            "auto" (:func:`resolve_env_backend`).
 
     Returns:
         A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
         Box when ``flatten_obs`` is set.
 
     Raises:
-        ValueError: ``num_envs < 1``, an unknown start method or nonfinite policy.
-        ImportError / gymnasium.error.NameNotFound: see ``make_env``.
+        ValueError: ``num_envs < 1``, an unknown start method, nonfinite policy or backend, or an EnvPool
+            backend that cannot run this (see :func:`resolve_env_backend`).
+        ImportError / gymnasium.error.NameNotFound: see ``make_env``; ImportError: "envpool" without envpool.
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
     check_start_method(start_method)
-    check_env_id(env_id)
+    if resolve_env_backend(backend, env_id, async_, capture_video) == "envpool":
+        envs = EnvPoolVecEnv(env_id, int(num_envs), seed=0 if seed is None else int(seed), pool_kwargs=env_kwargs)
+        if flatten_obs:
+            envs = flatten_vec_obs(envs)
+    else:
+        check_env_id(env_id)
+        envs = _gymnasium_vec_env(env_id, int(num_envs), async_, capture_video, video_dir, flatten_obs, env_kwargs,
+                                  start_method)
+    envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
+    envs = VecEpisodeStatistics(envs)
+    if normalize_obs:
+        envs = gym.wrappers.vector.NormalizeObservation(envs)
+    if normalize_reward:
+        envs = VecNormalizeReward(envs, gamma=gamma)
+    if seed is not None:
+        envs.action_space.seed(int(seed))
+    return envs
+
+
+def _gymnasium_vec_env(env_id: str, num_envs: int, async_: bool, capture_video: bool, video_dir: str,
+                       flatten_obs: bool, env_kwargs: dict[str, Any] | None,
+                       start_method: str | None) -> gym.vector.VectorEnv:
+    """gymnasium's Sync/AsyncVectorEnv (NextStep autoreset) of ``num_envs`` :func:`make_env` envs."""
     thunks = [
         functools.partial(
             make_env,
@@ -140,19 +210,10 @@ def make_vec_env(
             video_dir=video_dir,
             flatten_obs=flatten_obs,
             env_kwargs=env_kwargs,
+            checks=i == 0,
         )
-        for i in range(int(num_envs))
+        for i in range(num_envs)
     ]
     if async_:
-        envs = gym.vector.AsyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP, context=start_method)
-    else:
-        envs = gym.vector.SyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP)
-    envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
-    envs = gym.wrappers.vector.RecordEpisodeStatistics(envs)
-    if normalize_obs:
-        envs = gym.wrappers.vector.NormalizeObservation(envs)
-    if normalize_reward:
-        envs = gym.wrappers.vector.NormalizeReward(envs, gamma=gamma)
-    if seed is not None:
-        envs.action_space.seed(int(seed))
-    return envs
+        return gym.vector.AsyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP, context=start_method)
+    return gym.vector.SyncVectorEnv(thunks, autoreset_mode=AutoresetMode.NEXT_STEP)

@@ -14,6 +14,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from .envpool_backend import EnvPoolVecEnv
+
 __all__ = ["FlattenObs", "Float32Obs", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
            "finished_episodes", "raw_observation_space"]
 
@@ -88,8 +90,9 @@ def finished_episodes(info: dict[str, Any]) -> list[tuple[float, int]]:
     vector env wrapped in ``RecordEpisodeStatistics`` (raw, unnormalised returns)."""
     if "_episode" not in info:
         return []
-    return [(float(info["episode"]["r"][i]), int(info["episode"]["l"][i]))
-            for i in np.nonzero(np.asarray(info["_episode"]))[0]]
+    idx = np.flatnonzero(info["_episode"])
+    ep = info["episode"]
+    return list(zip(np.asarray(ep["r"])[idx].astype(np.float64).tolist(), np.asarray(ep["l"])[idx].astype(np.int64).tolist()))
 
 
 def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
@@ -100,11 +103,13 @@ def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
 def raw_observation_space(envs: gym.vector.VectorEnv) -> spaces.Space | None:
     """The single-env observation space before this package's flattening, read from the stack: the space a
     :class:`FlattenVecObs` flattens, else (a SyncVectorEnv) the one its first sub-env's :class:`FlattenObs`
-    flattens, else that sub-env's own (its outermost wrapper's). None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live
-    in the workers)."""
+    flattens, else that sub-env's own (its outermost wrapper's), or an EnvPool vector env's single observation space.
+    None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live in the workers)."""
     vec = find_vector_wrapper(envs, FlattenVecObs)
     if vec is not None:
         return vec._inner_single
+    if isinstance(envs.unwrapped, EnvPoolVecEnv):
+        return envs.unwrapped.single_observation_space
     if not isinstance(envs.unwrapped, gym.vector.SyncVectorEnv):
         return None
     first = envs.unwrapped.envs[0]

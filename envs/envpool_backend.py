@@ -1,0 +1,180 @@
+"""The EnvPool backend: a C++ thread pool of envs (Weng et al. 2022) behind the gymnasium vector-env API.
+
+Optional: ``pip install -e ".[envpool]"``. :func:`envpool_task` says whether EnvPool can run an env id (its
+own ids, e.g. ``CartPole-v1``, and this package's velocity-masked ids of tasks it has, e.g.
+``mamba_rl/CartPoleNoVel-v1``); :class:`EnvPoolVecEnv` adapts ``envpool.make(..., env_type="gymnasium")`` in
+sync mode (every step steps all envs) to what the rollout expects of the gymnasium path:
+
+* NextStep autoreset (EnvPool's own: the step after a done returns the first observation of the next
+  episode with reward 0 and no done, and ignores its action), declared in ``metadata["autoreset_mode"]``;
+* rows in env order (a sync-mode batch is reordered by its ``env_id`` when EnvPool returns another order);
+* float32 observations (the masked ids keep the same entries as :class:`mamba_rl.envs.MaskObservation`),
+  float64 rewards and bool dones, as a gymnasium ``SyncVectorEnv`` returns them; ``info`` is empty, so
+  the vector statistics above add ``info["episode"]`` exactly as on the gymnasium path;
+* seeding: ``reset(seed=s)`` gives sub-env i the seed ``s + i`` (EnvPool seeds env i with ``seed + i`` at
+  construction, so a reset with a new seed rebuilds the pool); EnvPool's random streams are its own, so the
+  trajectories differ from the gymnasium path's for the same seed, not their dynamics.
+
+:func:`mamba_rl.envs.make_vec_env` stacks the same guard, statistics and normalisation wrappers over it as
+over a SyncVectorEnv. EnvPool's async mode (``batch_size < num_envs``, a different subset of envs per step)
+is not offered: the recurrent rollout steps every env every step (one state row per env, [N, T] storage).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+from gymnasium.vector import AutoresetMode
+
+from .pomdp import POMDP_ENV_IDS
+
+__all__ = ["EnvPoolVecEnv", "envpool_available", "envpool_task", "ENV_BACKENDS"]
+
+ENV_BACKENDS = ("gymnasium", "envpool", "auto")
+
+
+def envpool_available() -> bool:
+    """Whether the optional ``envpool`` package can be imported here (without importing it)."""
+    try:
+        return importlib.util.find_spec("envpool") is not None
+    except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["envpool"] set to None (blocked)
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _envpool_ids() -> frozenset[str]:
+    import envpool
+
+    return frozenset(envpool.list_all_envs())
+
+
+def envpool_task(env_id: str) -> tuple[str, tuple[int, ...] | None, int | None] | None:
+    """What EnvPool runs for ``env_id``: ``(EnvPool task id, kept observation entries or None, max episode
+    steps or None)``, or None when EnvPool is not installed or has no such task. ``mamba_rl/*NoVel*`` ids map to
+    their base task with the velocities masked (same kept entries and time limit as the gymnasium id)."""
+    if not envpool_available():
+        return None
+    ids = _envpool_ids()
+    if env_id in POMDP_ENV_IDS:
+        base, keep, max_steps, _ = POMDP_ENV_IDS[env_id]
+        return (base, tuple(keep), max_steps) if base in ids else None
+    return (env_id, None, None) if env_id in ids else None
+
+
+class _QuietBounds(warnings.catch_warnings):
+    """A ``warnings.catch_warnings`` without gymnasium's warning about EnvPool's float64 Box bounds being cast
+    to its float32 spaces (said once per pool otherwise)."""
+
+    def __enter__(self):
+        out = super().__enter__()
+        warnings.filterwarnings("ignore", message=".*precision lowered by casting", category=UserWarning)
+        return out
+
+
+class EnvPoolVecEnv(gym.vector.VectorEnv):
+    """A sync-mode EnvPool pool as a gymnasium ``VectorEnv`` with the gymnasium path's semantics (module doc).
+
+    Args:
+        env_id: an id :func:`envpool_task` maps (EnvPool's own, or a ``mamba_rl/*NoVel*`` id of a task it has).
+        num_envs: sub-envs, >= 1.
+        seed: the seed of sub-env 0 until a ``reset(seed=...)`` sets another (sub-env i: ``seed + i``).
+        num_threads: EnvPool's worker threads (0: EnvPool's default, one per core up to ``num_envs``).
+        pool_kwargs: extra keyword arguments for ``envpool.make`` (e.g. ``max_episode_steps``).
+
+    Raises:
+        ImportError: envpool is not installed (``pip install -e ".[envpool]"``).
+        ValueError: EnvPool has no task for ``env_id``, or ``num_envs < 1``.
+    """
+
+    metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP}
+
+    def __init__(self, env_id: str, num_envs: int, seed: int = 0, num_threads: int = 0,
+                 pool_kwargs: dict[str, Any] | None = None):
+        if not envpool_available():
+            raise ImportError(f"env backend 'envpool' needs the optional envpool package: pip install -e \".[envpool]\" "
+                              f"(or pip install envpool); got env id {env_id!r}")
+        task = envpool_task(env_id)
+        if task is None:
+            raise ValueError(f"EnvPool has no task for env id {env_id!r}; expected one of envpool.list_all_envs() or a "
+                             f"{sorted(POMDP_ENV_IDS)} id of one (use --env-backend gymnasium for this id)")
+        if int(num_envs) < 1:
+            raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        self.env_id, self.task_id, keep, max_steps = env_id, task[0], task[1], task[2]
+        self.num_envs, self.num_threads = int(num_envs), int(num_threads)
+        self.pool_kwargs = dict(pool_kwargs or {})
+        if max_steps is not None:
+            self.pool_kwargs.setdefault("max_episode_steps", max_steps)
+        self._keep = None if keep is None else np.asarray(keep, dtype=np.int64)
+        self._order = np.arange(self.num_envs, dtype=np.int32)
+        self._seed = int(seed)
+        self.pool = self._make_pool(self._seed)
+        with _QuietBounds():
+            space, act_space = self.pool.observation_space, self.pool.action_space
+        if self._keep is not None:
+            space = spaces.Box(space.low[self._keep], space.high[self._keep], dtype=space.dtype)
+        if isinstance(space, spaces.Box) and space.dtype != np.float32:
+            space = spaces.Box(space.low.astype(np.float32), space.high.astype(np.float32), dtype=np.float32)
+        self.single_observation_space = space
+        self.single_action_space = act_space
+        self.observation_space = gym.vector.utils.batch_space(space, self.num_envs)
+        self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
+        self.closed = False
+
+    def _make_pool(self, seed: int):
+        import envpool
+
+        with _QuietBounds():
+            return envpool.make(self.task_id, env_type="gymnasium", num_envs=self.num_envs, batch_size=self.num_envs,
+                                seed=seed, num_threads=self.num_threads, **self.pool_kwargs)
+
+    def _rows(self, obs: np.ndarray, info: dict[str, Any], *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The batch in env order, observations masked and float32."""
+        env_id = info.get("env_id")
+        if env_id is not None and not (env_id.shape == self._order.shape and (env_id == self._order).all()):
+            order = np.argsort(env_id, kind="stable")
+            obs, arrays = obs[order], tuple(a[order] for a in arrays)
+        if self._keep is not None:
+            obs = obs[:, self._keep]
+        return (np.asarray(obs, dtype=np.float32), *arrays)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Reset every sub-env; ``seed`` (an int) reseeds sub-env i with ``seed + i`` (a new pool).
+
+        Raises:
+            ValueError: ``options`` (EnvPool's sync mode resets all envs) or a seed that is not an int.
+        """
+        if options:
+            raise ValueError(f"EnvPoolVecEnv.reset: expected no options (every env is reset), got {options!r}")
+        if seed is not None:
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+                raise ValueError(f"EnvPoolVecEnv.reset: expected an int seed (sub-env i gets seed + i), got {seed!r}")
+            if int(seed) != self._seed or getattr(self, "_stepped", False):
+                self.pool.close()
+                self._seed = int(seed)
+                self.pool = self._make_pool(self._seed)
+        self._stepped = True
+        with _QuietBounds():
+            obs, info = self.pool.reset()
+        (obs,) = self._rows(obs, info)
+        return obs, {}
+
+    def step(self, actions: Any):
+        """Step every sub-env (NextStep autoreset); returns float32 obs, float64 rewards, bool dones, ``{}``."""
+        obs, reward, term, trunc, info = self.pool.step(np.asarray(actions))
+        obs, reward, term, trunc = self._rows(obs, info, reward, term, trunc)
+        return obs, reward.astype(np.float64), term.astype(bool, copy=False), trunc.astype(bool, copy=False), {}
+
+    def close_extras(self, **kwargs: Any) -> None:
+        """Close the pool (its threads)."""
+        pool = getattr(self, "pool", None)
+        if pool is not None:
+            pool.close()
+
+    def __getstate__(self):
+        raise TypeError("an EnvPool vector env cannot be pickled (its envs live in a C++ thread pool)")
