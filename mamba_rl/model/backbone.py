@@ -31,6 +31,28 @@ BACKENDS = ("auto", "cuda", "cpu", "reference")
 _WARNED: set[str] = set()
 
 
+def _check_device(device) -> None:
+    """Raise ValueError for a device this process cannot use: not a device at all, CUDA where no CUDA device
+    is available (instead of torch's driver RuntimeError at the first allocation), or a CUDA index past
+    ``torch.cuda.device_count()``."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"MambaBackbone: device must be a torch.device or a string such as 'cpu' or 'cuda', "
+                         f"got {device!r} ({e})") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"MambaBackbone: device {str(device)!r} asked for, but CUDA is not available here "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                             f"use device='cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"MambaBackbone: device {str(device)!r} asked for, but only {n} CUDA device(s) "
+                             f"are visible (indices 0..{n - 1})")
+
+
 def _guard_fused_backward(net, node) -> None:
     """Pre/post hooks on the fused node (pure Python, nothing on the device in the usual case): a backward
     with grad mode on (``create_graph=True``) raises RuntimeError, since the node has no double backward; a
@@ -91,6 +113,8 @@ class MambaBackbone(ArenaModule):
     """
 
     def __new__(cls, cfg=None, *args, **kwargs):
+        # checked here so that every layer kind (Mamba3Backbone too) refuses a device it cannot use up front
+        _check_device(kwargs["device"] if "device" in kwargs else (args[1] if len(args) > 1 else None))
         # layer="Mamba3" builds the Mamba-3 backbone, a subclass with the same API (mamba_rl/model/mamba3.py)
         if cls is MambaBackbone and isinstance(cfg, MambaConfig) and cfg.layer == "Mamba3":
             from .mamba3 import Mamba3Backbone
