@@ -299,8 +299,11 @@ class MambaBackbone(ArenaModule):
         req = x is not None and x.requires_grad
         if initial_state is not None:
             req = req or initial_state.conv.requires_grad or initial_state.ssm.requires_grad
-        names = (n for n, _ in self._layout)
-        return autograd_support(zip(names, (p for _, _, p in self._param_slots)), inputs_require_grad=req)
+        named = self.__dict__.get("_named_slots")
+        if named is None:  # the registered Parameter objects never change (the arena re-binds their .data)
+            named = self.__dict__["_named_slots"] = tuple((n, p) for (n, _), (_, _, p) in zip(self._layout,
+                                                                                             self._param_slots))
+        return autograd_support(named, inputs_require_grad=req)
 
     def _use_fused(self, initial_state, x: torch.Tensor | None = None) -> bool:
         """The kernel backends run the whole backbone as one node with a hand-written backward
