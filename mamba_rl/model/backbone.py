@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from ..config import MambaConfig
 from ..ops import causal_conv1d, causal_conv1d_ref, rms_norm, rms_norm_ref, selective_scan, selective_scan_ref
-from ..ops.capability import Support, kernel_support
+from ..ops.capability import Support, autograd_support, kernel_support
 from ..ops.checks import check_tensor
 from ..ops.extension import extension, extension_error, fallback_message
 from ..ops.step import backbone_step_packed, pack_step_weights
@@ -31,6 +31,54 @@ BACKENDS = ("auto", "cuda", "cpu", "reference")
 _WARNED: set[str] = set()
 
 
+def _check_device(device) -> None:
+    """Raise ValueError for a device this process cannot use: not a device at all, CUDA where no CUDA device
+    is available (instead of torch's driver RuntimeError at the first allocation), or a CUDA index past
+    ``torch.cuda.device_count()``."""
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"MambaBackbone: device must be a torch.device or a string such as 'cpu' or 'cuda', "
+                         f"got {device!r} ({e})") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"MambaBackbone: device {str(device)!r} asked for, but CUDA is not available here "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                             f"use device='cpu'")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"MambaBackbone: device {str(device)!r} asked for, but only {n} CUDA device(s) "
+                             f"are visible (indices 0..{n - 1})")
+
+
+def _guard_fused_backward(net, node) -> None:
+    """Pre/post hooks on the fused node (pure Python, nothing on the device in the usual case): a backward
+    with grad mode on (``create_graph=True``) raises RuntimeError, since the node has no double backward; a
+    backward that does not accumulate into the parameters (``torch.autograd.grad(out, [x])``,
+    ``backward(inputs=[x])``) gets x's gradient and leaves ``.grad`` (the gradient arena) as it was."""
+    anchor = node.next_functions[1][0]  # the zero-size leaf standing for the parameters (fused_backbone)
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)
+    saved = []
+
+    def pre(grad_outputs):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"MambaBackbone (backend {net.backend!r}): higher-order gradients (create_graph=True) are not "
+                f"supported through the fused kernel node; use backend='reference' (or torch.func.functional_call, "
+                f"which runs the reference math) for double backward")
+        if anchor is None or (will_run is not None and not will_run(anchor)):
+            saved.append(net.grad_arena.clone())
+
+    def post(grad_inputs, grad_outputs):
+        if saved:
+            net.grad_arena.copy_(saved.pop())
+
+    node.register_prehook(pre)
+    node.register_hook(post)
+
+
 class MambaBackbone(ArenaModule):
     """Mamba-1 backbone ``x [B, T, input_dim] -> features [B, T, d_model]`` with RL reset semantics.
 
@@ -45,12 +93,28 @@ class MambaBackbone(ArenaModule):
         dtype: master dtype, torch.float32 (default) or torch.float64 (reference backend only; for
             gradient checks).
 
+    Gradients on the kernel backends ("cpu", "cuda"): the whole backbone is one autograd node whose
+    ``backward()`` accumulates every parameter gradient into ``.grad`` (views of the flat gradient arena),
+    outside autograd. So ``loss.backward()`` gives the reference backend's ``.grad``, and the gradient of x
+    flows as usual. Where that would differ, the reference math runs instead: grad mode on with some
+    parameters frozen (``requires_grad_(False)``; all frozen is fine when x / the state need no grad),
+    a hook on a parameter, a gradient into the initial state, or parameters swapped in
+    (``torch.func.functional_call``). ``torch.autograd.grad(out, [x])`` (or ``backward(inputs=[x])``) leaves
+    ``.grad`` unchanged. Not supported on the kernel node: ``torch.autograd.grad(out, params)`` (the node has
+    no edge to the parameters: torch reports them unused, or None with ``allow_unused=True``) and higher-order
+    gradients (``create_graph=True`` raises RuntimeError in backward). For those use backend="reference" or
+    ``torch.func.functional_call`` (which runs the reference math on the swapped-in tensors).
+
     Raises:
-        ValueError: bad input_dim, dtype, backend, or an input of the wrong shape/dtype/device in forward.
-        RuntimeError: backend "cuda" or "cpu" asked for but its kernels cannot load (the message says why).
+        ValueError: bad input_dim, dtype, backend or device (e.g. "cuda" where CUDA is not available), or
+            an input of the wrong shape/dtype/device in forward.
+        RuntimeError: backend "cuda" or "cpu" asked for but its kernels cannot load (the message says why);
+            in backward, ``create_graph=True`` through the kernel node.
     """
 
     def __new__(cls, cfg=None, *args, **kwargs):
+        # checked here so that every layer kind (Mamba3Backbone too) refuses a device it cannot use up front
+        _check_device(kwargs["device"] if "device" in kwargs else (args[1] if len(args) > 1 else None))
         # layer="Mamba3" builds the Mamba-3 backbone, a subclass with the same API (mamba_rl/model/mamba3.py)
         if cls is MambaBackbone and isinstance(cfg, MambaConfig) and cfg.layer == "Mamba3":
             from .mamba3 import Mamba3Backbone
@@ -194,10 +258,11 @@ class MambaBackbone(ArenaModule):
         """
         self.check_inputs(x, initial_state, episode_starts)
         empty = x.shape[0] == 0  # no rows: nothing for a kernel to do, the reference returns empty tensors
-        if not empty and self._use_fused(initial_state):
+        if not empty and self._use_fused(initial_state, x):
             return self._forward_fused(x, initial_state, episode_starts)
         c = self.cfg
-        ops = self._ops(reference=empty or (self.backend != "reference" and not self.params_are_arena()))
+        ops = self._ops(reference=empty or (self.backend != "reference" and (
+            not self.params_are_arena() or not self.autograd_support(x, initial_state))))
         rdt, cdt = self.arena.dtype, self.compute_dtype
         h = F.linear(x.to(cdt), self.weight("input_proj.weight"), self.weight("input_proj.bias")).to(rdt)
         conv_f, ssm_f = [], []
@@ -226,11 +291,25 @@ class MambaBackbone(ArenaModule):
                               d_conv=c.d_conv, n_layers=c.n_layers, dt_rank=c.dt_rank_value,
                               input_dim=self.input_dim, dtype=self.compute_dtype, device=self.device)
 
-    def _use_fused(self, initial_state) -> bool:
+    def autograd_support(self, x: torch.Tensor | None = None, initial_state: RecurrentState | None = None) -> Support:
+        """(ok, reason): would the fused node's backward (every parameter gradient into the gradient arena,
+        outside autograd) give what autograd gives for these inputs under the current grad mode?
+        :func:`mamba_rl.ops.capability.autograd_support`: not when some parameters are frozen or have hooks.
+        When not ok, :meth:`forward` runs the reference math."""
+        req = x is not None and x.requires_grad
+        if initial_state is not None:
+            req = req or initial_state.conv.requires_grad or initial_state.ssm.requires_grad
+        named = self.__dict__.get("_named_slots")
+        if named is None:  # the registered Parameter objects never change (the arena re-binds their .data)
+            named = self.__dict__["_named_slots"] = tuple((n, p) for (n, _), (_, _, p) in zip(self._layout,
+                                                                                             self._param_slots))
+        return autograd_support(named, inputs_require_grad=req)
+
+    def _use_fused(self, initial_state, x: torch.Tensor | None = None) -> bool:
         """The kernel backends run the whole backbone as one node with a hand-written backward
-        (:mod:`mamba_rl.model.fused`) when :meth:`kernel_support` ("sequence") says so, unless a gradient
-        into the initial state is asked for (then the per-op autograd path serves)."""
-        if not self.kernel_support("sequence"):
+        (:mod:`mamba_rl.model.fused`) when :meth:`kernel_support` ("sequence") and :meth:`autograd_support`
+        say so, unless a gradient into the initial state is asked for (then the per-op autograd path serves)."""
+        if not self.kernel_support("sequence") or not self.autograd_support(x, initial_state):
             return False
         return initial_state is None or not (initial_state.conv.requires_grad or initial_state.ssm.requires_grad)
 
@@ -243,6 +322,8 @@ class MambaBackbone(ArenaModule):
         if episode_starts is None:
             episode_starts = torch.zeros(B, T, dtype=torch.bool, device=x.device)
         feat, conv_f, ssm_f = fused_backbone(self, x, conv0, ssm0, episode_starts.contiguous())
+        if feat.grad_fn is not None:
+            _guard_fused_backward(self, feat.grad_fn)
         return feat, RecurrentState(conv_f, ssm_f)
 
     @torch.no_grad()

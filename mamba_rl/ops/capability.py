@@ -21,6 +21,10 @@ are those of the kernels in ``csrc/`` (each number below is checked there too, w
 The op-independent condition, that the module's parameters are its arena's own views (not tensors swapped in
 by ``torch.func.functional_call``), is :meth:`~mamba_rl.model.arena.ArenaModule.params_are_arena`; the
 backbone asks both (:meth:`~mamba_rl.model.backbone.MambaBackbone.kernel_support`).
+
+The ``sequence`` node's backward adds every parameter gradient straight into the flat gradient arena (the
+parameters' ``.grad``), outside autograd. :func:`autograd_support` says when that would differ from what
+autograd computes (frozen parameters, parameter hooks), so the backbone runs the reference math instead.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Support", "kernel_support", "OPS", "CUDA_NORM_FWD_MAX", "CUDA_NORM_BWD_MAX", "CUDA_CONV_K",
+__all__ = ["Support", "kernel_support", "autograd_support", "OPS", "CUDA_NORM_FWD_MAX", "CUDA_NORM_BWD_MAX", "CUDA_CONV_K",
            "CUDA_SCAN_N", "STEP_MAX_LAYERS"]
 
 OPS = ("rms_norm_fwd", "rms_norm_bwd", "conv", "scan", "sequence", "step")
@@ -146,3 +150,36 @@ def kernel_support(backend: str, op: str, *, d_model: int | None = None, d_inner
     if smem > lim:
         return _no(f"step: one row needs {smem} bytes of shared memory, the device allows {lim} per block")
     return _OK
+
+
+def autograd_support(named_params, *, inputs_require_grad: bool = False, grad_enabled: bool | None = None) -> Support:
+    """Can the fused ``sequence`` node stand in for autograd here?
+
+    Its backward writes the gradients of *all* parameters into ``.grad`` (the flat gradient arena) and
+    creates no autograd edge to any parameter. That equals autograd when grad mode is off, or when every
+    parameter requires grad and none has a hook, or when no parameter requires grad and no input (x, the
+    initial state) does either (then nothing is differentiated).
+
+    Args:
+        named_params: iterable of (name, parameter) pairs (the module's registered parameters).
+        inputs_require_grad: whether x or the initial state requires grad.
+        grad_enabled: grad mode (None: ``torch.is_grad_enabled()``).
+    Returns:
+        :class:`Support`; ``reason`` names the first parameter that is frozen or has a hook.
+    """
+    if not (torch.is_grad_enabled() if grad_enabled is None else grad_enabled):
+        return _OK
+    frozen = None
+    n_frozen = n_total = 0
+    for name, p in named_params:
+        n_total += 1
+        if not p.requires_grad:
+            n_frozen += 1
+            frozen = frozen or name
+        elif p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return _no(f"sequence: parameter {name!r} has a gradient hook; the fused node does not call parameter "
+                       f"hooks, so the reference math runs")
+    if n_frozen == 0 or (n_frozen == n_total and not inputs_require_grad):
+        return _OK
+    return _no(f"sequence: parameter {frozen!r} has requires_grad=False ({n_frozen} of {n_total} frozen, grad mode "
+               f"on); the fused node writes every parameter's gradient, so the reference math runs")

@@ -5,10 +5,16 @@ format version, the MambaConfig, input_dim, the optimizer hyperparameters and st
 and the caller's ``extra``. Tensors: ``master`` (the flat float32 weight arena), ``exp_avg``,
 ``exp_avg_sq`` (AdamW moments), ``state_conv`` / ``state_ssm`` (the trainer's carried recurrent state),
 plus any tensors the caller passes in ``extra_tensors`` (prefixed ``extra/``).
+
+Integrity: the metadata holds ``sha256``, name -> SHA-256 of each tensor's raw bytes (little-endian, C
+order), verified on read (a checkpoint written before digests existed has none and still loads). Master
+weights and AdamW moments must be finite, on save (nothing is written) and on load.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -17,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "validate_trainer_state", "FORMAT_VERSION",
-           "CheckpointError", "fsync_path", "remove_stale_temporaries"]
+           "CheckpointError", "fsync_path", "remove_stale_temporaries", "tensor_sha256"]
 
 FORMAT_VERSION = 1
 _KEY = "mamba_rl"
@@ -25,6 +31,25 @@ _KEY = "mamba_rl"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read (truncated, corrupt, wrong format) or does not fit the trainer."""
+
+
+_FINITE = ("master", "exp_avg", "exp_avg_sq")  # tensors that must hold only finite values
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Hex SHA-256 of a tensor's raw bytes (CPU copy, contiguous, native little-endian element layout)."""
+    b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(b)).hexdigest()
+
+
+def _check_finite(tensors: dict, where: str) -> None:
+    for k in _FINITE:
+        t = tensors.get(k)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            bad = int((~torch.isfinite(t)).sum())
+            if bad:
+                raise CheckpointError(f"{where}: tensor {k!r} holds {bad} non-finite values (NaN/inf) of "
+                                      f"{t.numel()}; expected finite values")
 
 
 def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dict | None = None) -> str:
@@ -43,6 +68,8 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
     Raises:
         ValueError: ``extra`` is not a JSON-serialisable dict (NaN and inf are refused), or
             ``extra_tensors`` is not a str -> tensor dict.
+        CheckpointError (a ValueError): the master weights or AdamW moments hold NaN/inf; nothing is written
+            and a file already at ``path`` is left as it was.
     """
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"save_checkpoint: extra must be a JSON-able dict, got {type(extra).__name__}")
@@ -51,14 +78,16 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
             raise ValueError(f"save_checkpoint: extra_tensors must map str -> torch.Tensor, got {k!r} -> "
                              f"{type(v).__name__}")
     sd = trainer.state_dict()
-    meta = dict(sd["meta"], format_version=FORMAT_VERSION, extra=extra or {})
+    _check_finite(sd["tensors"], f"save_checkpoint: refusing to write {os.fspath(path)!r}")
+    tensors = {k: v.contiguous() for k, v in sd["tensors"].items()}
+    for k, v in (extra_tensors or {}).items():
+        tensors[f"extra/{k}"] = v.detach().cpu().contiguous()
+    meta = dict(sd["meta"], format_version=FORMAT_VERSION, extra=extra or {},
+                sha256={k: tensor_sha256(v) for k, v in tensors.items()})
     try:
         meta_json = json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"save_checkpoint: extra must be JSON-serialisable: {e}") from e
-    tensors = {k: v.contiguous() for k, v in sd["tensors"].items()}
-    for k, v in (extra_tensors or {}).items():
-        tensors[f"extra/{k}"] = v.detach().cpu().contiguous()
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -165,7 +194,27 @@ def read_checkpoint(path) -> tuple[dict, dict]:
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: format_version {meta.get('format_version')!r}, "
                               f"expected {FORMAT_VERSION}")
+    _verify_digests(path, meta, tensors)
     return meta, tensors
+
+
+def _verify_digests(path: str, meta: dict, tensors: dict) -> None:
+    """Check ``meta["sha256"]`` (when present: older checkpoints have none) against every tensor."""
+    if "sha256" not in meta:
+        return
+    digests = meta["sha256"]
+    if not isinstance(digests, dict) or not all(isinstance(v, str) for v in digests.values()):
+        raise CheckpointError(f"checkpoint {path!r}: metadata 'sha256' must map tensor names to hex digests, "
+                              f"got {type(digests).__name__}")
+    if set(digests) != set(tensors):
+        raise CheckpointError(f"checkpoint {path!r}: the tensors {sorted(tensors)} do not match the ones the save "
+                              f"recorded {sorted(digests)} (missing {sorted(set(digests) - set(tensors))}, "
+                              f"unexpected {sorted(set(tensors) - set(digests))})")
+    for k, t in tensors.items():
+        got = tensor_sha256(t)
+        if got != digests[k]:
+            raise CheckpointError(f"checkpoint {path!r}: tensor {k!r} is corrupt: SHA-256 of its bytes is "
+                                  f"{got[:16]}..., the save recorded {digests[k][:16]}...")
 
 
 def load_checkpoint(path, trainer=None) -> dict:
@@ -174,19 +223,26 @@ def load_checkpoint(path, trainer=None) -> dict:
     Returns:
         the metadata dict (config, step, lr, ..., ``extra``) with ``extra_tensors`` (name -> CPU tensor).
     Raises:
-        CheckpointError: unreadable file, or a config / input_dim / tensor shape that does not fit the
-            trainer; the trainer is left unchanged in that case.
+        CheckpointError: unreadable or corrupt file (a tensor whose SHA-256 differs from the recorded one),
+            non-finite master weights or moments, out-of-range optimizer / scaler metadata, or a config /
+            input_dim / tensor shape that does not fit the trainer; the trainer is left unchanged then.
     """
     meta, tensors = read_checkpoint(path)
     if trainer is not None:
         core = {k: v for k, v in tensors.items() if not k.startswith("extra/")}
         try:
             trainer.load_state_dict({"meta": meta, "tensors": core})
+        except CheckpointError as e:
+            raise CheckpointError(f"checkpoint {os.fspath(path)!r}: {e}") from e
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint {os.fspath(path)!r} does not fit this trainer: {e}") from e
     meta = dict(meta)
     meta["extra_tensors"] = {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}
     return meta
+
+
+def _is_num(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float))
 
 
 @dataclass
@@ -205,8 +261,12 @@ def validate_trainer_state(trainer, sd: dict) -> TrainerLoadPlan:
     """Check a :meth:`MambaTrainer.state_dict` against ``trainer`` without writing anything.
 
     Raises:
-        ValueError: naming what does not fit (config, input_dim, a tensor's shape or dtype, a bad counter,
-            the scaler) with the expected and the received value.
+        ValueError: naming what does not fit (config, input_dim, a tensor's shape or dtype) with the expected
+            and the received value.
+        CheckpointError (a ValueError): a counter, bias correction or scaler field out of its range (step an
+            int in [0, 2**53], bias corrections in (0, 1], lr finite >= 0, scale finite > 0, growth_tracker
+            an int >= 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval an int >= 1), or
+            non-finite master weights / AdamW moments; the message names the field, expected and received.
     """
     where = "MambaTrainer.load_state_dict"
     if not isinstance(sd, dict) or not isinstance(sd.get("meta"), dict) or not isinstance(sd.get("tensors"), dict):
@@ -225,15 +285,26 @@ def validate_trainer_state(trainer, sd: dict) -> TrainerLoadPlan:
         raise ValueError(f"{where}: checkpoint is for config {meta['config']} with input_dim "
                          f"{meta['input_dim']}, this trainer has {mine} with input_dim {trainer.net.input_dim}")
     step, bc1, bc2, lr, sc = (meta[k] for k in ("step", "bias_correction1", "bias_correction2", "lr", "scaler"))
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"{where}: step must be an int >= 0, got {step!r}")
-    for k, v in (("bias_correction1", bc1), ("bias_correction2", bc2), ("lr", lr)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < float("inf")):
-            raise ValueError(f"{where}: {k} must be a finite number >= 0, got {v!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2 ** 53:
+        raise CheckpointError(f"{where}: step must be an int in [0, 2**53] (exact in the float64 counter), "
+                              f"got {step!r}")
+    for k, v in (("bias_correction1", bc1), ("bias_correction2", bc2)):
+        if not _is_num(v) or not 0 < v <= 1:
+            raise CheckpointError(f"{where}: {k} (1 - beta**step, 1 before the first step) must be a number in "
+                                  f"(0, 1], got {v!r}")
+    if not _is_num(lr) or not 0 <= lr < math.inf:
+        raise CheckpointError(f"{where}: lr must be a finite number >= 0, got {lr!r}")
     sc_keys = ("scale", "growth_tracker", "growth_factor", "backoff_factor", "growth_interval")
-    if not isinstance(sc, dict) or any(k not in sc or isinstance(sc[k], bool) or not isinstance(sc[k], (int, float))
-                                       for k in sc_keys):
-        raise ValueError(f"{where}: scaler must be a dict with numeric {list(sc_keys)}, got {sc!r}")
+    if not isinstance(sc, dict) or any(k not in sc or not _is_num(sc[k]) for k in sc_keys):
+        raise CheckpointError(f"{where}: scaler must be a dict with numeric {list(sc_keys)}, got {sc!r}")
+    ranges = {"scale": ("a finite number > 0", lambda v: 0 < v < math.inf),
+              "growth_tracker": ("an int >= 0", lambda v: isinstance(v, int) and v >= 0),
+              "growth_factor": ("a finite number > 1", lambda v: 1 < v < math.inf),
+              "backoff_factor": ("a number in (0, 1)", lambda v: 0 < v < 1),
+              "growth_interval": ("an int >= 1", lambda v: isinstance(v, int) and v >= 1)}
+    for k, (want_, ok) in ranges.items():
+        if not ok(sc[k]):
+            raise CheckpointError(f"{where}: scaler {k} must be {want_}, got {sc[k]!r}")
     want = {"master": trainer.net.arena, "exp_avg": trainer.exp_avg, "exp_avg_sq": trainer.exp_avg_sq}
     for k, t in want.items():
         v = tens.get(k)
@@ -241,6 +312,7 @@ def validate_trainer_state(trainer, sd: dict) -> TrainerLoadPlan:
             got = "nothing" if v is None else f"shape {list(v.shape)} dtype {v.dtype}" \
                 if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(f"{where}: tensor {k!r} expected shape {list(t.shape)} dtype torch.float32, got {got}")
+    _check_finite(tens, where)
     has_state = [k in tens for k in ("state_conv", "state_ssm")]
     if has_state[0] != has_state[1]:
         raise ValueError(f"{where}: the carried state needs both 'state_conv' and 'state_ssm', got only one")
