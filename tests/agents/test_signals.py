@@ -84,7 +84,7 @@ def test_a_second_ctrl_c_during_the_save_waits_for_it(tmp_path):
 
 
 _SIMULTANEOUS = """
-import os, signal, sys
+import os, signal, sys, threading
 from mamba_rl.agents import RecurrentPPO
 from mamba_rl.agents.cli import main
 
@@ -92,9 +92,9 @@ real_update = RecurrentPPO.update_policy
 def update_policy(self):  # Ctrl-C and SIGTERM delivered together: Python runs the second handler at its next
     if self.update == 1:  # check, i.e. inside the `except KeyboardInterrupt` that saves (the race, made certain)
         both = {signal.SIGINT, signal.SIGTERM}
-        signal.pthread_sigmask(signal.SIG_BLOCK, both)
-        os.kill(os.getpid(), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pthread_sigmask(signal.SIG_BLOCK, both)  # thread-directed: both stay pending on this thread
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)  # (a process-directed kill could go
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # to another thread at once)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, both)
     return real_update(self)
 RecurrentPPO.update_policy = update_policy
