@@ -71,9 +71,11 @@ class MambaTrainer:
             None decays everything.
         max_grad_norm: global-norm clip (clip_grad_norm_ semantics) or None.
         growth_interval: f16 scaler growth interval (2000).
-        skip_nonfinite: skip a step whose gradient norm is NaN / inf (weights, moments and the step counter
-            unchanged, ``overflow_skipped`` set) in every dtype, not only under the f16 scaler (where it is
-            always on). The RL agent sets it, so one bad minibatch never reaches the weights.
+        skip_nonfinite: skip a step whose gradient norm (backbone plus ``extra_grad_sq``) is NaN / inf
+            (weights, moments and the step counter unchanged, ``overflow_skipped`` set) in every dtype, not only
+            under the f16 scaler (where it is always on); rows of the carried state that came out non-finite
+            keep the state they started from. The RL agent sets it, so one bad minibatch never reaches the
+            weights.
 
     Raises:
         ValueError: on bad arguments, or an input of the wrong shape, dtype or device.
@@ -181,8 +183,22 @@ class MambaTrainer:
         self._state_used.copy_(self.state)
         feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
         self.state.copy_(final.detach())
+        if self.skip_nonfinite:
+            self._keep_finite_rows()
         self._feat = feat
         return feat
+
+    def _keep_finite_rows(self):
+        """Rows of the carried state that came out non-finite (a NaN / inf input, whose step is then skipped)
+        keep the state they started from, so one bad batch does not make every later step non-finite too.
+        Device ops only (graph-capturable)."""
+        parts = ((self.state.conv, self._state_used.conv), (self.state.ssm, self._state_used.ssm))
+        bad = None
+        for cur, _ in parts:  # [L, B, ...] -> [B]: any non-finite value of the row in any layer
+            row_bad = ~torch.isfinite(cur).flatten(2).all(dim=2).all(dim=0)
+            bad = row_bad if bad is None else bad | row_bad
+        for cur, old in parts:
+            cur.copy_(torch.where(bad.view(1, -1, *([1] * (cur.dim() - 2))), old, cur))
 
     def _backward_body(self, optimizer_step: bool, retain_graph: bool = False):
         net = self.net
@@ -193,6 +209,8 @@ class MambaTrainer:
         if optimizer_step:
             if self.grad_hook is not None:  # e.g. the data-parallel all-reduce, before the clip sees the arena
                 self.grad_hook()
+            if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
+                net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
             grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
             adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
                        self.n_decay, net.compute_arena)

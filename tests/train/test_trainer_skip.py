@@ -31,3 +31,34 @@ def test_skip_nonfinite_must_be_a_bool():
     net = MambaBackbone(MambaConfig(d_model=16, n_layers=1, d_state=4), 3, backend="reference")
     with pytest.raises(ValueError, match="skip_nonfinite must be a bool, got 1"):
         MambaTrainer(net, batch=1, seq_len=1, skip_nonfinite=1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_extra_grad_sq_skips_the_step(bad):
+    torch.manual_seed(1)
+    net = MambaBackbone(MambaConfig(d_model=16, n_layers=1, d_state=4), 3, seed=2, backend="reference")
+    tr = MambaTrainer(net, batch=2, seq_len=8, lr=1e-2, skip_nonfinite=True)
+    x, d = torch.randn(2, 8, 3), torch.randn(2, 8, 16)
+    before = net.arena.clone()
+    tr.forward(x)
+    m = tr.backward_step(d, extra_grad_sq=torch.tensor(bad))
+    assert bool(m.overflow_skipped) and torch.equal(net.arena, before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_a_skipped_nan_batch_does_not_poison_later_steps(backend):
+    """A NaN input row is skipped and its carried state row keeps what it started from, so the next clean
+    batch steps normally (before: the carried state went NaN and every later step was skipped)."""
+    torch.manual_seed(2)
+    net = MambaBackbone(MambaConfig(d_model=16, n_layers=1, d_state=4), 3, seed=3, backend=backend)
+    tr = MambaTrainer(net, batch=2, seq_len=8, lr=1e-2, skip_nonfinite=True)
+    x, d = torch.randn(2, 8, 3), torch.randn(2, 8, 16)
+    tr.step(x, d)
+    state_before = tr.state.ssm.clone()
+    bad = x.clone()
+    bad[0, 4, 1] = float("nan")
+    assert bool(tr.step(bad, d).overflow_skipped)
+    assert torch.isfinite(tr.state.ssm).all()
+    assert torch.equal(tr.state.ssm[:, 0], state_before[:, 0])  # the bad row kept its state
+    m = tr.step(x, d)
+    assert not bool(m.overflow_skipped) and int(m.step) == 2 and torch.isfinite(net.arena).all()
