@@ -121,6 +121,8 @@ class MambaTrainer:
         self._state_used = net.initial_state(batch)  # what the current forward started from (saved by autograd)
         self._feat = None
         self._graphs = GraphSet("MambaTrainer", self._graph_buffers)
+        # the CPU extension for grad_stats / AdamW (C++ passes) when the backbone runs the cpu backend
+        self._cpu_kernels = net.kernels if net.backend == "cpu" and dev.type == "cpu" else None
 
     # ------------------------------------------------------------------------------------ inputs
     def _load(self, x, initial_state, episode_starts, where):
@@ -185,9 +187,10 @@ class MambaTrainer:
         if optimizer_step:
             if self.grad_hook is not None:  # e.g. the data-parallel all-reduce, before the clip sees the arena
                 self.grad_hook()
-            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
+            cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
+            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars, kernels=cpu)
             adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                       self.n_decay, net.compute_arena)
+                       self.n_decay, net.compute_arena, kernels=cpu)
             if self.scaler.enabled:
                 self.scaler.update(self.scalars[FOUND_INF])
                 self.scalars[LOSS_SCALE] = self.scaler.scale[0]
