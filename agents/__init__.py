@@ -9,7 +9,7 @@ heads, acting), :func:`evaluate_policy`, :func:`compute_gae`, :class:`RolloutBuf
 
 from __future__ import annotations
 
-import importlib
+from mamba_rl._lazy import lazy_exports
 
 # Public name -> defining submodule, imported on first use (PEP 562): the CLI's ``--help`` needs only the
 # configs, not torch or gymnasium.
@@ -25,13 +25,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'mamba_rl.agents' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

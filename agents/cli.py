@@ -170,7 +170,16 @@ def _user_input() -> Iterator[None]:
         yield
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError,
             gym.error.Error) as err:  # mamba_rl.CheckpointError is a ValueError
-        raise UsageError(str(err).strip() or type(err).__name__) from err
+        raise UsageError(_flag_names(str(err).strip() or type(err).__name__)) from err
+
+
+def _flag_names(message: str) -> str:
+    """Name a config field the way the user typed it: "PPOConfig.num_envs ..." -> "--num-envs (PPOConfig.num_envs)
+    ...", so a refused value points at its flag."""
+    import re
+
+    return re.sub(r"\b(PPOConfig|MambaConfig)\.(\w+)",
+                  lambda m: f"--{m.group(2).replace('_', '-')} ({m.group(0)})", message, count=1)
 
 
 @contextlib.contextmanager
@@ -269,7 +278,10 @@ def _run_train(args: argparse.Namespace) -> int:
     recent = list(agent.recent_returns)
     if recent:
         print(f"mean return of the last {len(recent)} episodes: {sum(recent) / len(recent):.2f}", file=sys.stderr)
-    print(f"done: {_steps(agent.global_step)} env steps in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    session = "" if agent.global_step - start_step == agent.global_step else \
+        f", {_steps(agent.global_step - start_step)} of them in this session"
+    print(f"done: {_steps(agent.global_step)} env steps{session}, in {time.perf_counter() - start:.0f} s",
+          file=sys.stderr)
     print(f"checkpoint: {final}")
     agent.close()
     return 0
@@ -416,6 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as err:
         print(f"mamba-rl {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training started (imports, env and model setup): nothing to save
+        print(f"\nmamba-rl {args.command}: interrupted before anything was saved", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

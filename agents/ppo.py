@@ -42,7 +42,6 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.ops.optim import make_hyper
 from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, make_env, make_vec_env,
                            raw_observation_space)
 
@@ -127,13 +126,8 @@ class RecurrentPPO:
         self.trainer = MambaTrainer(p.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,
-                                    no_decay="reference", max_grad_norm=config.max_grad_norm)
-        # a step whose gradient holds NaN / inf is skipped in every dtype, not only under the f16 scaler: the
-        # trainer's hyperparameter buffer rebuilt by mamba_rl.ops.optim.make_hyper (its layout, by argument
-        # name) with skip_on_overflow on; the update skips the heads with it, counted in overflow_skipped
-        tr = self.trainer
-        tr.hyper.copy_(make_hyper(tr.lr, tr.betas, tr.eps, tr.weight_decay, tr.max_grad_norm, skip_on_overflow=True,
-                                  device=tr.device))
+                                    no_decay="reference", max_grad_norm=config.max_grad_norm,
+                                    skip_nonfinite=True)  # a NaN / inf step is skipped in every dtype (counted)
         self.dp = DataParallel() if self.world_size > 1 else None
         # data-parallel: the envs' running normalisation statistics, merged over the ranks once per update
         self.stats_sync = RunningStatsSync(self.envs) if self.dp is not None else None

@@ -62,6 +62,15 @@ class MambaBackbone(ArenaModule):
         super().__init__()
         if not isinstance(cfg, MambaConfig):
             raise ValueError(f"MambaBackbone: cfg must be a MambaConfig, got {type(cfg).__name__}")
+        self._init_common(cfg, input_dim, backend, dtype)
+        self.layers = nn.ModuleList([MambaBlock() for _ in range(cfg.n_layers)])
+        self.norm_f = nn.Module()
+        layout = param_layout(cfg, input_dim)
+        self._init_arena(layout, init_values(cfg, input_dim, 0 if seed is None else seed), is_no_decay, device, dtype)
+        self.backend = self._resolve_backend(backend)
+
+    def _init_common(self, cfg: MambaConfig, input_dim: int, backend: str, dtype: torch.dtype) -> None:
+        """Validate the constructor arguments every layer kind shares and set the shared attributes."""
         if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
             raise ValueError(f"MambaBackbone: input_dim must be an int >= 1, got {input_dim!r}")
         if dtype not in (torch.float32, torch.float64):
@@ -72,11 +81,6 @@ class MambaBackbone(ArenaModule):
         self.input_dim = input_dim
         self._requested_backend = backend
         self.input_proj = nn.Module()
-        self.layers = nn.ModuleList([MambaBlock() for _ in range(cfg.n_layers)])
-        self.norm_f = nn.Module()
-        layout = param_layout(cfg, input_dim)
-        self._init_arena(layout, init_values(cfg, input_dim, 0 if seed is None else seed), is_no_decay, device, dtype)
-        self.backend = self._resolve_backend(backend)
 
     # --------------------------------------------------------------------------------------- backend
     def _arena_moved(self):

@@ -68,7 +68,7 @@ from ..config import MambaConfig
 from ..ops.checks import check_tensor
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
-from .backbone import BACKENDS, MambaBackbone
+from .backbone import MambaBackbone
 from .state import RecurrentState
 
 __all__ = ["Mamba3Backbone", "Mamba3Block", "Mamba3State", "m3_param_layout", "m3_is_no_decay", "m3_init_values",
@@ -313,16 +313,7 @@ class Mamba3Backbone(MambaBackbone):
         nn.Module.__init__(self)
         if not isinstance(cfg, MambaConfig) or cfg.layer != "Mamba3":
             raise ValueError(f"Mamba3Backbone: cfg must be a MambaConfig with layer='Mamba3', got {cfg!r}")
-        if isinstance(input_dim, bool) or not isinstance(input_dim, int) or input_dim < 1:
-            raise ValueError(f"MambaBackbone: input_dim must be an int >= 1, got {input_dim!r}")
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"MambaBackbone: dtype must be torch.float32 or torch.float64, got {dtype}")
-        if backend not in BACKENDS:
-            raise ValueError(f"MambaBackbone: backend must be one of {BACKENDS}, got {backend!r}")
-        self.cfg = cfg
-        self.input_dim = input_dim
-        self._requested_backend = backend
-        self.input_proj = nn.Module()
+        self._init_common(cfg, input_dim, backend, dtype)
         self.layers = nn.ModuleList([Mamba3Block(cfg) for _ in range(cfg.n_layers)])
         self.norm_f = nn.Module()
         self._init_arena(m3_param_layout(cfg, input_dim), m3_init_values(cfg, input_dim, 0 if seed is None else seed),

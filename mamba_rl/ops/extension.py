@@ -207,9 +207,26 @@ def _failure_record(bdir: Path) -> Path:
     return bdir / "FAILED.json"
 
 
+def _cpp_extension():
+    """``torch.utils.cpp_extension``, imported without its "No CUDA runtime is found, using CUDA_HOME=..." log
+    line on a machine without a GPU (a CUDA build of torch prints it at import; the CPU kernels never use
+    CUDA_HOME, so it only alarms a new user)."""
+    import logging
+
+    log = logging.getLogger("torch.utils.cpp_extension")
+    level = log.level
+    if not torch.cuda.is_available():
+        log.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        log.setLevel(level)
+    return cpp_extension
+
+
 def check_cpu_toolchain() -> None:
     """Raise :class:`BuildError` naming what the CPU kernels' build lacks (``$CXX`` or c++, ninja) and the fix."""
-    from torch.utils.cpp_extension import is_ninja_available
+    is_ninja_available = _cpp_extension().is_ninja_available
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise BuildError("cpu", f"no C++ compiler found (looked for {cxx!r} on PATH)",
@@ -233,7 +250,7 @@ def load_extension(kind: str = "cuda", verbose: bool = False, retry: bool = Fals
     """
     if kind in _LOADED:
         return _LOADED[kind]
-    from torch.utils.cpp_extension import load
+    load = _cpp_extension().load
     if kind == "cuda" and not torch.cuda.is_available():
         raise BuildError("cuda", "CUDA is not available", "run on a machine with an NVIDIA GPU and a CUDA build of torch")
     if kind == "cpu":

@@ -37,7 +37,8 @@ class StepMetrics:
         clip_coef: the clip factor applied, min(1, max_grad_norm / (grad_norm + 1e-6)) (float64); multiply a
             head's gradients by it to clip head and backbone as one.
         loss_scale: the loss scale after this step's scaler update (float64; 1 outside f16).
-        overflow_skipped: 1.0 if the f16 step was skipped on an inf/NaN gradient, else 0.0 (float64).
+        overflow_skipped: 1.0 if the step was skipped on an inf/NaN gradient (f16, or ``skip_nonfinite``), else
+            0.0 (float64).
         graph_replayed: True when the step ran as a CUDA graph replay (a Python bool).
     """
 
@@ -70,6 +71,9 @@ class MambaTrainer:
             None decays everything.
         max_grad_norm: global-norm clip (clip_grad_norm_ semantics) or None.
         growth_interval: f16 scaler growth interval (2000).
+        skip_nonfinite: skip a step whose gradient norm is NaN / inf (weights, moments and the step counter
+            unchanged, ``overflow_skipped`` set) in every dtype, not only under the f16 scaler (where it is
+            always on). The RL agent sets it, so one bad minibatch never reaches the weights.
 
     Raises:
         ValueError: on bad arguments, or an input of the wrong shape, dtype or device.
@@ -77,7 +81,7 @@ class MambaTrainer:
 
     def __init__(self, net: MambaBackbone, batch: int, seq_len: int, dtype: str = "f32", lr: float = 3e-4,
                  betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, no_decay="reference",
-                 max_grad_norm: float | None = None, growth_interval: int = 2000):
+                 max_grad_norm: float | None = None, growth_interval: int = 2000, skip_nonfinite: bool = False):
         if not isinstance(net, MambaBackbone):
             raise ValueError(f"MambaTrainer: net must be a MambaBackbone, got {type(net).__name__}")
         for name, v in (("batch", batch), ("seq_len", seq_len)):
@@ -90,8 +94,12 @@ class MambaTrainer:
         if net.arena.dtype != torch.float32:
             raise ValueError(f"MambaTrainer: the backbone's master weights must be float32, got {net.arena.dtype}")
         dev = net.device
-        self.hyper = make_hyper(lr, betas, eps, weight_decay, max_grad_norm, dtype == "f16", dev)  # validates
+        if not isinstance(skip_nonfinite, bool):
+            raise ValueError(f"MambaTrainer: skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+        self.hyper = make_hyper(lr, betas, eps, weight_decay, max_grad_norm, dtype == "f16" or skip_nonfinite,
+                                dev)  # validates
         self.net, self.batch, self.seq_len, self.dtype = net, batch, seq_len, dtype
+        self.skip_nonfinite = skip_nonfinite
         self.no_decay = no_decay
         self.betas, self.eps, self.weight_decay, self.max_grad_norm = tuple(betas), eps, weight_decay, max_grad_norm
         self.lr = float(lr)
@@ -211,7 +219,7 @@ class MambaTrainer:
 
     def _metrics(self, replayed: bool) -> StepMetrics:
         s = self.scalars.clone()  # one copy: the metrics never change under later steps
-        skipped = s[FOUND_INF] if self.scaler.enabled else self._zero
+        skipped = s[FOUND_INF] if self.scaler.enabled or self.skip_nonfinite else self._zero
         return StepMetrics(step=s[STEP], grad_norm=s[GRAD_NORM], clip_coef=s[CLIP_COEF], loss_scale=s[LOSS_SCALE],
                            overflow_skipped=skipped, graph_replayed=replayed)
 

@@ -248,3 +248,24 @@ def test_plot_a_tiny_run(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.strip().endswith("no run folder at " + str(tmp_path / "nothing"))
+
+
+def test_a_refused_value_names_its_flag(capsys):
+    assert main(["train", "--num-envs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "mamba-rl train: error: --num-envs (PPOConfig.num_envs) must be an int >= 1, got 0" in err
+
+
+def test_ctrl_c_before_training_is_one_line_not_a_traceback(capsys):
+    from mamba_rl.agents import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    cli.register_subcommand("interrupted-setup", "test only", lambda p: None, interrupted)
+    try:
+        assert main(["interrupted-setup"]) == 130
+    finally:
+        del cli.SUBCOMMANDS["interrupted-setup"]
+    err = capsys.readouterr().err
+    assert err.strip() == "mamba-rl interrupted-setup: interrupted before anything was saved"
