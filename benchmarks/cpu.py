@@ -255,6 +255,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds per micro-benchmark")
     ap.add_argument("--full", action="store_true", help="also time the default 100k-step run")
     ap.add_argument("--no-sb3", action="store_true")
+    ap.add_argument("--sb3-threads", type=int, nargs="+", default=None,
+                    help="torch threads of the sb3-contrib runs (default: 1 and torch's default; the faster counts)")
     ap.add_argument("--two-procs", action="store_true", help="also run the main job in 2 processes at once")
     ap.add_argument("--time-tests", action="store_true", help="also time the README's test command")
     ap.add_argument("--job-only", action="store_true", help=argparse.SUPPRESS)  # two_procs' child
@@ -288,7 +290,8 @@ def main(argv=None) -> int:
     print(f"main job ({jobs[0]['env_id']}, {jobs[0]['backend']}, {jobs[0]['threads']} thread): {jobs[0]['sps']:.0f} SPS "
           f"over {jobs[0]['steps']} steps", flush=True)
     if not a.no_sb3:
-        peers = [r for r in (sb3_sps(jobs[0]["steps"], nt) for nt in sorted({1, default_threads})) if r is not None]
+        sb3_threads = sorted(set(a.sb3_threads or (1, default_threads)))
+        peers = [r for r in (sb3_sps(jobs[0]["steps"], nt) for nt in sb3_threads) if r is not None]
         torch.set_num_threads(default_threads)
         if peers:
             jobs.append(main_job_sps(a.updates, a.backend))  # ours again, after the peer: the load may change
