@@ -1,4 +1,4 @@
-"""CPU kernels (csrc/cpu, mamba_rl/ops/cpu_ext.py) vs the pure-torch reference vs the GEMM floor.
+"""CPU kernels (csrc/cpu, loaded by mamba_rl/ops/extension.py) vs the pure-torch reference vs the GEMM floor.
 
 Rows (default model: d_model 128, 3 layers, d_inner 256, d_state 16, d_conv 4, dt_rank 8):
   step   one-token ``backbone_step`` at B=8 (all layers, one C++ call) | ``backbone_step_ref`` |
@@ -7,9 +7,9 @@ Rows (default model: d_model 128, 3 layers, d_inner 256, d_state 16, d_conv 4, d
          fused.py call pattern (strided views, dx/dz written into halves of one buffer, weight grads
          accumulated) | the refs' forward + autograd backward in float32 | that layer's GEMMs timed alone
          (4 forward F.linear, 8 backward matmuls).
-  train  a whole training step at [B=2, T=128]: mamba_rl/fused.py's forward and hand-written backward
-         driven by the CPU module (its ``extension`` pointed at it), then fused AdamW on the flat arena |
-         the reference backend's forward + autograd backward + the same AdamW | every GEMM of that
+  train  a whole training step at [B=2, T=128]: ``MambaTrainer.step`` on the cpu backend
+         (mamba_rl/model/fused.py's forward and hand-written backward, the C++ grad_stats + AdamW) |
+         the reference backend's forward + autograd backward + torch's fused AdamW | every GEMM of that
          forward + backward timed alone (fused.py's exact calls and shapes).
 
 Each number is the minimum over ``--rounds`` interleaved rounds of the mean wall time of ``--calls``
@@ -38,7 +38,7 @@ class _Cfg:
 
 def step_case(ext, B, cfg, in_dim, g):
     """(ours, reference, gemm floor) callables for the one-token step."""
-    from mamba_rl.backbone import MambaBackbone
+    from mamba_rl.model.backbone import MambaBackbone
     net = MambaBackbone(cfg, in_dim, seed=0, backend="reference")
     w = {k: v.detach() for k, v in net.step_weights().items()}
     L, di, N, K = cfg.n_layers, cfg.d_inner, cfg.d_state, cfg.d_conv
@@ -118,25 +118,18 @@ def layer_case(ext, B, T, D, N, K, R, dm, g):
 
 def train_case(ext, B, T, cfg, in_dim, g):
     """(ours, reference, gemm floor) callables for a whole training step (forward, backward, AdamW)."""
-    import mamba_rl.fused as fused
-    from mamba_rl.backbone import MambaBackbone
-    fused.extension = lambda: ext  # fused.py drives whichever module has the binding's functions
+    from mamba_rl.model.backbone import MambaBackbone
+    from mamba_rl.train.trainer import MambaTrainer
     x = torch.randn(B, T, in_dim, generator=g)
     starts = torch.rand(B, T, generator=g) < 0.02
     gfeat = torch.randn(B, T, cfg.d_model, generator=g)
     L, di, N, K, r = cfg.n_layers, cfg.d_inner, cfg.d_state, cfg.d_conv, cfg.dt_rank_value
 
-    net = MambaBackbone(cfg, in_dim, seed=0, backend="reference")
-    conv0, ssm0 = torch.zeros(L, B, di, K - 1), torch.zeros(L, B, di, N)
-    p = torch.nn.Parameter(net.arena)  # the flat arena, shared storage
-    p.grad = net.grad_arena
-    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    net = MambaBackbone(cfg, in_dim, seed=0, backend="cpu")
+    tr = MambaTrainer(net, batch=B, seq_len=T, lr=1e-4, max_grad_norm=0.5)
 
     def ours():
-        net.grad_arena.zero_()
-        feat, _, _ = fused.fused_backbone(net, x, conv0, ssm0, starts)
-        feat.backward(gfeat)
-        opt.step()
+        tr.step(x, gfeat, episode_starts=starts)
 
     rnet = MambaBackbone(cfg, in_dim, seed=0, backend="reference")
     ropt = torch.optim.AdamW(rnet.parameters(), lr=1e-4, fused=True)

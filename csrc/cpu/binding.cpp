@@ -255,6 +255,62 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   return {dx, ddt, dA, dB, dC, dD, dz, ddb, dinit};
 }
 
+// ---------------- optimizer ----------------
+void check_vec(const Tensor& t, const char* name, at::ScalarType ty, int64_t n) {
+  check_cpu(t, name);
+  MRL_CHECK(t.scalar_type() == ty, name, ": expected dtype ", ty, ", got ", t.scalar_type());
+  MRL_CHECK(t.numel() == n, name, ": expected ", n, " elements, got shape ", shape_str(t));
+  MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor, got strides ", t.strides());
+}
+
+// counter: the CUDA kernel's self-resetting block counter; unused on the CPU (accepted for the same signature).
+void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_scale, const Tensor& hyper,
+                Tensor& scalars, const OptT& counter) {
+  (void)counter;
+  check_cpu(grad, "grad_stats: grad");
+  MRL_CHECK(grad.dim() == 1, "grad_stats: grad: expected a flat [P] arena, got shape ", shape_str(grad));
+  const int64_t P = grad.numel();
+  check_vec(grad, "grad_stats: grad", at::kFloat, P);
+  if (extra_sq) check_vec(*extra_sq, "grad_stats: extra_grad_sq", at::kFloat, 1);
+  check_vec(loss_scale, "grad_stats: loss_scale", at::kFloat, 1);
+  check_vec(hyper, "grad_stats: hyper", at::kDouble, 8);
+  check_vec(scalars, "grad_stats: scalars", at::kDouble, 8);
+  mrl_cpu::grad_stats(grad.data_ptr<float>(), P, ptr_or_null<float>(extra_sq), loss_scale.data_ptr<float>()[0],
+                      hyper.data_ptr<double>(), scalars.data_ptr<double>(), nthreads());
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
+                const Tensor& scalars, int64_t n_decay, const OptT& compute) {
+  check_cpu(param, "adamw_step: param");
+  MRL_CHECK(param.dim() == 1, "adamw_step: param: expected a flat [P] arena, got shape ", shape_str(param));
+  const int64_t P = param.numel();
+  check_vec(param, "adamw_step: param", at::kFloat, P);
+  check_vec(grad, "adamw_step: grad", at::kFloat, P);
+  check_vec(exp_avg, "adamw_step: exp_avg", at::kFloat, P);
+  check_vec(exp_avg_sq, "adamw_step: exp_avg_sq", at::kFloat, P);
+  check_vec(hyper, "adamw_step: hyper", at::kDouble, 8);
+  check_vec(scalars, "adamw_step: scalars", at::kDouble, 8);
+  MRL_CHECK(n_decay >= 0 && n_decay <= P, "adamw_step: n_decay: expected a value in [0, ", P, "], got ", n_decay);
+  float* comp = nullptr;
+  bool cast_after = false;
+  if (compute) {
+    check_cpu(*compute, "adamw_step: compute");
+    const auto ct = compute->scalar_type();
+    MRL_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf, "adamw_step: compute: expected dtype "
+              "float32, bfloat16 or float16, got ", ct);
+    MRL_CHECK(compute->numel() == P && compute->is_contiguous(), "adamw_step: compute: expected a contiguous [",
+              P, "] arena, got shape ", shape_str(*compute));
+    if (ct == at::kFloat) comp = compute->data_ptr<float>();
+    else cast_after = true;  // a low-precision copy: one cast pass after the step (the CPU kernels are f32)
+  }
+  const double* h = hyper.data_ptr<double>();
+  const double* s = scalars.data_ptr<double>();
+  if (s[5] > 0.0 && h[6] > 0.0) return;  // skipped step: nothing changes, the compute copy included
+  mrl_cpu::adamw_step(param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                      exp_avg_sq.data_ptr<float>(), comp, P, n_decay, h, s, nthreads());
+  if (cast_after) compute->copy_(param);
+}
+
 // ---------------- one-token backbone step ----------------
 Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                      const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
@@ -405,5 +461,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
+  m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections into scalars "
+        "(in place; counter is ignored on the CPU)", py::arg("grad"), py::arg("extra_grad_sq"), py::arg("loss_scale"),
+        py::arg("hyper"), py::arg("scalars"), py::arg("counter") = py::none());
+  m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
   m.def("scan_chunk", &scan_chunk, "checkpoint interval of the scan backward (steps)");
 }

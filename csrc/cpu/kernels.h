@@ -242,3 +242,15 @@ void rmsnorm_bwd(const float* dy, const float* x, const float* rstd, const float
                  float* dx, const float* dx_acc, float* dw_acc, int nthreads);
 
 }  // namespace mrl_cpu
+
+namespace mrl_cpu {
+// ------------------------------------------------------------------------------------- optimizer (optim.cpp)
+// hyper / scalars: float64 [8] (layout in mamba_rl/ops/optim.py). grad_stats writes scalars[0..6] from the
+// flat float32 gradient (times 1/loss_scale), the optional head term extra_sq[0] (already unscaled), and
+// hyper; adamw_step applies one AdamW step over [0, P) (decay on [0, n_decay)), writing compute[i] = param[i]
+// when compute is not null, and nothing at all when scalars[5] (found_inf) and hyper[6] (skip) are set.
+void grad_stats(const float* grad, int64_t P, const float* extra_sq, float loss_scale, const double* hyper,
+                double* scalars, int nthreads);
+void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* compute, int64_t P,
+                int64_t n_decay, const double* hyper, const double* scalars, int nthreads);
+}  // namespace mrl_cpu

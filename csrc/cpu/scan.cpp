@@ -19,6 +19,12 @@
 // Reductions: dB / dC sum over channels, so tasks that share a row but own different channel groups write
 // per-group partials that are summed afterwards; dA_log / dD / ddt_bias sum over rows through per-row
 // partials. Both are summed in a fixed order (reproducible for a given thread count).
+// On AVX-512 machines GCC's -march=native tuning (e.g. rocketlake, icelake) prefers 256-bit vectors; the
+// kernels' lane loops are exp/FMA-bound, and full 512-bit vectors run them measurably faster there
+// (benchmarks/NOTES.md, CPU section). No effect on a target without AVX-512.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__AVX512F__)
+#pragma GCC target("prefer-vector-width=512")
+#endif
 #include "kernels.h"
 
 #include <algorithm>

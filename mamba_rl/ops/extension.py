@@ -178,13 +178,18 @@ class BuildError(RuntimeError):
 
 # (pattern in the build output, fix); the first that matches the output wins
 _FIXES: list[tuple[str, str]] = [
-    (r"strong_ordering|'requires' does not name|concept|C\+\+20|c\+\+20|std=c\+\+",
+    # error text only: the logged command lines carry -std=c++NN too
+    (r"strong_ordering|'requires' does not name|'concept' does not name|requires C\+\+20|C\+\+20 or later|"
+     r"is only available with -std=c\+\+20",
      "the compiler lacks the C++ standard the installed torch's headers need (torch >= 2.12 needs C++20: GCC >= 10 "
      "or clang >= 12); install a newer compiler (point $CXX at it) or a torch release this package supports"),
     (r"omp\.h", "install OpenMP for the compiler (GCC ships it: `apt-get install g++`; clang: libomp-dev)"),
     (r"Python\.h", "install the Python headers (e.g. `apt-get install python3-dev`)"),
     (r"No space left", "free disk space in the build folder, or set MAMBA_RL_BUILD_DIR to a disk with room"),
     (r"Permission denied", "make the build folder writable, or set MAMBA_RL_BUILD_DIR to one that is"),
+    (r"Resource temporarily unavailable|posix_spawn|fork: retry",
+     "the machine ran out of processes or memory for the build: retry with one job, "
+     "`MAX_JOBS=1 python -m mamba_rl.build`"),
     (r"Killed|out of memory|virtual memory exhausted|internal compiler error|signal 9",
      "the compiler ran out of memory or crashed: retry with one job, `MAX_JOBS=1 python -m mamba_rl.build`"),
     (r"nvcc|cuda_runtime|CUDA_HOME", "check that nvcc and the CUDA toolkit match torch's CUDA version "
@@ -195,8 +200,8 @@ _FIXES: list[tuple[str, str]] = [
 def diagnose_build_output(output: str) -> tuple[str, str]:
     """(first error line, matching fix) of a failed build's output (compiler, ninja and torch lines)."""
     lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
-    first = next((ln for ln in lines if re.search(r"\b(fatal )?error\b\s*:", ln) and not ln.startswith("ninja:")),
-                 None) or next((ln for ln in lines if "error" in ln.lower() and not ln.startswith(("ninja:", "FAILED:"))),
+    first = next((ln for ln in lines if (re.search(r"\b(fatal )?error\b\s*:", ln) and not ln.startswith("ninja:"))
+                  or ln.startswith("ninja: fatal:")), None) or next((ln for ln in lines if "error" in ln.lower() and not ln.startswith(("ninja:", "FAILED:"))),
                                lines[-1] if lines else "no output")
     fix = next((f for pat, f in _FIXES if re.search(pat, output)),
                "read the build log; `python -m mamba_rl.build --verbose` retries and shows the command lines")

@@ -23,7 +23,10 @@ steps.
 
 On CUDA each of :func:`grad_stats` / :func:`adamw_step` is one launch; the
 ``grad_stats`` reduction finishes in the last block to finish (a self-resetting counter per device), in a
-fixed order: bit-reproducible. Elsewhere the ``*_ref`` twins run (a handful of vectorised torch ops).
+fixed order: bit-reproducible. On the CPU, when the caller passes the CPU extension (``kernels=``; the
+trainer does on the ``cpu`` backend), each is one OpenMP pass in C++ (csrc/cpu/optim.cpp: the CUDA
+kernels' math and roundings; the norm summed in fixed blocks, bit-reproducible for any thread count).
+Elsewhere the ``*_ref`` twins run (a handful of vectorised torch ops; in float64 for a float64 arena).
 """
 from __future__ import annotations
 
@@ -125,6 +128,13 @@ def _cuda_ext(t: torch.Tensor):
     return extension("cuda") if t.is_cuda else None
 
 
+def _cpu_kernels(kernels, t: torch.Tensor):
+    """The CPU extension to run on, or None (the reference): only a float32 CPU arena with ``kernels`` given."""
+    if kernels is None or t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return kernels if hasattr(kernels, "adamw_step") else None
+
+
 _COUNTERS: dict = {}
 
 
@@ -136,8 +146,22 @@ def _counter(device) -> torch.Tensor:
     return c
 
 
-def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars):
-    """:func:`grad_stats_ref` semantics; one fused reduction kernel on CUDA. Writes ``scalars``, no sync."""
+def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars, kernels=None):
+    """:func:`grad_stats_ref` semantics; one fused reduction kernel on CUDA. Writes ``scalars``, no sync.
+
+    ``kernels``: the CPU extension (``net.kernels`` of a ``cpu`` backbone) to run the C++ pass on a float32
+    CPU arena; None runs the reference there. Ignored on CUDA. Shapes and dtypes as :func:`grad_stats_ref`;
+    the C++ pass raises ValueError naming a wrong shape, dtype or device.
+    """
+    cpu = _cpu_kernels(kernels, grad)
+    if cpu is not None:
+        extra = None
+        if extra_grad_sq is not None:
+            extra = extra_grad_sq.reshape(1)
+            if extra.dtype != torch.float32:
+                extra = extra.float()
+        cpu.grad_stats(grad, extra, loss_scale.reshape(1), hyper, scalars)
+        return None
     ext = _cuda_ext(grad)
     if ext is None:
         return grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars)
@@ -149,8 +173,18 @@ def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars):
     ext.grad_stats(grad, extra, loss_scale.reshape(1), hyper, scalars, _counter(grad.device))
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None):
-    """:func:`adamw_step_ref` semantics; one fused kernel on CUDA (param, moments, compute in place)."""
+def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None, kernels=None):
+    """:func:`adamw_step_ref` semantics; one fused kernel on CUDA (param, moments, compute in place).
+
+    ``kernels``: the CPU extension to run the C++ pass on float32 CPU arenas (param, grad, exp_avg,
+    exp_avg_sq: contiguous [P]; compute: [P] float32 written in the same pass, or bf16/f16 cast after it);
+    None runs the reference there. Ignored on CUDA. The C++ pass raises ValueError naming a wrong shape,
+    dtype, device or an n_decay outside [0, P].
+    """
+    cpu = _cpu_kernels(kernels, param)
+    if cpu is not None:
+        cpu.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute)
+        return None
     ext = _cuda_ext(param)
     if ext is None:
         return adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)

@@ -131,6 +131,9 @@ class MambaTrainer:
         self._state_used = net.initial_state(batch)  # what the current forward started from (saved by autograd)
         self._feat = None
         self._graphs = GraphSet("MambaTrainer", self._graph_buffers)
+        # the CPU extension for grad_stats / AdamW (C++ passes) when the backbone runs the cpu backend
+        self._cpu_kernels = net.kernels if net.backend == "cpu" and dev.type == "cpu" else None
+        self._grad_views = None  # (grad arena, [(param, its grad view)]) as last attached (the CPU check)
 
     # ------------------------------------------------------------------------------------ inputs
     def _load(self, x, initial_state, episode_starts, where):
@@ -203,7 +206,9 @@ class MambaTrainer:
     def _backward_body(self, optimizer_step: bool, retain_graph: bool = False):
         net = self.net
         g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
-        if net.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if net.device.type == "cpu":
+            self._attach_grads_cpu()
+        elif not torch.cuda.is_current_stream_capturing():
             net.attach_grads()  # a parent's zero_grad() may have set p.grad = None
         self._feat.backward(g, retain_graph=retain_graph)
         if optimizer_step:
@@ -211,13 +216,24 @@ class MambaTrainer:
                 self.grad_hook()
             if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
                 net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
-            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
+            cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
+            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars, kernels=cpu)
             adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                       self.n_decay, net.compute_arena)
+                       self.n_decay, net.compute_arena, kernels=cpu)
             if self.scaler.enabled:
                 self.scaler.update(self.scalars[FOUND_INF])
                 self.scalars[LOSS_SCALE] = self.scaler.scale[0]
             net.grad_arena.zero_()
+
+    def _attach_grads_cpu(self):
+        """``net.attach_grads()`` only when some ``.grad`` is no longer its grad-arena view (a parent's
+        ``zero_grad()`` set it to None, or the arena was re-bound): one identity check per parameter instead
+        of rebuilding every view (~1.5 ms of a CPU step at the default size)."""
+        net, seen = self.net, self._grad_views
+        if seen is not None and seen[0] is net.grad_arena and all(p.grad is g for p, g in seen[1]):
+            return
+        net.attach_grads()
+        self._grad_views = (net.grad_arena, [(p, p.grad) for p in net.parameters()])
 
     def _metrics(self, replayed: bool) -> StepMetrics:
         s = self.scalars.clone()  # one copy: the metrics never change under later steps

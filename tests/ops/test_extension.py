@@ -85,9 +85,12 @@ def test_fallback_warning_carries_first_error_line_fix_and_log(failing_compiler)
     ("x.cpp:1:10: fatal error: Python.h: No such file or directory", "Python headers"),
     ("c++: fatal error: Killed signal terminated program cc1plus", "MAX_JOBS=1"),
     ("x.cpp:3:1: error: expected ';' before '}' token", "build log"),
+    ("ninja: fatal: posix_spawn: Resource temporarily unavailable", "ran out of processes"),
 ])
 def test_diagnosis_picks_first_error_and_matching_fix(output, fix):
-    text = f"Error building extension 'm':\n[1/3] c++ -c x.cpp\nFAILED: x.o\n{output}\nninja: build stopped: subcommand failed."
+    # the logged command line carries -std=c++20 (torch's flag): it must not be read as a C++20 problem
+    text = (f"Error building extension 'm':\n[1/3] c++ -std=c++20 -c x.cpp\nFAILED: x.o\n{output}\n"
+            f"ninja: build stopped: subcommand failed.")
     first, got = ext_mod.diagnose_build_output(text)
     assert first == output and fix in got
 
