@@ -7,6 +7,22 @@ from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
 from mamba_rl.ops import causal_conv1d_ref, rms_norm_ref, selective_scan_ref
 
 F64 = torch.float64
+
+
+def rel(a, b) -> float:
+    """||a - b|| / ||b|| in float64; a must be finite (a NaN never passes a tolerance by accident)."""
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def needs_cpu_kernels():
+    """A skipif mark for tests of the C++ CPU kernels, naming why they cannot load here."""
+    import pytest
+
+    from mamba_rl.ops.extension import extension, extension_error
+
+    return pytest.mark.skipif(extension("cpu") is None, reason=f"CPU kernels unavailable: {extension_error('cpu')!r}")
 SMALL_CFG = MambaConfig(d_model=8, n_layers=2, d_state=4, d_conv=3, expand=2)
 IN = 3
 

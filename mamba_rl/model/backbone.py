@@ -222,6 +222,12 @@ class MambaBackbone(ArenaModule):
         return RecurrentState.zeros(c.n_layers, batch, c.d_inner, c.d_conv, c.d_state, device=self.device,
                                     dtype=self.arena.dtype)
 
+    def _state_layout(self, batch: int) -> tuple[type, str, tuple, tuple]:
+        """(state class, what the conv slot holds, conv shape, ssm shape) of this backbone's state."""
+        c = self.cfg
+        return (RecurrentState, "", (c.n_layers, batch, c.d_inner, c.d_conv - 1),
+                (c.n_layers, batch, c.d_inner, c.d_state))
+
     def check_inputs(self, x, initial_state=None, episode_starts=None, *, where="MambaBackbone.forward"):
         """Validate forward inputs; raise ValueError naming the expected and received shape/dtype/device."""
         check_tensor(f"{where}: x", x, shape=(None, None, self.input_dim), device=self.device, floating=True)
@@ -232,14 +238,14 @@ class MambaBackbone(ArenaModule):
             check_tensor(f"{where}: episode_starts", episode_starts, shape=(B, T), dtype=torch.bool,
                          device=self.device)
         if initial_state is not None:
+            cls, conv_what, conv_shape, ssm_shape = self._state_layout(B)
             if not isinstance(initial_state, RecurrentState):
-                raise ValueError(f"{where}: initial_state must be a RecurrentState, got "
+                raise ValueError(f"{where}: initial_state must be a {cls.__name__}, got "
                                  f"{type(initial_state).__name__}")
-            c = self.cfg
-            check_tensor(f"{where}: initial_state.conv", initial_state.conv,
-                         shape=(c.n_layers, B, c.d_inner, c.d_conv - 1), device=self.device, floating=True)
-            check_tensor(f"{where}: initial_state.ssm", initial_state.ssm,
-                         shape=(c.n_layers, B, c.d_inner, c.d_state), device=self.device, floating=True)
+            check_tensor(f"{where}: initial_state.conv{conv_what}", initial_state.conv, shape=conv_shape,
+                         device=self.device, floating=True)
+            check_tensor(f"{where}: initial_state.ssm", initial_state.ssm, shape=ssm_shape, device=self.device,
+                         floating=True)
 
     def forward(self, x: torch.Tensor, initial_state: RecurrentState | None = None,
                 episode_starts: torch.Tensor | None = None):

@@ -3,7 +3,7 @@
 Sources: Lahoti et al., "Mamba-3: Improved Sequence Modeling using State Space Principles" (ICLR 2026),
 as built by mamba_ssm's ``Mamba3`` (``mamba_ssm/modules/mamba3.py``, ``is_mimo=False``, state-spaces/mamba
 at e9594ce) inside ``MixerModel``'s pre-norm residual blocks (no MLP) and initialised as its
-``_init_weights``; the no-decay group follows the seed (``../shared/seeds/adamw_mamba-rs-0.6.8.rs.txt``,
+``_init_weights``; the no-decay group follows the Rust seed engine this project grew from (mamba-rs 0.6.8,
 ``m3_specs``). Written from those semantics, not translated.
 
 Parameterisation followed, per block (u = RMSNorm(h) [.., d_model], d_inner = expand d_model, H = nheads =
@@ -65,7 +65,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import MambaConfig
-from ..ops.checks import check_tensor
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
 from .backbone import MambaBackbone
@@ -355,24 +354,11 @@ class Mamba3Backbone(MambaBackbone):
         return Mamba3State.zeros(c.n_layers, batch, c.nheads, c.headdim, c.d_state, c.num_rope_angles,
                                  device=self.device, dtype=self.arena.dtype)
 
-    def check_inputs(self, x, initial_state=None, episode_starts=None, *, where="MambaBackbone.forward"):
-        """Validate forward inputs; raise ValueError naming the expected and received shape/dtype/device."""
-        check_tensor(f"{where}: x", x, shape=(None, None, self.input_dim), device=self.device, floating=True)
-        B, T = x.shape[:2]
-        if T < 1:
-            raise ValueError(f"{where}: x must hold at least one step, got T = {T} (shape {list(x.shape)})")
-        if episode_starts is not None:
-            check_tensor(f"{where}: episode_starts", episode_starts, shape=(B, T), dtype=torch.bool,
-                         device=self.device)
-        if initial_state is not None:
-            if not isinstance(initial_state, RecurrentState):
-                raise ValueError(f"{where}: initial_state must be a Mamba3State, got {type(initial_state).__name__}")
-            c = self.cfg
-            check_tensor(f"{where}: initial_state.conv (Mamba-3 carry [angle | k | v])", initial_state.conv,
-                         shape=(c.n_layers, B, c.nheads, c.num_rope_angles + c.d_state + c.headdim),
-                         device=self.device, floating=True)
-            check_tensor(f"{where}: initial_state.ssm", initial_state.ssm,
-                         shape=(c.n_layers, B, c.d_inner, c.d_state), device=self.device, floating=True)
+    def _state_layout(self, batch: int) -> tuple[type, str, tuple, tuple]:
+        c = self.cfg
+        return (Mamba3State, " (Mamba-3 carry [angle | k | v])",
+                (c.n_layers, batch, c.nheads, c.num_rope_angles + c.d_state + c.headdim),
+                (c.n_layers, batch, c.d_inner, c.d_state))
 
     def forward(self, x: torch.Tensor, initial_state: RecurrentState | None = None,
                 episode_starts: torch.Tensor | None = None):

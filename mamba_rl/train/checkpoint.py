@@ -164,7 +164,6 @@ def remove_stale_temporaries(folder, prefix: str) -> list[str]:
             continue
         removed.append(full)
     return removed
-    return path
 
 
 def read_checkpoint(path) -> tuple[dict, dict]:

@@ -5,11 +5,8 @@ terminates after 3 + i steps when ``terminate`` else is truncated by a TimeLimit
 of different lengths put resets at different columns of the rollout.
 """
 
-import gymnasium as gym
-import numpy as np
 import pytest
 import torch
-from gymnasium import spaces
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.distributed import shard_permutation
 

@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 from mamba_rl.agents import RecurrentPPO

@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from mamba_rl import MambaBackbone, MambaConfig
-from mamba_rl.ops.extension import extension, extension_error
+from tests.helpers import needs_cpu_kernels
 
-pytestmark = pytest.mark.skipif(extension("cpu") is None,
-                                reason=f"CPU kernels unavailable: {extension_error('cpu')!r}")
+pytestmark = needs_cpu_kernels()
 
 CFG = MambaConfig(d_model=16, n_layers=2, d_state=8, d_conv=4, expand=2)
 IN = 3

@@ -5,19 +5,12 @@ import pytest
 import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
-from mamba_rl.ops.extension import extension, extension_error
+from tests.helpers import needs_cpu_kernels, rel
 
-pytestmark = pytest.mark.skipif(extension("cpu") is None,
-                                reason=f"CPU kernels unavailable: {extension_error('cpu')!r}")
+pytestmark = needs_cpu_kernels()
 
 CFG = MambaConfig(d_model=16, n_layers=2, d_state=8, d_conv=4, expand=2)
 IN = 5
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def starts_for(pattern, B, T, g):

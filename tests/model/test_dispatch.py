@@ -7,19 +7,14 @@ import torch
 
 from mamba_rl import MambaBackbone, MambaConfig
 from mamba_rl.ops.capability import Support, kernel_support
-from mamba_rl.ops.extension import extension, extension_error
+from mamba_rl.ops.extension import extension
+from tests.helpers import needs_cpu_kernels as _needs_cpu_kernels
+from tests.helpers import rel
 
-needs_cpu_kernels = pytest.mark.skipif(extension("cpu") is None,
-                                       reason=f"CPU kernels unavailable: {extension_error('cpu')!r}")
+needs_cpu_kernels = _needs_cpu_kernels()
 
 CFG = MambaConfig(d_model=16, n_layers=2, d_state=8, d_conv=4, expand=2)
 IN = 5
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def test_support_is_a_truthy_pair():
