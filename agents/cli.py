@@ -288,8 +288,8 @@ def _run_train(args: argparse.Namespace) -> int:
     if recent:
         print(f"mean return of the last {len(recent)} episodes: {sum(recent) / len(recent):.2f}", file=sys.stderr)
     session = "" if agent.global_step - start_step == agent.global_step else \
-        f", {_steps(agent.global_step - start_step)} of them in this session"
-    print(f"done: {_steps(agent.global_step)} env steps{session}, in {time.perf_counter() - start:.0f} s",
+        f" ({_steps(agent.global_step - start_step)} of them in this session)"
+    print(f"done: {_steps(agent.global_step)} env steps{session} in {time.perf_counter() - start:.0f} s",
           file=sys.stderr)
     print(f"checkpoint: {final}")
     agent.close()
