@@ -253,7 +253,7 @@ def fused_backbone(net, x, conv0, ssm0, starts):
     # through it lives, together with the stream current when that node was made, and at the end of every
     # backward syncs the caller's stream with that stream. A Parameter anchor used once through autograd on
     # the default stream (a user's `y, _ = net(x); y.sum().backward()` with y still alive) thus put an event
-    # on the default stream inside the trainer's graph capture and invalidated it (issue 18).
+    # on the default stream inside the trainer's graph capture and invalidated it.
     anchor = None
     if torch.is_grad_enabled() and net.norm_f.weight.requires_grad:
         anchor = torch.empty(0, device=x.device, requires_grad=True)
