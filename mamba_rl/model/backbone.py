@@ -343,6 +343,11 @@ class MambaBackbone(ArenaModule):
         if state.ssm.dtype == torch.float32 and self.kernel_support("step"):
             return backbone_step_packed(self.kernels, x_t, self._packed_step_weights(), state.conv, state.ssm,
                                         episode_starts, c.rms_norm_eps)
+        return self._step_layers(x_t, state, episode_starts)
+
+    def _step_layers(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None):
+        """The torch-op one-token step: input_proj, each block's ``step`` on its state slice, norm_f."""
+        c = self.cfg
         rdt, cdt = self.arena.dtype, self.compute_dtype
         w = self.step_weights()
         h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).to(rdt)

@@ -395,11 +395,4 @@ class Mamba3Backbone(MambaBackbone):
         """One token through every layer: x_t [B, input_dim] -> features [B, d_model] (master dtype), with
         ``state`` (a :class:`Mamba3State`) advanced in place; rows with ``episode_starts`` [B] True start from
         a zero state. Inputs are not validated here (see :class:`~mamba_rl.model.stepper.Stepper`)."""
-        c = self.cfg
-        rdt, cdt = self.arena.dtype, self.compute_dtype
-        w = self.step_weights()
-        h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).to(rdt)
-        for i, block in enumerate(self.layers):
-            h = block.step(h, state.conv[i], state.ssm[i], episode_starts, lambda k, i=i: w[f"layers.{i}.{k}"],
-                           c.rms_norm_eps)
-        return rms_norm_ref(h, w["norm_f.weight"], c.rms_norm_eps, rdt)
+        return self._step_layers(x_t, state, episode_starts)

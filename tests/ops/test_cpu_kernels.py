@@ -22,21 +22,6 @@ from tests.helpers import seq_forward_ref
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def cpu_ext():
-    """The CPU kernel module (built on first use) with output poisoning on."""
-    from mamba_rl.ops.extension import extension, extension_error
-    e = extension("cpu")
-    if e is None:
-        err = extension_error("cpu")
-        if "no C++ compiler" in str(err):
-            pytest.skip(f"CPU kernels cannot be built here: {err}")
-        pytest.fail(f"CPU kernels failed to build: {err!r}")
-    e.set_poison(True)
-    yield e
-    e.set_poison(False)
-
-
 def rel(a, b):
     a, b = a.detach().double(), b.detach().double()
     assert a.shape == b.shape, (a.shape, b.shape)

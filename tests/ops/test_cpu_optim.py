@@ -14,18 +14,6 @@ from mamba_rl.ops.optim import (BC1, BC2, CLIP_COEF, FOUND_INF, GRAD_NORM, INV_S
                                 adamw_step_ref, grad_stats, grad_stats_ref, make_hyper)
 
 
-@pytest.fixture(scope="module")
-def cpu_ext():
-    from mamba_rl.ops.extension import extension, extension_error
-    e = extension("cpu")
-    if e is None:
-        err = extension_error("cpu")
-        if "no C++ compiler" in str(err):
-            pytest.skip(f"CPU kernels cannot be built here: {err}")
-        pytest.fail(f"CPU kernels failed to build: {err!r}")
-    return e
-
-
 def _case(P, seed, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     p = torch.randn(P, generator=g)

@@ -1,5 +1,4 @@
 """Checkpoints: bit-identical resume, atomic writes, clear errors that leave the trainer unchanged."""
-import json
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from mamba_rl import (
     load_checkpoint,
     save_checkpoint,
 )
-from tests.helpers import IN, SMALL_CFG, make_trainer
+from tests.helpers import IN, SMALL_CFG, make_trainer, rewrite_checkpoint
 
 CFG = MambaConfig(d_model=16, n_layers=2, d_state=4)
 
@@ -127,19 +126,7 @@ def test_checkpoint_resume_bit_identical_with_carried_state(tmp_path, dtype):
         assert torch.equal(a.net.compute_arena, c.net.compute_arena)
 
 
-def _write_variant(src, dst, meta_fn=None, tensors_fn=None, raw_meta=None):
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-    with safe_open(str(src), framework="pt") as f:
-        meta = json.loads(f.metadata()["mamba_rl"])
-    tensors = load_file(str(src))
-    if meta_fn:
-        meta_fn(meta)
-    if tensors_fn:
-        tensors_fn(tensors)
-        meta.pop("sha256", None)  # a pre-digest file, so the tensor checks (not the digest) are what refuse it
-    save_file(tensors, str(dst), metadata={"mamba_rl": raw_meta if raw_meta is not None else json.dumps(meta)})
-    return dst
+_write_variant = rewrite_checkpoint
 
 
 @pytest.fixture

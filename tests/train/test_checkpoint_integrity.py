@@ -1,15 +1,17 @@
 """Checkpoint integrity: per-tensor SHA-256 digests checked on load, non-finite weights / moments refused on
 save and load, and range checks of the optimizer / scaler metadata (CheckpointError naming field, expected
 and received; the trainer is left unchanged)."""
+import functools
 import json
 import struct
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from mamba_rl import CheckpointError, MambaBackbone, MambaConfig, MambaTrainer, load_checkpoint, save_checkpoint
+from tests.helpers import rewrite_checkpoint
 
 CFG = MambaConfig(d_model=16, n_layers=1, d_state=4)
 IN = 3
@@ -40,18 +42,7 @@ def assert_refused(path, match, dtype="f32"):
         assert torch.allclose(a, b, rtol=0, atol=0, equal_nan=True), f"buffer {i} changed by a refused load"
 
 
-def rewrite(src, dst, meta_fn=None, tensors_fn=None, keep_digest=True):
-    with safe_open(str(src), "pt") as f:
-        meta = json.loads(f.metadata()["mamba_rl"])
-    tensors = load_file(str(src))
-    if meta_fn:
-        meta_fn(meta)
-    if tensors_fn:
-        tensors_fn(tensors)
-    if not keep_digest:
-        meta.pop("sha256")
-    save_file(tensors, str(dst), metadata={"mamba_rl": json.dumps(meta)})
-    return dst
+rewrite = functools.partial(rewrite_checkpoint, keep_digest=True)  # edited tensors keep their digests
 
 
 @pytest.fixture
