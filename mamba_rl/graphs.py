@@ -39,14 +39,20 @@ def restore(saved: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def capture_restoring(graphs: "GraphSet", bodies: Mapping[str, Callable[[], object]],
                       saved: list[tuple[torch.Tensor, torch.Tensor]], warmup: int,
-                      warmup_body: Callable[[], object] | None = None, mode: str = "global") -> None:
+                      warmup_body: Callable[[], object] | None = None, mode: str = "global",
+                      pools: Mapping[str, object] | None = None) -> dict[str, object]:
     """Warm up, capture and restore: the routine of a graph owner whose bodies change its buffers.
 
     Synchronises; runs ``warmup_body`` (default: every body in order) ``warmup`` times on a side stream
     (:func:`warm_up`); restores ``saved``; captures each body as graph ``name`` of ``graphs``, in order
-    (``mode``: see :meth:`GraphSet.capture`); synchronises; restores ``saved`` again (capturing runs
-    nothing, but this is exact about every buffer) and seals ``graphs``. So the buffers listed in
-    ``saved`` (a :func:`snapshot`) hold after the call what they held before it.
+    (``mode``: see :meth:`GraphSet.capture`; ``pools[name]``, when given, is the memory pool of that graph,
+    e.g. one ``torch.cuda.graph_pool_handle()`` shared by graphs that never run concurrently; the others get
+    private pools); synchronises; restores ``saved`` again (capturing runs nothing, but this is exact about
+    every buffer) and seals ``graphs``. So the buffers listed in ``saved`` (a :func:`snapshot`) hold after
+    the call what they held before it.
+
+    Returns:
+        {name: what the body returned during capture} (the graphs' static outputs).
 
     Raises:
         RuntimeError: from torch when a body cannot be captured (the graphs are cleared then).
@@ -59,15 +65,18 @@ def capture_restoring(graphs: "GraphSet", bodies: Mapping[str, Callable[[], obje
     warm_up(warmup_body, warmup)
     restore(saved)
     graphs.clear()
+    pools = pools or {}
+    outputs = {}
     try:
         for name, body in bodies.items():
-            graphs.capture(name, body, mode=mode)
+            outputs[name] = graphs.capture(name, body, pool=pools.get(name), mode=mode)
     except BaseException:
         graphs.clear()
         raise
     torch.cuda.synchronize()
     restore(saved)
     graphs.seal()
+    return outputs
 
 
 class GraphSet:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graphs import GraphSet, warm_up
+from ..graphs import GraphSet, capture_restoring, snapshot
 from ..ops.checks import check_tensor
 from .state import RecurrentState
 
@@ -115,16 +115,15 @@ class Stepper:
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"Stepper.capture_graph needs a CUDA device, the backbone is on {self.device}")
-        saved = self.state.clone()
         B = self.batch
         self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
         self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
         self._starts_zero = True
-        body = lambda: self.net.step(self.x_buf, self.state, self.starts_buf)  # noqa: E731
-        with torch.no_grad():
-            warm_up(body, warmup)
-            self._graphs.clear()
-            self._out = self._graphs.capture("step", body)
-        self._graphs.seal()
-        self.state.copy_(saved)
+
+        def body():
+            with torch.no_grad():
+                return self.net.step(self.x_buf, self.state, self.starts_buf)
+
+        self._out = capture_restoring(self._graphs, {"step": body}, snapshot((self.state.conv, self.state.ssm)),
+                                      warmup)["step"]
         return self

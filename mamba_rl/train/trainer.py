@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..graphs import GraphSet, warm_up
+from ..graphs import GraphSet, capture_restoring, restore, snapshot
 from ..model.backbone import MambaBackbone
 from ..model.state import RecurrentState
 from ..ops.checks import check_tensor
@@ -337,7 +337,7 @@ class MambaTrainer:
 
     def restore(self, snap: list) -> None:
         """Write back a :meth:`snapshot` in place (buffers keep their addresses)."""
-        self._restore(snap)
+        restore(snap)
 
     def set_lr(self, lr: float):
         """Set AdamW's learning rate (a device write: captured graphs pick it up without recapture)."""
@@ -363,40 +363,31 @@ class MambaTrainer:
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"MambaTrainer.capture_graph needs a CUDA device, the trainer is on {self.device}")
-        snap = self._snapshot()
-        torch.cuda.synchronize()
-        warm_up(lambda: (self._forward_body(), self._backward_body(True)), warmup)
-        self._feat = None
-        self._restore(snap)
-        self._graphs.clear()
-        # the fused step gets its own pool: it may run between forward and backward_step
-        self._graphs.capture("step", lambda: (self._forward_body(), self._backward_body(True)))
+
+        def warm() -> None:
+            self._forward_body()
+            self._backward_body(True)
+            self._feat = None  # the warm-up's activations are not needed by any graph
+
+        # The fused step gets its own pool (it may run between forward and backward_step); forward and
+        # the two backward graphs share one.
         pool = torch.cuda.graph_pool_handle()
-        for name, body in (("forward", self._forward_body),
-                           ("backward_step", lambda: self._backward_body(True, retain_graph=True)),
-                           ("accumulate", lambda: self._backward_body(False, retain_graph=True))):
-            self._graphs.capture(name, body, pool=pool)
+        capture_restoring(self._graphs, {
+            "step": lambda: (self._forward_body(), self._backward_body(True)),
+            "forward": self._forward_body,
+            "backward_step": lambda: self._backward_body(True, retain_graph=True),
+            "accumulate": lambda: self._backward_body(False, retain_graph=True),
+        }, self._snapshot(), warmup, warmup_body=warm,
+            pools={"forward": pool, "backward_step": pool, "accumulate": pool})
         # Both backward graphs read the activations that the forward graph saved; keep them alive.
         self._graph_feat = self._feat
-        # Capturing ran nothing, but restore once more to be exact about every buffer.
-        torch.cuda.synchronize()
-        self._restore(snap)
-        self._graphs.seal()
         self._feat = None
         return self
 
     def _snapshot(self):
         n = self.net
-        return [(t, t.detach().clone()) for t in
-                (n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.scalars, self.scaler.scale,
-                 self.scaler.growth_tracker, self.state.conv, self.state.ssm)
-                + ((n.compute_arena,) if n.compute_arena is not None else ())]
-
-    @staticmethod
-    def _restore(snap):
-        with torch.no_grad():
-            for t, v in snap:
-                t.copy_(v)
+        return snapshot((n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.scalars, self.scaler.scale,
+                         self.scaler.growth_tracker, self.state.conv, self.state.ssm, n.compute_arena))
 
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
