@@ -6,14 +6,15 @@ is per rank; env seeds start at ``seed + rank * num_envs``, so rank r's envs are
 its own minibatch slice. Weights start identical (same config seed, then broadcast from rank 0) and
 stay bit-identical because every rank applies the same optimizer step to the same summed gradient.
 
-Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`; eager on several ranks, inside the
-minibatch's CUDA graph only with ``MAMBA_RL_DDP_CAPTURE=1``):
+Per minibatch step (:class:`~mamba_rl.agents.update.PPOUpdate`; on CUDA its three phases are graphs and
+these all-reduces run eagerly between their replays):
 
-1. one all-reduce of [sum adv, sum adv^2, valid count] (float64, :meth:`DataParallel.minibatch_stats`):
+1. one all-reduce of [sum adv, sum adv^2, valid count] (float64, :meth:`DataParallel.minibatch_sums`,
+   :meth:`DataParallel.finish_stats`):
    advantages are normalised with the *global* minibatch mean/std and every rank's loss is its share
    of the global masked mean (its sums / the global count), so the sum over ranks of the gradients is
    exactly the gradient of the one-process minibatch of ``world * envs_per_minibatch`` envs;
-2. after the backbone backward and before the clip (``MambaTrainer.grad_hook``): ONE all-reduce (SUM)
+2. after the backbone backward and before the clip: ONE all-reduce (SUM)
    of [backbone gradient arena | heads' flat gradient] (``PPOUpdate.comm``, :meth:`reduce_grads`);
    the global clip, AdamW, the f16 scaler's overflow check and the head Adam then see the same numbers
    on every rank.
@@ -60,7 +61,7 @@ def rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
+def init_from_env(device: str = "auto", timeout_s: float = 600.0, backend: str | None = None) -> bool:
     """Join the job torchrun described in the environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
     ``MASTER_ADDR``/``MASTER_PORT``), when ``WORLD_SIZE`` > 1 and no group exists yet.
 
@@ -71,6 +72,8 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
     Args:
         device: the PPOConfig device ("auto" | "cpu" | "cuda[:i]").
         timeout_s: bound on every collective [s]; a peer that hangs or died ends the job with an error.
+        backend: "nccl" or "gloo" to choose; None: NCCL on CUDA, gloo otherwise. gloo on CUDA runs every
+            rank's collectives through the host (slow), e.g. several ranks sharing one GPU in a test.
 
     Returns:
         True when this process is (now) one rank of a group of more than one.
@@ -78,7 +81,8 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
     Raises:
         RuntimeError: ``WORLD_SIZE`` > 1 without ``RANK`` / ``MASTER_ADDR`` (not launched by torchrun),
             or more local ranks than visible GPUs.
-        ValueError: ``device`` asks for CUDA on a machine without it (:func:`~mamba_rl.agents.devices.resolve_device`).
+        ValueError: ``device`` asks for CUDA on a machine without it (:func:`~mamba_rl.agents.devices.resolve_device`),
+            or ``backend`` is not one of None, "nccl", "gloo" (or "nccl" without CUDA).
     """
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
@@ -90,6 +94,10 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
             raise RuntimeError(f"WORLD_SIZE={world} but {key} is not set: launch with torchrun "
                                f"(or mamba-rl train --nproc N)")
     cuda = resolve_device(device).type == "cuda"
+    if backend not in (None, "nccl", "gloo") or (backend == "nccl" and not cuda):
+        raise ValueError(f"init_from_env: backend must be None, 'gloo' or ('nccl' on CUDA), got {backend!r} "
+                         f"with device {device!r}")
+    backend = backend or ("nccl" if cuda else "gloo")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     kw: dict[str, Any] = {}
     if cuda:
@@ -97,8 +105,9 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0) -> bool:
         if local >= torch.cuda.device_count():
             raise RuntimeError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPUs are visible")
         torch.cuda.set_device(local)
-        kw["device_id"] = torch.device("cuda", local)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        if backend == "nccl":
+            kw["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     return dist.get_world_size() > 1
 
@@ -152,34 +161,27 @@ class DataParallel:
             raise ValueError(f"data-parallel ranks disagree on {what}: rank 0 has {out[0]!r}, rank {bad[0]} has "
                              f"{out[bad[0]]!r} (every rank must run the same config)")
 
-    def warm_up(self, device: torch.device) -> None:
-        """One all-reduce on ``device``, so NCCL's communicator exists before a graph captures one."""
-        t = torch.ones(1, device=device)
-        dist.all_reduce(t)
-        if int(t.item()) != self.world:
-            raise RuntimeError(f"DataParallel.warm_up: all-reduce gave {t.item()}, expected {self.world}")
-
     @torch.no_grad()
     def broadcast_weights(self, tensors: list[torch.Tensor]) -> None:
         """Copy rank 0's ``tensors`` to every rank (once, at start: the seeds make them equal anyway)."""
         for t in tensors:
             dist.broadcast(t, src=0)
 
+    @staticmethod
     @torch.no_grad()
-    def minibatch_stats(self, adv: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                torch.Tensor]:
-        """Global (count, mean, std) of the advantages over every rank's valid minibatch steps.
-
-        Args:
-            adv, mask: [rows, T] float32 (mask 1 at valid steps).
-
-        Returns:
-            0-d float32 tensors: count (>= 1), mean, std (unbiased, as the one-process loss). One all-reduce.
-        """
+    def minibatch_sums(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """This rank's [sum adv, sum adv^2, valid count] (float64 [3]) over its valid minibatch steps (``adv``,
+        ``mask``: [rows, T] float32, mask 1 at valid steps), to be summed over the ranks and given to
+        :meth:`finish_stats`. No collective (graph-capturable)."""
         m = mask.double()
         a = adv.double() * m
-        buf = torch.stack([a.sum(), (a * adv.double()).sum(), m.sum()])
-        dist.all_reduce(buf)
+        return torch.stack([a.sum(), (a * adv.double()).sum(), m.sum()])
+
+    @staticmethod
+    @torch.no_grad()
+    def finish_stats(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(count >= 1, mean, unbiased std) as 0-d float32 from :meth:`minibatch_sums` summed over the ranks.
+        No collective (graph-capturable)."""
         count = buf[2].clamp_min(1.0)
         mean = buf[0] / count
         var = ((buf[1] - buf[0] * mean) / (count - 1.0).clamp_min(1.0)).clamp_min(0.0)

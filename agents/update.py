@@ -1,38 +1,39 @@
 """The PPO update (Schulman et al. 2017, CleanRL's recurrent form): epochs of fixed-shape minibatches.
 
-One minibatch step (:meth:`PPOUpdate._minibatch`) is one body, run eagerly on the CPU and captured as
+One minibatch step (:meth:`PPOUpdate._minibatch`) is three phases, run eagerly on the CPU and captured as
 ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
 
-1. gather: the minibatch's envs are row ``k`` of a device permutation (``perm``, ``mb_index``), and
-   ``index_select`` writes their inputs, episode starts and stored initial state straight into the
-   trainer's static buffers, and their actions / log-probs / values / advantages / returns / valid
-   flags (one packed tensor) into a temporary;
-2. ``trainer.forward_body()``, the heads, :func:`~mamba_rl.agents.loss.ppo_loss` (advantages
-   normalised per minibatch over its valid steps), autograd for dLoss/dfeatures and the head grads;
-3. ``trainer.backward_body()``: backbone backward, one global clip over heads + backbone (the heads'
-   squared norm goes in ``extra_sq_buf``), AdamW, the f16 scaler;
-4. the head optimizer with the same clip factor, skipped exactly when the backbone step was skipped
-   (a NaN / inf gradient: an f16 overflow, or a non-finite loss in any dtype):
-   :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on CUDA (no sync),
-   ``torch.optim.Adam`` on the CPU (where reading the flag costs nothing);
-5. the step's metrics go to row ``k`` of a device table; ``mb_index += 1``.
+1. gather (:meth:`PPOUpdate._mb_gather`): the minibatch's envs are row ``k`` of a device permutation
+   (``perm``, ``mb_index``), and ``index_select`` writes their inputs, episode starts and stored initial
+   state straight into the trainer's static buffers, and their actions / log-probs / values / advantages /
+   returns / valid flags (one packed tensor) into a temporary;
+2. backprop (:meth:`PPOUpdate._mb_backprop`): ``trainer.forward_body()``, the heads,
+   :func:`~mamba_rl.agents.loss.ppo_loss` (advantages normalised per minibatch over its valid steps),
+   autograd for dLoss/dfeatures and the head grads, ``trainer.backprop_body()`` (the backbone backward
+   into its gradient arena);
+3. step (:meth:`PPOUpdate._mb_step`): ``trainer.optimizer_body()``: one global clip over heads + backbone
+   (the heads' squared norm goes in ``extra_sq_buf``), AdamW, the f16 scaler; the head optimizer with the
+   same clip factor, skipped exactly when the backbone step was skipped (a NaN / inf gradient: an f16
+   overflow, or a non-finite loss in any dtype): :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on
+   CUDA (no sync), ``torch.optim.Adam`` on the CPU (where reading the flag costs nothing); the step's
+   metrics go to row ``k`` of a device table; ``mb_index += 1``.
 
 The host reads the table once per update (one sync), plus once per epoch only when ``target_kl`` is set.
 
 The body reads the config :meth:`PPOUpdate.run` was given (the agent's current one); a captured graph
 holds the loss coefficients it was captured with, so a run with other coefficients recaptures first.
 
-Data-parallel (a :class:`~mamba_rl.agents.distributed.DataParallel`): step 2 uses the count and advantage
-statistics of every rank's minibatch (one all-reduce), and ``trainer.grad_hook`` sums the backbone's
-gradient arena and the heads' flat gradient over the ranks (ONE all-reduce of both, packed in ``comm``)
-between the backbone backward and the clip. The minibatch runs eagerly then (capturing the all-reduce is
-opt-in, ``MAMBA_RL_DDP_CAPTURE=1``). The table is summed over ranks once per update; explained variance
-stays per rank (rank 0's is logged).
+Data-parallel (a :class:`~mamba_rl.agents.distributed.DataParallel`): phase 2 uses the count and advantage
+statistics of every rank's minibatch (phase 1 leaves this rank's sums in ``stat_buf``; one all-reduce), and
+phase 3 steps with the backbone's gradient arena and the heads' flat gradient summed over the ranks (phase 2
+packs both in ``comm``; ONE all-reduce). On CUDA each phase is its own graph and the two all-reduces run
+eagerly between the replays: no collective is ever captured (capturing NCCL's all-reduce inside one
+minibatch graph hung on 2 H200s, torch 2.11), and the replays are bit-identical to the eager minibatch. The
+table is summed over ranks once per update; explained variance stays per rank (rank 0's is logged).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable
 
@@ -118,6 +119,8 @@ class PPOUpdate:
         n_heads = sum(q.numel() for q in self.head_params)
         # data-parallel: [backbone gradient arena | head gradient], summed over ranks by one all-reduce
         self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if dp is not None else None
+        # data-parallel: this rank's [sum adv, sum adv^2, valid count] of the minibatch, summed over ranks
+        self.stat_buf = torch.zeros(3, dtype=torch.float64, device=dev) if dp is not None else None
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
         self._capture = capture
         self._captured_loss: tuple | None = None  # the loss fields of the config the graph was captured with
@@ -132,40 +135,55 @@ class PPOUpdate:
     def _capture_minibatch(self) -> None:
         """Capture the body (every rank or none in a data-parallel run; see :meth:`_fallback`)."""
         self._captured_loss = self._fields(self._config, _LOSS)
-        # Capturing the NCCL all-reduce inside the minibatch graph hung on 2 H200s (torch 2.11, NCCL of
-        # cu130): off unless asked for with MAMBA_RL_DDP_CAPTURE=1; eager minibatches passed the same tests.
-        if self.dp is not None and os.environ.get("MAMBA_RL_DDP_CAPTURE", "0") != "1":
-            self.capture_error = "capture of the all-reduce is off (MAMBA_RL_DDP_CAPTURE=1 turns it on)"
-        elif self.dp is not None:
-            err = None
-            try:  # the all-reduces inside the graph need NCCL >= 2.9.6 and a warmed-up process group
-                self.capture()
-            except RuntimeError as e:
-                err = e
-            failed = torch.tensor([float(err is not None)], device=self.device)
-            if float(self.dp.sum_(failed)) > 0:  # every rank captures, or none does
-                self._fallback(err if err is not None else RuntimeError("another rank's capture failed"))
-        else:
+        if self.dp is None:
             self.capture()
+            return
+        err = None
+        try:
+            self.capture()
+        except RuntimeError as e:
+            err = e
+        failed = torch.tensor([float(err is not None)], device=self.device)
+        if float(self.dp.sum_(failed)) > 0:  # every rank captures, or none does
+            self._fallback(err if err is not None else RuntimeError("another rank's capture failed"))
 
     # ------------------------------------------------------------------------------------ the body
     def _minibatch(self) -> None:
-        c, tr, a = self._config, self.trainer, self.action_dim
+        """One minibatch step, eagerly (or as the one graph of a single-process run): the three phases, with
+        the data-parallel all-reduces between them."""
+        self._mb_gather()
+        if self.dp is not None:
+            self.dp.sum_(self.stat_buf)
+        self._mb_backprop()
+        if self.dp is not None:
+            self.dp.reduce_grads(self.comm)
+        self._mb_step()
+
+    def _mb_gather(self) -> None:
+        """Phase 1: the minibatch's envs into the trainer's static buffers and ``self._mb``; data-parallel:
+        this rank's advantage sums into ``stat_buf`` (summed over the ranks before phase 2)."""
+        tr, a = self.trainer, self.action_dim
         rows = self.perm.index_select(0, self.mb_index).view(-1)
         torch.index_select(self.inputs, 0, rows, out=tr.x_buf)
         torch.index_select(self.starts, 0, rows, out=tr.starts_buf)
         torch.index_select(self.init_state.conv, 1, rows, out=tr.state.conv)
         torch.index_select(self.init_state.ssm, 1, rows, out=tr.state.ssm)
         pk = self.pack.index_select(0, rows)
-        mb = Minibatch(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1], advantages=pk[..., a + 2],
-                       returns=pk[..., a + 3], mask=pk[..., a + 4])
-        mask = mb.mask
-        dp, adv_norm = self.dp, None
+        self._mb = mb = Minibatch(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1],
+                                  advantages=pk[..., a + 2], returns=pk[..., a + 3], mask=pk[..., a + 4])
+        if self.dp is not None:
+            self.stat_buf.copy_(DataParallel.minibatch_sums(mb.advantages, mb.mask))
+
+    def _mb_backprop(self) -> None:
+        """Phase 2: backbone forward, heads, PPO loss, the heads' gradient and the backbone's backprop into
+        its gradient arena; data-parallel: [gradient arena | head gradient] packed into ``comm`` (summed
+        over the ranks before phase 3)."""
+        c, tr, mb, dp = self._config, self.trainer, self._mb, self.dp
         if dp is not None:  # global count and advantage statistics over every rank's minibatch
-            count, mean, std = dp.minibatch_stats(mb.advantages, mask)
+            count, mean, std = DataParallel.finish_stats(self.stat_buf)
             adv_norm = (mean, std)
         else:
-            count = mask.sum().clamp_min(1.0)
+            count, adv_norm = mb.mask.sum().clamp_min(1.0), None
         y = tr.forward_body().detach().float().requires_grad_()
         dist = self.actor(y)
         newvalue = self.critic(y)
@@ -174,29 +192,31 @@ class PPOUpdate:
         head_grads = grads[1:]
         tr.d_buf.copy_(grads[0])
         flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
-        if dp is not None:  # after the backbone backward, before the clip: sum the gradients over ranks
-            arena, nb = tr.net.grad_arena, tr.net.grad_arena.numel()
-            head_sum, head_grad = self.comm[nb:], flat
-
-            def reduce() -> None:  # ONE all-reduce of [backbone gradient arena | head gradient]
-                self.comm[:nb].copy_(arena)
-                head_sum.copy_(head_grad)
-                dp.reduce_grads(self.comm)
-                arena.copy_(self.comm[:nb])
-                tr.extra_sq_buf.copy_(head_sum.square().sum())
-            tr.grad_hook = lambda: (reduce(), _flag_nonfinite_heads(arena, tr.extra_sq_buf))
-            flat = head_sum  # the heads step with the summed gradient
-        elif self.flat_heads:
-            tr.extra_sq_buf.copy_(flat.square().sum())
-        else:
-            tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
         if dp is None:
-            arena = tr.net.grad_arena
-            tr.grad_hook = lambda: _flag_nonfinite_heads(arena, tr.extra_sq_buf)
-        try:
-            tr.backward_body()
-        finally:
-            tr.grad_hook = None
+            if self.flat_heads:
+                tr.extra_sq_buf.copy_(flat.square().sum())
+            else:
+                tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
+        tr.backprop_body()
+        if dp is not None:
+            nb = tr.net.grad_arena.numel()
+            self.comm[:nb].copy_(tr.net.grad_arena)
+            self.comm[nb:].copy_(flat)
+        self._phase2 = (flat, head_grads, st, newvalue)
+
+    def _mb_step(self) -> None:
+        """Phase 3: (data-parallel: the summed gradients back from ``comm``) the global clip, AdamW, the
+        scaler, the heads' optimizer with the same clip factor, the metrics row; ``mb_index += 1``."""
+        c, tr, mb = self._config, self.trainer, self._mb
+        flat, head_grads, st, newvalue = self._phase2
+        arena = tr.net.grad_arena
+        if self.dp is not None:  # the heads step with the summed gradient
+            nb = arena.numel()
+            arena.copy_(self.comm[:nb])
+            flat = self.comm[nb:]
+            tr.extra_sq_buf.copy_(flat.square().sum())
+        _flag_nonfinite_heads(arena, tr.extra_sq_buf)
+        tr.optimizer_body()
         s = tr.scalars
         skip = s[FOUND_INF] > 0  # the trainer skipped its step (the agent makes it skip every non-finite one)
         if self.flat_heads:
@@ -208,6 +228,7 @@ class PPOUpdate:
                 g = g.view_as(p)
                 p.grad = g * s[CLIP_COEF].to(g.dtype) if c.max_grad_norm is not None else g
             self.head_optimizer.step()
+        mask = mb.mask
         with torch.no_grad():
             parity = torch.maximum((st["logratio"].abs() * mask).max(), ((newvalue - mb.values).abs() * mask).max())
             row = torch.stack([st["v"], st["pg"], st["ent"], st["kl"], st["old_kl"], st["clipfrac"],
@@ -215,13 +236,27 @@ class PPOUpdate:
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
             self.mb_index.add_(1)
 
+    def _replay_minibatch(self) -> bool:
+        """Replay the captured minibatch: one graph, or (data-parallel) the three phases' graphs with the two
+        all-reduces run eagerly between them. False when nothing is captured."""
+        g = self._graphs
+        if g.replay("minibatch"):
+            return True
+        if not g.replay("gather"):
+            return False
+        self.dp.sum_(self.stat_buf)
+        g.replay("backprop", check=False)
+        self.dp.reduce_grads(self.comm)
+        g.replay("step", check=False)
+        return True
+
     def _head_state(self) -> tuple:
         opt = self.head_optimizer
         return (opt.param_arena, opt.exp_avg, opt.exp_avg_sq, opt.step_t, opt.lr_t) if self.flat_heads else ()
 
     def _graph_buffers(self) -> tuple:
         return self.trainer.graph_buffers() + self._head_state() + (
-            self.comm, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
+            self.comm, self.stat_buf, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
             self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
@@ -233,11 +268,13 @@ class PPOUpdate:
         if self.device.type != "cuda" or not self.flat_heads:
             raise RuntimeError("PPOUpdate.capture needs a CUDA policy whose head optimizer is a FlatHeadAdam")
         saved = self.trainer.snapshot() + snapshot((self.table, self.mb_index) + self._head_state()[:4])
-        if self.dp is not None:
-            self.dp.warm_up(self.device)  # NCCL's communicator exists before the capture records a collective
+        if self.dp is None:
+            bodies = {"minibatch": self._minibatch}
+        else:  # no collective inside a graph: the all-reduces run eagerly between the phases' graphs
+            bodies = {"gather": self._mb_gather, "backprop": self._mb_backprop, "step": self._mb_step}
         # data-parallel: thread-local capture mode, so NCCL's watchdog thread may poll events meanwhile
-        capture_restoring(self._graphs, {"minibatch": self._minibatch}, saved, warmup,
-                          warmup_body=self._run_eager_once, mode="thread_local" if self.dp is not None else "global")
+        capture_restoring(self._graphs, bodies, saved, warmup, warmup_body=self._run_eager_once,
+                          mode="thread_local" if self.dp is not None else "global")
 
     def _fallback(self, err: Exception) -> None:
         """Data-parallel capture failed: run the minibatch body eagerly (same numbers, one launch per
@@ -308,7 +345,7 @@ class PPOUpdate:
             self._perm_host[epoch * m:(epoch + 1) * m].copy_(rows)
             self.perm[epoch * m:(epoch + 1) * m].copy_(self._perm_host[epoch * m:(epoch + 1) * m], non_blocking=True)
             for _ in range(m):
-                if not self._graphs.replay("minibatch"):
+                if not self._replay_minibatch():
                     self._minibatch()
                 done += 1
             if c.target_kl is not None and self._kl(done - 1) > c.target_kl:

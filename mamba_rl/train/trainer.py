@@ -204,6 +204,12 @@ class MambaTrainer:
             cur.copy_(torch.where(bad.view(1, -1, *([1] * (cur.dim() - 2))), old, cur))
 
     def _backward_body(self, optimizer_step: bool, retain_graph: bool = False):
+        self._backprop(retain_graph)
+        if optimizer_step:
+            self._optimize()
+
+    def _backprop(self, retain_graph: bool = False):
+        """d_buf (times the loss scale) back through the last forward, into the gradient arena."""
         net = self.net
         g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
         if net.device.type == "cpu":
@@ -211,19 +217,22 @@ class MambaTrainer:
         elif not torch.cuda.is_current_stream_capturing():
             net.attach_grads()  # a parent's zero_grad() may have set p.grad = None
         self._feat.backward(g, retain_graph=retain_graph)
-        if optimizer_step:
-            if self.grad_hook is not None:  # e.g. the data-parallel all-reduce, before the clip sees the arena
-                self.grad_hook()
-            if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
-                net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
-            cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
-            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars, kernels=cpu)
-            adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                       self.n_decay, net.compute_arena, kernels=cpu)
-            if self.scaler.enabled:
-                self.scaler.update(self.scalars[FOUND_INF])
-                self.scalars[LOSS_SCALE] = self.scaler.scale[0]
-            net.grad_arena.zero_()
+
+    def _optimize(self):
+        """grad_hook, the global clip, AdamW and the scaler over the gradient arena; zeroes the arena."""
+        net = self.net
+        if self.grad_hook is not None:  # e.g. the data-parallel all-reduce, before the clip sees the arena
+            self.grad_hook()
+        if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
+            net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
+        cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
+        grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars, kernels=cpu)
+        adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
+                   self.n_decay, net.compute_arena, kernels=cpu)
+        if self.scaler.enabled:
+            self.scaler.update(self.scalars[FOUND_INF])
+            self.scalars[LOSS_SCALE] = self.scaler.scale[0]
+        net.grad_arena.zero_()
 
     def _attach_grads_cpu(self):
         """``net.attach_grads()`` only when some ``.grad`` is no longer its grad-arena view (a parent's
@@ -321,10 +330,28 @@ class MambaTrainer:
         ``extra_sq_buf``, a head's squared gradient norm), AdamW, the f16 scaler update; zeroes the gradient
         arena. No host sync; graph-capturable. The step's scalars (clip_coef, found_inf, ...) are in
         ``scalars`` (layout in :mod:`mamba_rl.ops.optim`)."""
+        self.backprop_body()
+        self._optimize()
+
+    def backprop_body(self) -> None:
+        """The first half of :meth:`backward_body`: backprop ``d_buf`` (times the loss scale) through the last
+        :meth:`forward_body` into the gradient arena, nothing else. With :meth:`optimizer_body` after it, a
+        caller can run work between the two outside a graph (e.g. a data-parallel all-reduce of the arena
+        between two captured graphs). Graph-capturable.
+
+        Raises:
+            RuntimeError: no :meth:`forward_body` since the last backprop.
+        """
         if self._feat is None:
-            raise RuntimeError("MambaTrainer.backward_body: call forward_body() first")
-        self._backward_body(True)
+            raise RuntimeError("MambaTrainer.backprop_body: call forward_body() first")
+        self._backprop()
         self._feat = None
+
+    def optimizer_body(self) -> None:
+        """The second half of :meth:`backward_body`: ``grad_hook`` (if set), the global clip (backbone arena
+        plus ``extra_sq_buf``), AdamW, the f16 scaler update, and the gradient arena zeroed. No host sync;
+        graph-capturable."""
+        self._optimize()
 
     def graph_buffers(self) -> tuple:
         """Every tensor a captured forward/backward body reads or writes (for a caller's pointer guard)."""

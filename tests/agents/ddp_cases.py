@@ -47,13 +47,14 @@ def flat_state(agent) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1).cpu() for p in parts])
 
 
-def _join(rank: int, world: int, port: int, device: str, timeout_s: float = 120) -> None:
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+def _join(rank: int, world: int, port: int, device: str, timeout_s: float = 120, backend: str | None = None,
+          local_rank: int | None = None) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank if local_rank is None else local_rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from mamba_rl.agents.distributed import init_from_env
 
-    assert init_from_env(device, timeout_s=timeout_s)
+    assert init_from_env(device, timeout_s=timeout_s, backend=backend)
 
 
 def update_worker(rank: int, world: int, port: int, out: str, device: str, updates: int) -> None:
@@ -234,3 +235,54 @@ def cli_bug_worker(rank: int, world: int, port: int, out: str) -> None:
             result["traceback"] = traceback.format_exc()
     result["stderr"] = stderr.getvalue()
     torch.save(result, os.path.join(out, f"bug{rank}.pt"))
+
+
+def split_graph_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Every rank on the one GPU (gloo over CUDA tensors): 2 updates with the captured three-phase minibatch
+    and 2 with eager minibatches, from the same seed on the same fixed rollouts; records both states."""
+    import torch.distributed as dist
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    _join(rank, world, port, "cuda", backend="gloo", local_rank=0)
+    try:
+        res = {}
+        for graphs in (True, False):
+            agent = RecurrentPPO(config=PPOConfig(**TINY, device="cuda", cuda_graphs=graphs,
+                                                  runs_dir=os.path.join(out, f"runs{graphs}"),
+                                                  checkpoint_dir=os.path.join(out, f"ckpt{graphs}")))
+            up = agent.updater
+            res[graphs] = {"captured": "gather" in up._graphs, "capture_error": up.capture_error, "metrics": []}
+            for u in range(2):
+                fake_rollout(agent, world * agent.config.num_envs, rank * agent.config.num_envs, seed=100 + u)
+                res[graphs]["metrics"].append(agent.update_policy())
+            res[graphs]["final"] = flat_state(agent)
+            agent.close()
+        torch.save(res, os.path.join(out, f"split{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def captured_hang_worker(rank: int, world: int, port: int, out: str, hang_s: float) -> None:
+    """Both ranks build a graph-captured agent (gloo over CUDA tensors, one GPU); rank 1 then hangs instead
+    of updating. Rank 0's update must end in an error within the group timeout (10 s), not hang."""
+    import time
+
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    _join(rank, world, port, "cuda", timeout_s=10, backend="gloo", local_rank=0)
+    agent = RecurrentPPO(config=PPOConfig(**TINY, device="cuda", runs_dir=os.path.join(out, f"runs{rank}"),
+                                          checkpoint_dir=os.path.join(out, f"ckpt{rank}")))
+    captured = "gather" in agent.updater._graphs
+    if rank == 1:
+        time.sleep(hang_s)
+        os._exit(0)
+    fake_rollout(agent, world * agent.config.num_envs, 0, seed=100)
+    t0 = time.perf_counter()
+    try:
+        agent.update_policy()
+        err = None
+    except Exception as e:  # noqa: BLE001 - the test looks at what it was
+        err = f"{type(e).__name__}: {e}"
+    torch.save({"err": err, "dt": time.perf_counter() - t0, "captured": captured}, os.path.join(out, "chang.pt"))
+    os._exit(0)

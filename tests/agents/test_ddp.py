@@ -17,8 +17,8 @@ import torch.multiprocessing as mp
 from mamba_rl.agents import PPOConfig, RecurrentPPO
 from mamba_rl.agents.distributed import shard_permutation
 
-from .ddp_cases import (TINY, cli_bug_worker, fake_rollout, flat_state, hang_worker, learn_worker, mismatch_worker,
-                        normalize_obs_worker, update_worker)
+from .ddp_cases import (TINY, captured_hang_worker, cli_bug_worker, fake_rollout, flat_state, hang_worker, learn_worker,
+                        mismatch_worker, normalize_obs_worker, split_graph_worker, update_worker)
 
 
 def _port() -> int:
@@ -86,6 +86,31 @@ def test_two_ranks_equal_one_process_nccl(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_resume_two_rank_checkpoint_nccl(tmp_path):
     _check_resume(tmp_path, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_split_graph_minibatches_equal_eager_ones_gloo_one_gpu(tmp_path):
+    # two ranks on one GPU: the captured three-phase minibatch (all-reduces eager between the replays)
+    # against eager minibatches, bit for bit, and the ranks identical
+    _spawn(split_graph_worker, str(tmp_path))
+    res = [torch.load(tmp_path / f"split{r}.pt") for r in range(2)]
+    for r in res:
+        assert r[True]["captured"] and r[True]["capture_error"] is None, r[True]["capture_error"]
+        assert not r[False]["captured"]
+        assert torch.equal(r[True]["final"], r[False]["final"])
+        assert r[True]["metrics"] == r[False]["metrics"]
+    assert torch.equal(res[0][True]["final"], res[1][True]["final"])
+    assert not torch.equal(res[0][True]["final"], torch.zeros_like(res[0][True]["final"]))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_hanging_rank_is_an_error_on_the_captured_path(tmp_path):
+    _spawn(captured_hang_worker, str(tmp_path), 60.0)
+    r = torch.load(tmp_path / "chang.pt")
+    assert r["captured"], r
+    assert r["err"] is not None and r["dt"] < 40.0, r  # the 10 s group timeout, not the 60 s hang
 
 
 def _check_resume(tmp_path, device: str) -> None:
