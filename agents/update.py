@@ -202,7 +202,9 @@ class PPOUpdate:
             nb = tr.net.grad_arena.numel()
             self.comm[:nb].copy_(tr.net.grad_arena)
             self.comm[nb:].copy_(flat)
-        self._phase2 = (flat, head_grads, st, newvalue)
+        # detached: a kept autograd graph would keep the heads' AccumulateGrad nodes (and the stream they
+        # were made on) alive into the next capture
+        self._phase2 = (flat, head_grads, {k: v.detach() for k, v in st.items()}, newvalue.detach())
 
     def _mb_step(self) -> None:
         """Phase 3: (data-parallel: the summed gradients back from ``comm``) the global clip, AdamW, the
