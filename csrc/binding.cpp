@@ -172,8 +172,9 @@ std::vector<Tensor> scan_fwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   auto fin = new_empty({s.B, s.D, s.N}, f32);
   const int64_t nC = (s.T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
   Tensor ckpt = need_ckpt ? new_empty({s.B, nC, s.D, s.N}, f32) : Tensor();
+  auto ws = new_empty({mrl::scan_fwd_workspace((int)s.B, (int)s.T, (int)s.D, (int)s.N)}, f32);
   auto p = scan_params(s, x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
-  p.out = out.data_ptr(); p.final_state = fin.data_ptr<float>();
+  p.out = out.data_ptr(); p.final_state = fin.data_ptr<float>(); p.ws = ws.data_ptr<float>();
   p.ckpt = need_ckpt ? ckpt.data_ptr<float>() : nullptr;
   raise_if(mrl::scan_fwd(s.dt, p, c10::cuda::getCurrentCUDAStream().stream()));
   return {out, fin, ckpt};
@@ -447,4 +448,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
+  m.def("scan_segments", &mrl::scan_segments, "time segments of the scan's two-level split for (B, T, D, N, bwd)");
+  m.def("scan_set_segments", &mrl::scan_set_segments, "force the scan's segment count (0: automatic; tests)");
 }

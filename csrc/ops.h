@@ -51,7 +51,9 @@ struct ScanFwdParams {
   void* out;                             // [B, T, D] contiguous
   float* final_state;                    // [B, D, N]
   float* ckpt;                           // [B, nchunks, D, N] or nullptr (no backward)
+  float* ws;                             // forward workspace: scan_fwd_workspace() floats
   int B, T, D, N;
+  int nseg, seg_len;                     // time split (set by scan_fwd / scan_bwd, not by the caller)
 };
 struct ScanBwdParams {
   ScanFwdParams f;                       // the forward's inputs (out/final_state unused); ckpt required
@@ -66,7 +68,13 @@ struct ScanBwdParams {
   float* ws;                             // workspace: scan_bwd_workspace() floats
 };
 int scan_chunk();                        // checkpoint interval (steps)
+int64_t scan_fwd_workspace(int B, int T, int D, int N);
 int64_t scan_bwd_workspace(int B, int T, int D, int N);
+// Number of time segments the forward (bwd = false) or backward kernel uses for this shape on the current
+// device; scan_set_segments(n > 0) forces n (clamped to [1, number of chunks]), 0 restores the automatic
+// choice (a tuning/testing knob: results depend on the split in the last bits).
+int scan_segments(int B, int T, int D, int N, bool bwd);
+void scan_set_segments(int n);
 const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s);
 const char* scan_bwd(int dtype, const ScanBwdParams& p, cudaStream_t s);
 

@@ -13,11 +13,56 @@ int scan_chunk() { return SCAN_TC; }
 
 static int scan_tiles(int D, int N) { const int cpb = SCAN_THREADS / (N / SCAN_NPT); return (D + cpb - 1) / cpb; }
 
-int64_t scan_bwd_workspace(int B, int T, int D, int N) {
-  return (int64_t)scan_tiles(D, N) * B * T * 2 * N + (int64_t)B * D * N + 2 * (int64_t)B * D;
+static int g_forced_segments = 0;  // scan_set_segments(): 0 = automatic
+void scan_set_segments(int n) { g_forced_segments = n > 0 ? n : 0; }
+
+static int sm_count() {
+  static int cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { (void)cudaGetLastError(); return 132; }
+  if (cache[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+      (void)cudaGetLastError();
+      n = 132;
+    }
+    cache[dev] = n;
+  }
+  return cache[dev];
 }
 
-const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s) {
+// The time split: nseg segments of seg_len chunks (the last may be shorter, none empty). The grid is
+// tiles x B x nseg blocks of which minb fit on an SM: nseg is the largest count that still fits the grid in
+// one wave (a second, partial wave would double the time), at least 1, at most the number of chunks.
+struct ScanSplit { int nseg, seg_len; };
+static ScanSplit scan_split(int B, int T, int D, int N, int minb) {
+  const int nC = (T + SCAN_TC - 1) / SCAN_TC;
+  const int64_t base = (int64_t)scan_tiles(D, N) * B;
+  int64_t want = g_forced_segments > 0 ? g_forced_segments : ((int64_t)sm_count() * minb) / base;
+  want = want < 1 ? 1 : (want > nC ? nC : want);
+  const int len = (int)((nC + want - 1) / want);
+  return {(nC + len - 1) / len, len};
+}
+
+int scan_segments(int B, int T, int D, int N, bool bwd) {
+  return scan_split(B, T, D, N, bwd ? SCAN_BWD_MINB : scan_fwd_minb(N)).nseg;
+}
+
+int64_t scan_fwd_workspace(int B, int T, int D, int N) {
+  const ScanSplit sp = scan_split(B, T, D, N, scan_fwd_minb(N));
+  return sp.nseg > 1 ? 2 * (int64_t)B * sp.nseg * D * N : 4;
+}
+
+int64_t scan_bwd_workspace(int B, int T, int D, int N) {
+  const ScanSplit sp = scan_split(B, T, D, N, SCAN_BWD_MINB);
+  return (int64_t)scan_tiles(D, N) * B * T * 2 * N + 2 * (int64_t)B * sp.nseg * D * N +
+         (int64_t)B * sp.nseg * (D * N + 2 * (int64_t)D);
+}
+
+const char* scan_fwd(int dtype, const ScanFwdParams& p0, cudaStream_t s) {
+  ScanFwdParams p = p0;
+  const ScanSplit sp = scan_split(p.B, p.T, p.D, p.N, scan_fwd_minb(p.N));
+  p.nseg = sp.nseg; p.seg_len = sp.seg_len;
   switch (dtype) {
     case kF32: return scan_fwd_f32(p, s);
     case kBF16: return scan_fwd_bf16(p, s);
@@ -27,10 +72,11 @@ const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s) {
 }
 
 // One finalize launch: blocks [0, nbc) sum dB/dC over channel tiles (thread per (b, t, j)), the others
-// sum dA_log / dD / ddt_bias over rows (32 columns x 8 row groups per block, fixed order).
+// sum dA_log / dD / ddt_bias over the B * nseg (row, segment) partials (32 columns x 8 row groups per
+// block, fixed order).
 template <typename T>
 __global__ void __launch_bounds__(256) scan_finalize(const float* __restrict__ pBC, int ntiles, int64_t Mbc, int N,
-                                                     T* dB, T* dC, int nbc, const float* __restrict__ pPar, int B,
+                                                     T* dB, T* dC, int nbc, const float* __restrict__ pPar, int rows,
                                                      int D, float* dA_log, float* dD, float* ddt_bias, bool acc) {
   if ((int)blockIdx.x < nbc) {
     const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x;
@@ -48,7 +94,7 @@ __global__ void __launch_bounds__(256) scan_finalize(const float* __restrict__ p
   const int rg = threadIdx.x >> 5;
   float a = 0.f;
   if (col < M)
-    for (int r = rg; r < B; r += 8) a += pPar[(int64_t)r * M + col];
+    for (int r = rg; r < rows; r += 8) a += pPar[(int64_t)r * M + col];
   part[rg][threadIdx.x & 31] = a;
   __syncthreads();
   if (rg == 0 && col < M) {
@@ -67,12 +113,16 @@ static void scan_bwd_finalize(const ScanBwdParams& q, cudaStream_t s) {
   const int64_t Mbc = (int64_t)p.B * p.T * 2 * p.N;
   const int nbc = (int)((Mbc + 255) / 256);
   const int M = p.D * p.N + 2 * p.D;
-  const float* pPar = q.ws + (int64_t)ntiles * Mbc;
-  scan_finalize<T><<<nbc + (M + 31) / 32, 256, 0, s>>>(q.ws, ntiles, Mbc, p.N, (T*)q.dB, (T*)q.dC, nbc, pPar, p.B,
-                                                       p.D, q.dA_log, q.dD, q.ddt_bias, q.accumulate);
+  const float* pPar = q.ws + (int64_t)ntiles * Mbc + 2 * (int64_t)p.B * p.nseg * p.D * p.N;
+  scan_finalize<T><<<nbc + (M + 31) / 32, 256, 0, s>>>(q.ws, ntiles, Mbc, p.N, (T*)q.dB, (T*)q.dC, nbc, pPar,
+                                                       p.B * p.nseg, p.D, q.dA_log, q.dD, q.ddt_bias,
+                                                       q.accumulate);
 }
 
-const char* scan_bwd(int dtype, const ScanBwdParams& q, cudaStream_t s) {
+const char* scan_bwd(int dtype, const ScanBwdParams& q0, cudaStream_t s) {
+  ScanBwdParams q = q0;
+  const ScanSplit sp = scan_split(q.f.B, q.f.T, q.f.D, q.f.N, SCAN_BWD_MINB);
+  q.f.nseg = sp.nseg; q.f.seg_len = sp.seg_len;
   const char* err = nullptr;
   switch (dtype) {
     case kF32: err = scan_bwd_f32(q, s); if (!err) scan_bwd_finalize<float>(q, s); break;

@@ -1,4 +1,4 @@
-// Selective scan backward: see scan_common.cuh for the layout.
+// Selective scan backward: see scan_common.cuh for the layout and the two-level split over T.
 #pragma once
 #include "scan_common.cuh"
 
@@ -36,12 +36,96 @@ __device__ __forceinline__ float transpose_reduce8(const float (&v)[8], int lane
   return w[0];
 }
 
-// Workspace layout (floats): pBC [ntiles][B][T][2N] | pPar [B][D*N + 2*D] (dA_log | dD | ddt_bias)
+// Workspace layout (floats): pBC [ntiles][B][T][2N] | seg_e [B][nseg][D][N] | seg_P [B][nseg][D][N]
+// | pPar [B * nseg][D*N + 2*D] (dA_log | dD | ddt_bias partials of each row and segment).
+template <int N>
+struct ScanBwdLayout {
+  float* pBC; float* seg_e; float* seg_P; float* pPar;
+  __host__ __device__ ScanBwdLayout(float* ws, int ntiles, int B, int T, int D, int nseg) {
+    pBC = ws;
+    seg_e = ws + (int64_t)ntiles * B * T * 2 * N;
+    seg_P = seg_e + (int64_t)B * nseg * D * N;
+    pPar = seg_P + (int64_t)B * nseg * D * N;
+  }
+};
+
+// Local pass of the backward: segment k = blockIdx.z + 1 (1 <= k < nseg) runs the adjoint recurrence in
+// reverse from a zero adjoint (the last segment from grad_final_state) and stores the adjoint leaving its
+// first step (d loss / d state entering the segment, from inside it) and its decay product.
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_bwd_local_kernel(ScanBwdParams q) {
+  using Gm = ScanGeom<N>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
+  __shared__ float sdl[TC][CPB], sgs[TC][CPB];
+  __shared__ __align__(16) float sC[TC][N];
+  __shared__ bool sst[TC];
+  const ScanFwdParams& p = q.f;
+  const int tid = threadIdx.x, gi = tid % G, cl = tid / G;
+  const int d0 = blockIdx.x * CPB, b = blockIdx.y, k = blockIdx.z + 1;
+  const int T_ = p.T, D = p.D, nz = p.nseg;
+  const bool act = d0 + cl < D;
+  const int d = act ? d0 + cl : D - 1;
+  const ScanSeg sg(T_, p.seg_len, k);
+  const int64_t bd = (int64_t)b * D + d;
+  float A2[NP], hc[NP], P[NP];
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    A2[j] = -expf(p.A_log[d * N + gi * NP + j]) * 1.4426950408889634f;
+    hc[j] = (k == nz - 1 && q.dfinal) ? q.dfinal[bd * N + gi * NP + j] : 0.f;
+    P[j] = 1.f;
+  }
+  ScanChunkRegs<T, N, SL_Z | SL_G | SL_C> r;
+  auto commit = [&](int t0) {
+#pragma unroll
+    for (int e_ = 0; e_ < EA; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+      const int dd = min(d0 + ch, D - 1);
+      const bool ok = t0 + i < T_;
+      const float zf = to_f(r.z[e_]);
+      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
+      sgs[i][ch] = ok ? to_f(r.g[e_]) * (zf * sigmoidf_(zf)) : 0.f;
+    }
+#pragma unroll
+    for (int e_ = 0; e_ < EB; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS;
+      sC[e / N][e % N] = to_f(r.Cv[e_]);
+    }
+    if (tid < TC) sst[tid] = r.st;
+  };
+  r.load(p, q.dout, q.g_sb, q.g_st, b, d0, sg.ce - 1, tid);
+  for (int c = sg.ce - 1; c >= sg.cb; --c) {
+    commit(c * TC);
+    __syncthreads();
+    if (c > sg.cb) r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c - 1, tid);
+#pragma unroll 4
+    for (int i = TC - 1; i >= 0; --i) {
+      const float dl = sdl[i][cl], gs = sgs[i][cl];
+      const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
+      const float cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+      const bool st = sst[i];
+#pragma unroll
+      for (int j = 0; j < NP; ++j) {
+        const float a = ex2f_(dl * A2[j]);
+        const float h = fmaf(gs, cx[j], hc[j]);
+        hc[j] = st ? 0.f : h * a;
+        P[j] = (st ? 0.f : P[j]) * a;
+      }
+    }
+    __syncthreads();
+  }
+  if (act) {
+    const ScanBwdLayout<N> L(q.ws, gridDim.x, p.B, T_, D, nz);
+    seg_st(L.seg_e, b, nz, k, D, d, N, gi, make_float4(hc[0], hc[1], hc[2], hc[3]));
+    seg_st(L.seg_P, b, nz, k, D, d, N, gi, make_float4(P[0], P[1], P[2], P[3]));
+  }
+}
+
 template <int N>
 struct ScanBwdSmem {
   static constexpr int CPB = ScanGeom<N>::CPB, TC = SCAN_TC, NW = ScanGeom<N>::NW;
-  float x[TC][CPB], dl[TC][CPB], sig[TC][CPB], sz[TC][CPB], dsz[TC][CPB], g[TC][CPB];
-  float odx[TC][CPB], oddt[TC][CPB], oyp[TC][CPB];
+  float4 S[TC + 1][SCAN_THREADS];  // S[i + 1]: this thread's 4 states after step i; S[0]: entering the chunk
+  float x[TC][CPB], dl[TC][CPB], sig[TC][CPB], gs[TC][CPB], gd[TC][CPB];
+  float odx[TC][CPB], oddt[TC][CPB], odz[TC][CPB];
   __align__(16) float Bv[TC][N];
   __align__(16) float Cv[TC][N];
   float red[TC][NW][2 * N];
@@ -49,11 +133,12 @@ struct ScanBwdSmem {
 };
 
 template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q) {
+__global__ void __launch_bounds__(SCAN_THREADS, SCAN_BWD_MINB) scan_bwd_kernel(ScanBwdParams q) {
   using Gm = ScanGeom<N>;
   using SM = ScanBwdSmem<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NW = Gm::NW, NP = SCAN_NPT;
-  __shared__ SM sm;
+  extern __shared__ float4 scan_bwd_smem[];
+  SM& sm = *reinterpret_cast<SM*>(scan_bwd_smem);
   const ScanFwdParams& p = q.f;
   const int tid = threadIdx.x;
   const int gi = tid % G, cl = tid / G;
@@ -61,8 +146,10 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
   const int d0 = blockIdx.x * CPB;
   const bool act = d0 + cl < p.D;
   const int d = act ? d0 + cl : p.D - 1;
-  const int b = blockIdx.y, tile = blockIdx.x, ntiles = gridDim.x;
-  const int T_ = p.T, D = p.D, B = p.B;
+  const int b = blockIdx.y, tile = blockIdx.x, ntiles = gridDim.x, k = blockIdx.z;
+  const int T_ = p.T, D = p.D, B = p.B, nz = p.nseg;
+  const ScanSeg sg(T_, p.seg_len, k);
+  const int nC = sg.nC;
   float A[NP], A2[NP];
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
@@ -71,36 +158,37 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
   }
   const float Dd = p.Dskip[d];
   const int64_t bd = (int64_t)b * D + d;
-  const int nC = (T_ + TC - 1) / TC;
-  float* pBC = q.ws;
-  float* pPar = pBC + (int64_t)ntiles * B * T_ * 2 * N + (int64_t)b * (D * N + 2 * D);
+  const ScanBwdLayout<N> L(q.ws, ntiles, B, T_, D, nz);
+  float* pBC = L.pBC;
+  float* pPar = L.pPar + ((int64_t)b * nz + k) * (D * N + 2 * D);
 
-  ScanChunkRegs<T, N, true> r;
+  ScanChunkRegs<T, N, SL_X | SL_Z | SL_G | SL_B | SL_C> r;
   float4 pck;
   auto prefetch = [&](int c) {
     pck = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
     r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
   };
-  auto commit = [&]() {
+  auto commit = [&](int t0) {
 #pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+    for (int e_ = 0; e_ < EA; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      const float dr = to_f(r.dt[k]) + p.dt_bias[dd];
-      const float zf = to_f(r.z[k]);
+      const bool ok = t0 + i < T_;  // pad: decay 1, no input, zero gradient
+      const float dr = to_f(r.dt[e_]) + p.dt_bias[dd];
+      const float zf = to_f(r.z[e_]);
       const float sgz = sigmoidf_(zf);
-      sm.x[i][ch] = to_f(r.x[k]);
-      sm.dl[i][ch] = softplusf_(dr);
-      sm.sig[i][ch] = dsoftplusf_(dr);
-      sm.sz[i][ch] = zf * sgz;
-      sm.dsz[i][ch] = sgz * (1.f + zf * (1.f - sgz));
-      sm.g[i][ch] = to_f(r.g[k]);
+      const float gv = ok ? to_f(r.g[e_]) : 0.f;
+      sm.x[i][ch] = to_f(r.x[e_]);
+      sm.dl[i][ch] = ok ? softplusf_(dr) : 0.f;
+      sm.sig[i][ch] = ok ? dsoftplusf_(dr) : 0.f;
+      sm.gs[i][ch] = gv * (zf * sgz);                          // d loss / d y_pre
+      sm.gd[i][ch] = gv * (sgz * (1.f + zf * (1.f - sgz)));    // d loss / d y_pre-gate * SiLU'(z)
     }
 #pragma unroll
-    for (int k = 0; k < EB; ++k) {
-      const int e = tid + k * SCAN_THREADS;
-      sm.Bv[e / N][e % N] = to_f(r.Bv[k]);
-      sm.Cv[e / N][e % N] = to_f(r.Cv[k]);
+    for (int e_ = 0; e_ < EB; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS;
+      sm.Bv[e / N][e % N] = to_f(r.Bv[e_]);
+      sm.Cv[e / N][e % N] = to_f(r.Cv[e_]);
     }
     if (tid < TC) sm.st[tid] = r.st;
   };
@@ -108,23 +196,30 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
   float hc[NP], dAacc[NP];
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
-    hc[j] = (q.dfinal && act) ? q.dfinal[bd * N + gi * NP + j] : 0.f;  // d loss / d s_t from the future
+    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + j] : 0.f;  // d loss / d s from the future
     dAacc[j] = 0.f;
   }
+  if (k < nz - 1) {  // the adjoint entering segment k from later ones: fixed-order combine (local pass)
+    const float4 e0 = seg_ld(L.seg_e, b, nz, nz - 1, D, d, N, gi);  // the last segment started from dfinal
+    hc[0] = e0.x; hc[1] = e0.y; hc[2] = e0.z; hc[3] = e0.w;
+    for (int j = nz - 2; j > k; --j)
+      seg_combine(hc, seg_ld(L.seg_P, b, nz, j, D, d, N, gi), seg_ld(L.seg_e, b, nz, j, D, d, N, gi));
+  }
   float dDacc = 0.f, ddbacc = 0.f;
-  prefetch(nC - 1);
-  for (int c = nC - 1; c >= 0; --c) {
+  const float am = act ? 1.f : 0.f;
+  prefetch(sg.ce - 1);
+  for (int c = sg.ce - 1; c >= sg.cb; --c) {
     const int t0 = c * TC;
     const int len = min(TC, T_ - t0);
-    commit();
-    const float4 se4 = pck;  // this chunk's checkpoint, loaded with the chunk's inputs
+    commit(t0);
+    float4 s4 = pck;  // this chunk's checkpoint, loaded with the chunk's inputs
     __syncthreads();
-    if (c > 0) prefetch(c - 1);
-    const float s_enter[NP] = {se4.x, se4.y, se4.z, se4.w};
-    float S[TC][NP];
-    {
-      float s[NP] = {s_enter[0], s_enter[1], s_enter[2], s_enter[3]};
-      auto rstep = [&](const int i) {
+    if (c > sg.cb) prefetch(c - 1);
+    sm.S[0][tid] = s4;
+    {  // recompute the chunk's states (this thread's own S entries: no barrier needed)
+      float s[NP] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll 4
+      for (int i = 0; i < TC; ++i) {
         const float dl = sm.dl[i][cl];
         const float dx_ = dl * sm.x[i][cl];
         const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
@@ -132,41 +227,29 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
         const bool st = sm.st[i];
 #pragma unroll
         for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
-      };
-      if (len == TC) {
-#pragma unroll
-        for (int i = 0; i < TC; ++i) {
-          rstep(i);
-#pragma unroll
-          for (int j = 0; j < NP; ++j) S[i][j] = s[j];
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < TC; ++i) {
-          if (i < len) rstep(i);
-#pragma unroll
-          for (int j = 0; j < NP; ++j) S[i][j] = s[j];
-        }
+        sm.S[i + 1][tid] = make_float4(s[0], s[1], s[2], s[3]);
       }
     }
-    const float am = act ? 1.f : 0.f;
-    auto bstep = [&](const int i) {
+#pragma unroll 2
+    for (int i = TC - 1; i >= 0; --i) {
       const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
       const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
       const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP]);
+      const float4 Sc = sm.S[i + 1][tid], Sp = sm.S[i][tid];
       const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+      const float sc[NP] = {Sc.x, Sc.y, Sc.z, Sc.w}, spv[NP] = {Sp.x, Sp.y, Sp.z, Sp.w};
       const bool st = sm.st[i];
-      const float g = sm.g[i][cl] * sm.sz[i][cl];            // d loss / d y_pre
+      const float g = sm.gs[i][cl];                          // d loss / d y_pre
       float ys = 0.f, ddel = 0.f, dxp = 0.f;
       float v8[8];
 #pragma unroll
       for (int j = 0; j < NP; ++j) {
         const float a = ex2f_(dl * A2[j]);
-        const float sp = st ? 0.f : (i > 0 ? S[i > 0 ? i - 1 : 0][j] : s_enter[j]);
+        const float sp = st ? 0.f : spv[j];
         const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
-        ys = fmaf(S[i][j], cx[j], ys);
+        ys = fmaf(sc[j], cx[j], ys);
         v8[j] = am * h * dl * xv;                            // dB
-        v8[NP + j] = am * g * S[i][j];                       // dC
+        v8[NP + j] = am * g * sc[j];                         // dC
         const float spa = sp * a;
         ddel = fmaf(h, fmaf(spa, A[j], xv * bx[j]), ddel);
         dxp = fmaf(h * dl, bx[j], dxp);
@@ -177,22 +260,16 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
       ddel = group_sum<G>(ddel);
       dxp = group_sum<G>(dxp);
       const float ddt = ddel * sm.sig[i][cl];
-      sm.odx[i][cl] = fmaf(g, Dd, dxp);   // every lane of the group writes the same values
-      sm.oddt[i][cl] = ddt;
-      sm.oyp[i][cl] = fmaf(Dd, xv, ys);
+      if (gi == 0) {
+        sm.odx[i][cl] = fmaf(g, Dd, dxp);
+        sm.oddt[i][cl] = ddt;
+        sm.odz[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
+      }
       dDacc = fmaf(g * am, xv, dDacc);
       ddbacc = fmaf(ddt, am, ddbacc);
       int idx; bool dup;
-      const float r = transpose_reduce8<G>(v8, lane, idx, dup);
-      sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = r;  // duplicates write equal values
-    };
-    if (len == TC) {
-#pragma unroll
-      for (int i = TC - 1; i >= 0; --i) bstep(i);
-    } else {
-#pragma unroll
-      for (int i = TC - 1; i >= 0; --i)
-        if (i < len) bstep(i);
+      const float rr = transpose_reduce8<G>(v8, lane, idx, dup);
+      sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
     }
     __syncthreads();
     for (int idx = tid; idx < len * 2 * N; idx += SCAN_THREADS) {
@@ -207,13 +284,13 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
       T* ddtb = reinterpret_cast<T*>(q.ddt) + (int64_t)b * T_ * D;
       T* dzb = reinterpret_cast<T*>(q.dz) + b * q.dz_sb;
 #pragma unroll
-      for (int k = 0; k < EA; ++k) {
-        const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+      for (int e_ = 0; e_ < EA; ++e_) {
+        const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
         if (i < len && d0 + ch < D) {
           const int64_t o = (int64_t)(t0 + i) * D + d0 + ch;
           dxb[o] = from_f<T>(sm.odx[i][ch]);
           ddtb[o] = from_f<T>(sm.oddt[i][ch]);
-          dzb[(int64_t)(t0 + i) * q.dz_st + d0 + ch] = from_f<T>(sm.g[i][ch] * sm.oyp[i][ch] * sm.dsz[i][ch]);
+          dzb[(int64_t)(t0 + i) * q.dz_st + d0 + ch] = from_f<T>(sm.odz[i][ch]);
         }
       }
     }
@@ -222,7 +299,7 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
   if (act) {
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
-      if (q.dinit) q.dinit[bd * N + gi * NP + j] = hc[j];
+      if (q.dinit && k == 0) q.dinit[bd * N + gi * NP + j] = hc[j];
       pPar[d * N + gi * NP + j] = dAacc[j] * A[j];   // d/dA_log = d/dA * A
     }
     if (gi == 0) { pPar[D * N + d] = dDacc; pPar[D * N + D + d] = ddbacc; }
@@ -232,8 +309,24 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_bwd_kernel(ScanBwdParams q)
 template <typename T, int N>
 const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
   constexpr int CPB = ScanGeom<N>::CPB;
-  dim3 grid((q.f.D + CPB - 1) / CPB, q.f.B);
-  scan_bwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(q);
+  constexpr int smem = (int)sizeof(ScanBwdSmem<N>);
+  static_assert(SCAN_BWD_MINB * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
+  static bool attr_set[64] = {};  // per device: the > 48 KB dynamic shared memory opt-in, once
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
+  if (!attr_set[dev]) {
+    if (cudaFuncSetAttribute(scan_bwd_kernel<T, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "selective_scan: the backward's shared memory cannot be reserved on this device";
+    }
+    attr_set[dev] = true;
+  }
+  const int tiles = (q.f.D + CPB - 1) / CPB;
+  if (q.f.nseg > 1) {
+    scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
+    MRL_LAUNCH_CHECK();
+  }
+  scan_bwd_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg), SCAN_THREADS, smem, s>>>(q);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

@@ -4,11 +4,24 @@
 // SCAN_TC steps: the block stages a chunk's inputs in shared memory with coalesced loads (the next chunk's
 // loads are issued before the current chunk is computed, so memory latency is paid once per chunk), and
 // per-(t, channel) terms (softplus, SiLU, sigmoid) are computed once by the staging thread.
-// The forward stores the state entering every chunk (ckpt); the backward walks the chunks in reverse,
-// recomputes the chunk's states into registers from its checkpoint, then runs the adjoint recurrence.
-// dB/dC (sums over channels) are reduced in the warp (transpose-reduce), then over warps in shared memory,
-// then over channel tiles by a second, fixed-order kernel, as are dA_log, dD and ddt_bias (sums over
-// rows): no float atomics, so results are bit-reproducible.
+//
+// Two-level scan over T (parallel over time as well as over channels). The recurrence
+// s_t = a_t * (start_t ? 0 : s_{t-1}) + b_t (a_t = exp(dt_t A), b_t = dt_t x_t B_t) is linear, so T is cut
+// into nseg segments of seg_len chunks (blockIdx.z), chosen from B * D so that the grid fills the SMs
+// (scan_split in scan.cu). A "local" kernel runs every segment from a zero state and stores its end state
+// and the product P of its decays (P = 0 once a reset is crossed); the main kernel's block for segment k
+// combines the earlier segments' (P, end state) in a fixed order (s = P == 0 ? e : P * s + e: a reset
+// still clears inf/NaN) and re-runs its segment from the true entering state. The backward's adjoint
+// recurrence (reverse time, lambda_{t-1} = start_t ? 0 : a_t * (lambda_t + C_t g_t)) is linear with the
+// same P, and is split the same way. With nseg = 1 no local kernel runs.
+//
+// The forward stores the state entering every chunk (ckpt); the backward walks its segment's chunks in
+// reverse, recomputes each chunk's states from its checkpoint into shared memory, then runs the adjoint
+// recurrence. dB/dC (sums over channels) are reduced in the warp (transpose-reduce), then over warps in
+// shared memory, then over channel tiles by a second, fixed-order kernel, as are dA_log, dD and ddt_bias
+// (sums over rows and segments): no float atomics, so results are bit-reproducible for a given shape.
+// Steps past T in the last chunk are padded (dt = 0 -> decay 1, zero input, zero gradient), so every chunk
+// runs one code path.
 // This header: the constants, the geometry and the chunk staging that scan_fwd.cuh and scan_bwd.cuh share.
 #pragma once
 #include "common.cuh"
@@ -17,7 +30,12 @@ namespace mrl {
 
 constexpr int SCAN_THREADS = 128;
 constexpr int SCAN_TC = 16;
-constexpr int SCAN_NPT = 4;  // states per thread
+constexpr int SCAN_NPT = 4;       // states per thread
+// Blocks per SM the kernels are built for (launch bounds: registers; the backward also by shared memory);
+// scan_split() sizes the grid with the same numbers. d_state 8 stages twice the channels per block (more
+// registers), so its forward targets 3.
+constexpr int scan_fwd_minb(int N) { return N == 8 ? 3 : 4; }
+constexpr int SCAN_BWD_MINB = 3;
 
 __device__ __forceinline__ float ex2f_(float v) {
   float r;
@@ -35,22 +53,51 @@ struct ScanGeom {
   static_assert(EA >= 1 && EB >= 1, "scan geometry");
 };
 
+// The chunks [cb, ce) of segment k (blockIdx.z) of a scan of T steps.
+struct ScanSeg {
+  int nC, cb, ce;
+  __device__ __forceinline__ ScanSeg(int T, int seg_len, int k) {
+    nC = (T + SCAN_TC - 1) / SCAN_TC;
+    cb = k * seg_len;
+    ce = min(nC, cb + seg_len);
+  }
+};
+
+// [B][nseg][D][N] float arrays of per-segment results (end state / adjoint, decay product): one float4.
+__device__ __forceinline__ float4 seg_ld(const float* base, int b, int nseg, int k, int D, int d, int N, int gi) {
+  return *reinterpret_cast<const float4*>(base + ((((int64_t)b * nseg + k) * D + d) * N + gi * SCAN_NPT));
+}
+__device__ __forceinline__ void seg_st(float* base, int b, int nseg, int k, int D, int d, int N, int gi, float4 v) {
+  *reinterpret_cast<float4*>(base + ((((int64_t)b * nseg + k) * D + d) * N + gi * SCAN_NPT)) = v;
+}
+// s <- P * s + e, where P == 0 (a reset inside the segment) selects e, so a reset clears inf/NaN.
+__device__ __forceinline__ void seg_combine(float (&s)[SCAN_NPT], float4 P, float4 e) {
+  const float p4[SCAN_NPT] = {P.x, P.y, P.z, P.w}, e4[SCAN_NPT] = {e.x, e.y, e.z, e.w};
+#pragma unroll
+  for (int j = 0; j < SCAN_NPT; ++j) s[j] = p4[j] == 0.f ? e4[j] : fmaf(p4[j], s[j], e4[j]);
+}
+
 template <typename T>
 __device__ __forceinline__ T ldraw(const void* base, int64_t off) {
   return __ldg(reinterpret_cast<const T*>(base) + off);
 }
 
+// Which arrays a chunk load reads (dt and the episode starts always).
+enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
+
 // The inputs of one chunk of SCAN_TC steps of one block (CPB channels of row b), held in registers. Loads are
 // coalesced (consecutive threads read consecutive channels / states) and issued for chunk c+1 before chunk c
-// is computed, so memory latency is paid once per chunk. GRAD adds the output gradient (backward).
+// is computed, so memory latency is paid once per chunk. M (SL_* bits) selects the arrays; GRAD (SL_G) is the
+// output gradient (backward). Steps past T load zeros.
 // The registers hold the raw activation dtype T; commit() converts (to_f) when it stages the chunk in shared
 // memory. Converting at load time (as v2/v3 did) put a cvt that waits on each bf16/f16 load right behind
 // the prefetch, so the warp stalled on the next chunk's memory latency before computing the current chunk:
 // the bf16 scan ran 2.0x the f32 one (4 x 4096: 4.6 ms vs 2.3 ms forward, 8.6 vs 4.5 ms backward).
-template <typename T, int N, bool GRAD>
+template <typename T, int N, int M>
 struct ScanChunkRegs {
   static constexpr int EA = ScanGeom<N>::EA, EB = ScanGeom<N>::EB, CPB = ScanGeom<N>::CPB;
-  T x[EA], dt[EA], z[EA], g[GRAD ? EA : 1], Bv[EB], Cv[EB];
+  T x[(M & SL_X) ? EA : 1], dt[EA], z[(M & SL_Z) ? EA : 1], g[(M & SL_G) ? EA : 1];
+  T Bv[(M & SL_B) ? EB : 1], Cv[(M & SL_C) ? EB : 1];
   bool st = false;  // held by threads tid < SCAN_TC: the episode start of step t0 + tid
   __device__ __forceinline__ void load(const ScanFwdParams& p, const void* dout, int64_t g_sb, int64_t g_st,
                                        int b, int d0, int c, int tid) {
@@ -61,17 +108,17 @@ struct ScanChunkRegs {
       const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int t = t0 + i, dd = min(d0 + ch, D - 1);
       const bool ok = t < T_;
-      x[k] = ok ? ldraw<T>(p.x, b * p.x_sb + (int64_t)t * p.x_st + dd) : zero;
+      if constexpr ((M & SL_X) != 0) x[k] = ok ? ldraw<T>(p.x, b * p.x_sb + (int64_t)t * p.x_st + dd) : zero;
       dt[k] = ok ? ldraw<T>(p.dt, b * p.dt_sb + (int64_t)t * p.dt_st + dd) : zero;
-      z[k] = ok ? ldraw<T>(p.z, b * p.z_sb + (int64_t)t * p.z_st + dd) : zero;
-      if constexpr (GRAD) g[k] = ok ? ldraw<T>(dout, b * g_sb + (int64_t)t * g_st + dd) : zero;
+      if constexpr ((M & SL_Z) != 0) z[k] = ok ? ldraw<T>(p.z, b * p.z_sb + (int64_t)t * p.z_st + dd) : zero;
+      if constexpr ((M & SL_G) != 0) g[k] = ok ? ldraw<T>(dout, b * g_sb + (int64_t)t * g_st + dd) : zero;
     }
 #pragma unroll
     for (int k = 0; k < EB; ++k) {
       const int e = tid + k * SCAN_THREADS, i = e / N, nn = e % N, t = t0 + i;
       const bool ok = t < T_;
-      Bv[k] = ok ? ldraw<T>(p.Bm, b * p.B_sb + (int64_t)t * p.B_st + nn) : zero;
-      Cv[k] = ok ? ldraw<T>(p.Cm, b * p.C_sb + (int64_t)t * p.C_st + nn) : zero;
+      if constexpr ((M & SL_B) != 0) Bv[k] = ok ? ldraw<T>(p.Bm, b * p.B_sb + (int64_t)t * p.B_st + nn) : zero;
+      if constexpr ((M & SL_C) != 0) Cv[k] = ok ? ldraw<T>(p.Cm, b * p.C_sb + (int64_t)t * p.C_st + nn) : zero;
     }
     if (tid < SCAN_TC) st = (p.starts && t0 + tid < T_) ? p.starts[(int64_t)b * T_ + t0 + tid] : false;
   }

@@ -1,12 +1,79 @@
-// Selective scan forward: see scan_common.cuh for the layout. Stores the state entering every chunk (ckpt)
-// for the backward.
+// Selective scan forward: see scan_common.cuh for the layout and the two-level split over T. Stores the
+// state entering every chunk (ckpt) for the backward.
 #pragma once
 #include "scan_common.cuh"
 
 namespace mrl {
 
+// Local pass of the forward: segment k (blockIdx.z, k < nseg - 1) from a zero state (segment 0 from the
+// initial state). Writes its end state e and decay product P ([B][nseg][D][N] each, at p.ws).
 template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p) {
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_local_kernel(ScanFwdParams p) {
+  using Gm = ScanGeom<N>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
+  __shared__ float sdl[TC][CPB], sdx[TC][CPB];
+  __shared__ __align__(16) float sB[TC][N];
+  __shared__ bool sst[TC];
+  const int tid = threadIdx.x, gi = tid % G, cl = tid / G;
+  const int d0 = blockIdx.x * CPB, b = blockIdx.y, k = blockIdx.z;
+  const int T_ = p.T, D = p.D;
+  const bool act = d0 + cl < D;
+  const int d = act ? d0 + cl : D - 1;
+  const ScanSeg sg(T_, p.seg_len, k);
+  float A2[NP], s[NP], P[NP];
+  const int64_t bd = (int64_t)b * D + d;
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    A2[j] = -expf(p.A_log[d * N + gi * NP + j]) * 1.4426950408889634f;  // A * log2(e)
+    s[j] = (k == 0 && p.init) ? p.init[bd * N + gi * NP + j] : 0.f;
+    P[j] = 1.f;
+  }
+  ScanChunkRegs<T, N, SL_X | SL_B> r;
+  auto commit = [&](int t0) {
+#pragma unroll
+    for (int e_ = 0; e_ < EA; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+      const int dd = min(d0 + ch, D - 1);
+      const float dl = t0 + i < T_ ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
+      sdl[i][ch] = dl;
+      sdx[i][ch] = dl * to_f(r.x[e_]);
+    }
+#pragma unroll
+    for (int e_ = 0; e_ < EB; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS;
+      sB[e / N][e % N] = to_f(r.Bv[e_]);
+    }
+    if (tid < TC) sst[tid] = r.st;
+  };
+  r.load(p, nullptr, 0, 0, b, d0, sg.cb, tid);
+  for (int c = sg.cb; c < sg.ce; ++c) {
+    commit(c * TC);
+    __syncthreads();
+    if (c + 1 < sg.ce) r.load(p, nullptr, 0, 0, b, d0, c + 1, tid);
+#pragma unroll 4
+    for (int i = 0; i < TC; ++i) {
+      const float dl = sdl[i][cl], dx_ = sdx[i][cl];
+      const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
+      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
+      const bool st = sst[i];
+#pragma unroll
+      for (int j = 0; j < NP; ++j) {
+        const float a = ex2f_(dl * A2[j]);
+        s[j] = fmaf(a, st ? 0.f : s[j], dx_ * bx[j]);
+        P[j] = (st ? 0.f : P[j]) * a;
+      }
+    }
+    __syncthreads();
+  }
+  if (act) {
+    const int nz = p.nseg;
+    seg_st(p.ws, b, nz, k, D, d, N, gi, make_float4(s[0], s[1], s[2], s[3]));
+    seg_st(p.ws + (int64_t)p.B * nz * D * N, b, nz, k, D, d, N, gi, make_float4(P[0], P[1], P[2], P[3]));
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kernel(ScanFwdParams p) {
   using Gm = ScanGeom<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sx[TC][CPB], sdl[TC][CPB], sz[TC][CPB], sy[TC][CPB];
@@ -15,51 +82,61 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p)
   const int tid = threadIdx.x;
   const int gi = tid % G, cl = tid / G;
   const int d0 = blockIdx.x * CPB;
-  const int b = blockIdx.y;
+  const int b = blockIdx.y, k = blockIdx.z;
   const int T_ = p.T, D = p.D;
   const bool act = d0 + cl < D;
   const int d = act ? d0 + cl : D - 1;
+  const ScanSeg sg(T_, p.seg_len, k);
+  const int nC = sg.nC;
   float A2[NP], s[NP];
   const int64_t bd = (int64_t)b * D + d;
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
     A2[j] = -expf(p.A_log[d * N + gi * NP + j]) * 1.4426950408889634f;  // A * log2(e)
-    s[j] = (p.init && act) ? p.init[bd * N + gi * NP + j] : 0.f;
+    s[j] = (k == 0 && p.init) ? p.init[bd * N + gi * NP + j] : 0.f;
+  }
+  if (k > 0) {  // the state entering segment k: fixed-order combine of segments 0 .. k-1 (local pass)
+    const int nz = p.nseg;
+    const float* eh = p.ws;
+    const float* eP = p.ws + (int64_t)p.B * nz * D * N;
+    const float4 e0 = seg_ld(eh, b, nz, 0, D, d, N, gi);  // segment 0 started from the initial state
+    s[0] = e0.x; s[1] = e0.y; s[2] = e0.z; s[3] = e0.w;
+    for (int j = 1; j < k; ++j) seg_combine(s, seg_ld(eP, b, nz, j, D, d, N, gi), seg_ld(eh, b, nz, j, D, d, N, gi));
   }
   const float Dd = p.Dskip[d];
-  const int nC = (T_ + TC - 1) / TC;
 
-  ScanChunkRegs<T, N, false> r;
+  ScanChunkRegs<T, N, SL_X | SL_Z | SL_B | SL_C> r;
   auto prefetch = [&](int c) { r.load(p, nullptr, 0, 0, b, d0, c, tid); };
-  auto commit = [&]() {
+  auto commit = [&](int t0) {
 #pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+    for (int e_ = 0; e_ < EA; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      sx[i][ch] = to_f(r.x[k]);
-      sdl[i][ch] = softplusf_(to_f(r.dt[k]) + p.dt_bias[dd]);
-      sz[i][ch] = siluf_(to_f(r.z[k]));
+      sx[i][ch] = to_f(r.x[e_]);
+      sdl[i][ch] = t0 + i < T_ ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;  // pad: decay 1, no input
+      sz[i][ch] = siluf_(to_f(r.z[e_]));
     }
 #pragma unroll
-    for (int k = 0; k < EB; ++k) {
-      const int e = tid + k * SCAN_THREADS;
-      sB[e / N][e % N] = to_f(r.Bv[k]);
-      sC[e / N][e % N] = to_f(r.Cv[k]);
+    for (int e_ = 0; e_ < EB; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS;
+      sB[e / N][e % N] = to_f(r.Bv[e_]);
+      sC[e / N][e % N] = to_f(r.Cv[e_]);
     }
     if (tid < TC) sst[tid] = r.st;
   };
 
-  prefetch(0);
-  for (int c = 0; c < nC; ++c) {
+  prefetch(sg.cb);
+  for (int c = sg.cb; c < sg.ce; ++c) {
     const int t0 = c * TC, len = min(TC, T_ - t0);
-    commit();
+    commit(t0);
     __syncthreads();
-    if (c + 1 < nC) prefetch(c + 1);
+    if (c + 1 < sg.ce) prefetch(c + 1);
     if (p.ckpt && act) {
       float4* ck = reinterpret_cast<float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
       *ck = make_float4(s[0], s[1], s[2], s[3]);
     }
-    auto fstep = [&](const int i) {
+#pragma unroll 4
+    for (int i = 0; i < TC; ++i) {
       const float xv = sx[i][cl], dl = sdl[i][cl];
       const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
       const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
@@ -73,25 +150,17 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p)
         y = fmaf(s[j], cx[j], y);
       }
       y = group_sum<G>(y);
-      sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];  // every lane of the group writes the same value
-    };
-    if (len == TC) {
-#pragma unroll
-      for (int i = 0; i < TC; ++i) fstep(i);
-    } else {
-#pragma unroll
-      for (int i = 0; i < TC; ++i)
-        if (i < len) fstep(i);
+      if (gi == 0) sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];
     }
     __syncthreads();
     T* ob = reinterpret_cast<T*>(p.out) + (int64_t)b * T_ * D;
 #pragma unroll
-    for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+    for (int e_ = 0; e_ < EA; ++e_) {
+      const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       if (i < len && d0 + ch < D) ob[(int64_t)(t0 + i) * D + d0 + ch] = from_f<T>(sy[i][ch]);
     }
   }
-  if (act) {
+  if (act && k == p.nseg - 1) {
 #pragma unroll
     for (int j = 0; j < NP; ++j) p.final_state[bd * N + gi * NP + j] = s[j];
   }
@@ -100,8 +169,12 @@ __global__ void __launch_bounds__(SCAN_THREADS) scan_fwd_kernel(ScanFwdParams p)
 template <typename T, int N>
 const char* scan_fwd_tn(const ScanFwdParams& p, cudaStream_t s) {
   constexpr int CPB = ScanGeom<N>::CPB;
-  dim3 grid((p.D + CPB - 1) / CPB, p.B);
-  scan_fwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(p);
+  const int tiles = (p.D + CPB - 1) / CPB;
+  if (p.nseg > 1) {
+    scan_fwd_local_kernel<T, N><<<dim3(tiles, p.B, p.nseg - 1), SCAN_THREADS, 0, s>>>(p);
+    MRL_LAUNCH_CHECK();
+  }
+  scan_fwd_kernel<T, N><<<dim3(tiles, p.B, p.nseg), SCAN_THREADS, 0, s>>>(p);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

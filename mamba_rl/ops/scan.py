@@ -124,6 +124,10 @@ def selective_scan(x, dt, A_log, Bm, Cm, D, z, dt_bias, ssm_state=None, episode_
     :func:`selective_scan_ref`.
 
     Same arguments and returns as :func:`selective_scan_ref`; differentiable w.r.t. every float input.
+    The CUDA kernel is a two-level scan: T is cut into segments of whole checkpoint chunks (the count chosen
+    from B * d_inner and the GPU's SM count, ``ext.scan_segments``), each segment scanned from zero, the
+    segments combined in a fixed order and re-run from their true entering state (forward and the adjoint
+    recurrence of the backward alike), so results are deterministic for a given shape and device.
     """
     ext = kernels_for(x, A_log)
     if ext is None or A_log.dim() != 2 or not kernel_support(x.device.type, "scan", d_state=A_log.shape[-1],

@@ -221,3 +221,113 @@ def test_bwd_out_and_accumulate_args(ext):
         assert torch.allclose(a, a0 + ref[k], atol=1e-5)
     for k in (0, 1, 3, 4):
         assert torch.equal(out[k], ref[k])
+
+
+# ---- the two-level split of the scan over T (segments of whole chunks, see csrc/scan_common.cuh) ----
+
+def _scan_case(B, T, D, N, dtype, seed):
+    """Random scan inputs with resets on chunk edges (row 0: every multiple of the chunk, row 1: one step
+    before and after each edge), random resets elsewhere, an initial state and a final-state gradient."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    R = 8
+    xz = torch.randn(B, T, 2 * D, device="cuda", generator=g).to(dtype)
+    dbc = torch.randn(B, T, R + 2 * N, device="cuda", generator=g).to(dtype)
+    ins = (xz[..., :D], (torch.randn(B, T, D, device="cuda", generator=g) * 0.5 - 1.0).to(dtype),
+           torch.log(torch.arange(1, N + 1, device="cuda", dtype=torch.float32)).repeat(D, 1)
+           + 0.1 * torch.randn(D, N, device="cuda", generator=g),
+           dbc[..., R:R + N], dbc[..., R + N:], torch.randn(D, device="cuda", generator=g), xz[..., D:],
+           torch.randn(D, device="cuda", generator=g) * 0.5 - 2.0, torch.randn(B, D, N, device="cuda", generator=g))
+    starts = starts_pattern(B, T, g, p=0.03)
+    t = torch.arange(T, device="cuda")
+    starts[0] |= t % 16 == 0
+    if B > 1:
+        starts[1] |= (t % 16 == 15) | (t % 16 == 1)
+    dy = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
+    dfin = torch.randn(B, D, N, device="cuda", generator=g)
+    return ins, starts, dy, dfin
+
+
+def _scan_run(ins, starts, dy, dfin):
+    from mamba_rl.ops import selective_scan
+    leaves = [t.detach().clone().requires_grad_(True) for t in ins]
+    y, fin = selective_scan(*leaves, starts)
+    return [y, fin] + list(torch.autograd.grad([y, fin], leaves, [dy, dfin]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("T,N", [(1, 16), (15, 16), (16, 16), (17, 16), (33, 16), (48, 16), (100, 16),
+                                 (257, 16), (1025, 16), (2049, 16), (47, 8), (300, 8)])
+def test_scan_time_segments(ext, T, N, dtype):
+    """Every segment count (forced: 1, 2, 3, 7, one chunk per segment; and the automatic choice) gives the
+    float64 reference's y, final state and all nine gradients, with resets on chunk and segment edges; in f32
+    the split changes results only by rounding (<= 1e-5 relative to the one-segment result)."""
+    from mamba_rl.ops import scan as scanmod
+    B, D = 3, 48  # 48 channels: a full and a partial channel tile
+    ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=11 + T + N)
+    rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+    ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
+    ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
+    names = ["y", "final_state", "dx", "ddt", "dA_log", "dB", "dC", "dD", "dz", "ddt_bias", "dstate"]
+    nC = -(-T // ext.scan_chunk())
+    tol = TOL[dtype]
+    one = None
+    try:
+        for forced in (1, 2, 3, 7, nC, 0):
+            ext.scan_set_segments(forced)
+            if forced:
+                for bwd in (False, True):
+                    got = ext.scan_segments(B, T, D, N, bwd)
+                    assert 1 <= got <= min(forced, nC) and (forced > nC or got == -(-nC // -(-nC // forced)))
+            out = _scan_run(ins, starts, dy, dfin)
+            for name, a, r in zip(names, out, ref):
+                assert rel(a, r) <= tol, (forced, name, rel(a, r))
+            if forced == 1:
+                one = out
+            elif dtype == torch.float32:
+                for name, a, o in zip(names, out, one):
+                    assert rel(a, o) <= 1e-5, (forced, name, rel(a, o))
+    finally:
+        ext.scan_set_segments(0)
+
+
+def test_scan_segments_auto_split_fills_the_gpu(ext):
+    """The automatic split uses several segments when B * D is small and one when the grid is already full."""
+    D, N = 256, 16
+    assert ext.scan_segments(4, 4096, D, N, False) > 1 and ext.scan_segments(4, 4096, D, N, True) > 1
+    assert ext.scan_segments(16, 2048, D, N, True) > 1
+    assert ext.scan_segments(256, 4096, D, N, False) == 1 and ext.scan_segments(256, 4096, D, N, True) == 1
+    assert ext.scan_segments(4, 16, D, N, True) == 1  # one chunk: nothing to split
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_scan_segment_reset_clears_non_finite_state(ext, bad):
+    """A reset inside a segment, or exactly on a segment's first step, clears a non-finite initial state
+    through the segment combine, as in the sequential scan: outputs and per-step gradients after the reset
+    match the float64 reference."""
+    from mamba_rl.ops import scan as scanmod
+    B, T, D, N = 2, 64, 40, 16
+    ins, _, dy, dfin = _scan_case(B, T, D, N, torch.float32, seed=99)
+    ins = list(ins)
+    s0 = ins[8].clone()
+    s0[:, :3] = float(bad)
+    ins[8] = s0
+    starts = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    starts[0, 20] = True  # inside segment 1 of 4
+    starts[1, 32] = True  # the first step of segment 2
+    rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+    ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
+    rg = torch.autograd.grad([ry, rfin], rleaves[:2], [dy.double(), dfin.double()])
+    try:
+        ext.scan_set_segments(4)
+        assert ext.scan_segments(B, T, D, N, False) == 4 and ext.scan_segments(B, T, D, N, True) == 4
+        from mamba_rl.ops import selective_scan
+        leaves = [t.detach().clone().requires_grad_(True) for t in ins]
+        y, fin = selective_scan(*leaves, starts)
+        gx, gdt = torch.autograd.grad([y, fin], leaves[:2], [dy, dfin])
+    finally:
+        ext.scan_set_segments(0)
+    for row, t0 in ((0, 20), (1, 32)):
+        assert rel(y[row, t0:], ry[row, t0:]) <= 1e-4
+        assert rel(fin[row], rfin[row]) <= 1e-4
+        assert rel(gx[row, t0:], rg[0][row, t0:]) <= 1e-4
+        assert rel(gdt[row, t0 + 1:], rg[1][row, t0 + 1:]) <= 1e-4
