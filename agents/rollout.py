@@ -36,7 +36,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 
 from mamba_rl import RecurrentState, Stepper
-from mamba_rl.envs import EnvGuard, find_vector_wrapper, finished_episodes, flatten_vec_obs
+from mamba_rl.envs import EnvGuard, find_vector_wrapper, finished_episode_arrays, flatten_vec_obs
 
 from .gae import compute_gae
 from .policy import HostStager, Policy
@@ -299,6 +299,8 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     # of an [N, T] array touches N cache lines) and copied into the actor's arrays once, after the loop
     rewards, terms, truncs, valid = (np.empty((num_steps, n), dtype=a.dtype) for a in out)
     result = RolloutResult()
+    ep_steps: list[np.ndarray] = []  # per step with finished episodes: the global step, once per episode
+    ep_parts: list[tuple[np.ndarray, np.ndarray]] = []  # and their (returns float64, lengths int64)
     env_s = 0.0
     actor.begin()
     for t in range(num_steps):
@@ -319,10 +321,16 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
         next_done = np.logical_or(term, trunc)
         prev_reward = np.asarray(reward, dtype=np.float32).copy()
         next_obs = obs
-        if "_episode" in info:
-            result.episodes.extend((global_step, ret, length) for ret, length in finished_episodes(info))
+        if "_episode" in info:  # arrays now, tuples once after the loop (no per-episode Python per step)
+            ep_rets, ep_lens = finished_episode_arrays(info)
+            ep_steps.append(np.full(ep_rets.shape[0], global_step, dtype=np.int64))
+            ep_parts.append((ep_rets, ep_lens))
     for dst, src in zip(out, (rewards, terms, truncs, valid)):
         dst[:, :num_steps] = src.T
+    if ep_steps:
+        result.episodes = list(zip(np.concatenate(ep_steps).tolist(),
+                                   np.concatenate([r for r, _ in ep_parts]).tolist(),
+                                   np.concatenate([x for _, x in ep_parts]).tolist()))
     stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
     actor.finish()
     carry.next_obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32).reshape(n, -1).copy())

@@ -17,13 +17,19 @@ For each env backend (``--env-backend``: gymnasium, plus envpool when installed)
   d_model 128, 3 layers, f32 unless overridden) on that backend, steps / wall time over the measured
   updates (the first update, which warms up, is excluded);
 * ``host_overhead_us``: per vector step, the rollout's wall time minus its env.step time (staging,
-  the graph replay and its sync, reading actions, bookkeeping), and ``update_ms_per_2048``: the
-  update's wall time per 2,048 env steps;
+  the graph replay and its sync, reading actions, bookkeeping); of it ``act_us``, the actor's ``act`` (the
+  stage copy, the policy step's graph replay and the wait for its action) and ``loop_us_in_agent``, the
+  rest (the loop's own host work); ``update_ms_per_2048``: the update's wall time per 2,048 env steps;
 * ``gae_device_ms`` / ``gae_host_ms``: GAE of one [num_envs, num_steps] rollout, the time-loop-free
   device version (what the GPU rollout runs, inside a graph) against the step loop on the host;
 * ``sb3_sps`` (gymnasium rows, when ``sb3_contrib`` imports, up to ``--sb3-max-envs`` envs, 64 by default:
   it runs at ~1-3k SPS, so larger rows would take minutes each): sb3-contrib RecurrentPPO, MlpLstmPolicy
-  with LSTM 128, same env count, n_steps 128, on the same device, timed after a warm-up learn.
+  with LSTM 128, same env count, n_steps 128, on the same device, timed after a warm-up learn, with
+  ``--sb3-threads`` torch threads (2 by default; it runs alone, between our rows).
+
+Rows run in the order of ``--env-backend`` (backends outer, env counts inner), then the ``--bf16-envs``
+EnvPool rows (``dtype`` bf16); the JSON is rewritten after every row, so a run cut short keeps its rows.
+``must_show`` reads issue 25's targets off the rows (:func:`must_show`).
 
 Ratios: ``agent_fraction_of_raw`` = agent_sps / raw_env_sps (target >= 0.5; EnvPool: agent_sps /
 bare_env_sps >= 0.6 is ``agent_fraction_of_bare``), ``agent_vs_sb3`` = agent_sps / sb3_sps (target >= 30).
@@ -32,6 +38,8 @@ Usage:
     python benchmarks/sps.py --out $OUT/sps.json            # cuda if available, 16 / 64 / 256 / 1024 envs
     python benchmarks/sps.py --device cpu --envs 8 --updates 4 --d-model 64 --n-layers 2 --no-sb3   # CPU check
     python benchmarks/sps.py --env-only --envs 16 64 256 1024     # the env rates and profiles only
+    python benchmarks/sps.py --envs 16 64 256 1024 4096 --env-backend envpool gymnasium --profile-backend envpool \
+        --raw-steps 30000 --env-rounds 3 --min-iters 10 --bf16-envs 1024 4096 --out $OUT/sps.json   # issue 25, H200
     python benchmarks/sps.py --nproc 2 --envs 64 --no-sb3 --out $OUT/sps_ddp.json   # 2 GPUs vs 1 (sps_ddp.py)
 Writes JSON to ``--out`` (and ``$OUT/sps.json`` when OUT is set); prints a table and the JSON.
 """
@@ -88,13 +96,13 @@ def _step_rate(envs, actions: np.ndarray) -> float:
 
 
 def env_rates(num_envs: int, steps: int, backend: str = "gymnasium", async_envs: bool = False, rounds: int = 5,
-              env_id: str = "CartPole-v1", seed: int = 0) -> dict:
+              env_id: str = "CartPole-v1", seed: int = 0, min_iters: int = 20) -> dict:
     """Random-action rates of the bare library vector env and of ours, measured in alternation (``rounds`` rounds
-    of ``steps`` env steps each, bare then ours) so that both see the same machine load; medians and the median of
-    the per-round ratios ours / bare."""
+    of ``steps`` env steps each, at least ``min_iters`` vector steps, bare then ours) so that both see the same
+    machine load; medians and the median of the per-round ratios ours / bare."""
     bare = _bare_vec_env(env_id, num_envs, backend)
     ours = _our_vec_env(env_id, num_envs, backend, async_envs)
-    n_iter = max(20, steps // num_envs)
+    n_iter = max(min_iters, steps // num_envs)
     actions = np.random.default_rng(seed).integers(0, 2, size=(n_iter, num_envs))
     bare.reset() if backend == "envpool" else bare.reset(seed=seed)  # EnvPool: seeded in envpool.make
     ours.reset(seed=seed)
@@ -217,9 +225,10 @@ def loop_overhead_us(num_envs: int, backend: str = "gymnasium", num_steps: int =
     from mamba_rl.agents.rollout import collect_rollout
 
     tmp = tempfile.mkdtemp(prefix="mamba_rl_loop_")
+    # the policy never runs (pre-drawn actions): the reference backend, so that no kernel is built for it
     cfg = PPOConfig(env_id="CartPole-v1", num_envs=num_envs, num_steps=num_steps, num_minibatches=1, device="cpu",
-                    total_timesteps=num_envs * num_steps, d_model=8, n_layers=1, d_state=4, track=False,
-                    checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp, env_backend=backend, seed=seed)
+                    backend="reference", total_timesteps=num_envs * num_steps, d_model=8, n_layers=1, d_state=4,
+                    track=False, checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp, env_backend=backend, seed=seed)
     agent = RecurrentPPO(config=cfg)
     real = agent.actor
     actions = np.random.default_rng(seed).integers(0, 2, size=(num_steps, num_envs, 1))
@@ -280,9 +289,20 @@ def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: s
     agent = RecurrentPPO(config=cfg)
     build_s = time.perf_counter() - t0
     env_ms: list[float] = []
+    act_s = [0.0]
+    act = agent.actor.act
+
+    def timed_act(t):  # the policy step as the loop sees it: stage copy, replay, the wait for the action
+        a0 = time.perf_counter()
+        out = act(t)
+        act_s[0] += time.perf_counter() - a0
+        return out
+
+    agent.actor.act = timed_act
     agent.learn(total_timesteps=num_envs * num_steps)  # warm-up update
     agent.config = cfg  # restore the full horizon (lr annealing as in a real run)
     _sync(device)
+    act_s[0] = 0.0
     t0 = time.perf_counter()
     agent.learn(callback=lambda a, m: env_ms.append(a.last_env_ms))
     _sync(device)
@@ -296,6 +316,8 @@ def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: s
            "agent_updates": n, "agent_build_s": build_s,
            "rollout_ms_per_update": rollout_ms, "env_ms_per_update": sum(env_ms) / n,
            "host_overhead_us": 1e3 * (rollout_ms - sum(env_ms) / n) / num_steps,
+           "act_us": 1e6 * act_s[0] / (n * num_steps),
+           "loop_us_in_agent": 1e3 * (rollout_ms - sum(env_ms) / n) / num_steps - 1e6 * act_s[0] / (n * num_steps),
            "update_ms_per_update": update_ms, "update_ms_per_2048": update_ms * 2048 / (num_envs * num_steps),
            "final_losses": {k: hist[-1][k] for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy")},
            "backend": agent.policy.net.backend, "cuda_graphs": agent.config.cuda_graphs and agent.device.type == "cuda",
@@ -329,19 +351,33 @@ def gae_times(num_envs: int, num_steps: int, device: str, reps: int = 20) -> dic
             "gae_host_ms": median_ms(lambda: compute_gae(*args, 0.99, 0.95), "cpu")}
 
 
-def sb3_sps(num_envs: int, updates: int, num_steps: int, device: str, async_envs: bool, seed: int = 0):
-    """sb3-contrib RecurrentPPO (MlpLstmPolicy, LSTM 128) SPS, or None when sb3_contrib is missing."""
+def sb3_sps(num_envs: int, updates: int, num_steps: int, device: str, async_envs: bool, seed: int = 0,
+            threads: int | None = None):
+    """sb3-contrib RecurrentPPO (MlpLstmPolicy, LSTM 128) SPS, or None when sb3_contrib is missing.
+
+    ``threads``: torch CPU threads while it runs (restored after; None: leave torch's setting)."""
     try:
         from sb3_contrib import RecurrentPPO as SB3RecurrentPPO
         from stable_baselines3.common.env_util import make_vec_env as sb3_make_vec_env
         from stable_baselines3.common.vec_env import DummyVecEnv, SubprocVecEnv
     except ImportError:
         return None
-    env = sb3_make_vec_env("CartPole-v1", n_envs=num_envs, seed=seed,
-                           vec_env_cls=SubprocVecEnv if async_envs else DummyVecEnv)
-    model = SB3RecurrentPPO("MlpLstmPolicy", env, n_steps=num_steps, batch_size=num_envs * num_steps // 4,
-                            n_epochs=4, learning_rate=2.5e-4, policy_kwargs=dict(lstm_hidden_size=128),
-                            device=device, seed=seed, verbose=0)
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _sb3_run(SB3RecurrentPPO, sb3_make_vec_env, SubprocVecEnv if async_envs else DummyVecEnv, num_envs,
+                        updates, num_steps, device, seed)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sb3_run(algo, make, vec_env_cls, num_envs: int, updates: int, num_steps: int, device: str, seed: int) -> float:
+    """SPS of ``updates`` sb3-contrib updates of ``num_envs`` x ``num_steps`` after one warm-up update."""
+    env = make("CartPole-v1", n_envs=num_envs, seed=seed, vec_env_cls=vec_env_cls)
+    model = algo("MlpLstmPolicy", env, n_steps=num_steps, batch_size=num_envs * num_steps // 4,
+                 n_epochs=4, learning_rate=2.5e-4, policy_kwargs=dict(lstm_hidden_size=128), device=device,
+                 seed=seed, verbose=0)
     model.learn(total_timesteps=num_envs * num_steps)  # warm-up
     total = updates * num_envs * num_steps
     _sync(device)
@@ -354,9 +390,11 @@ def sb3_sps(num_envs: int, updates: int, num_steps: int, device: str, async_envs
 
 
 def _updates_for(num_envs: int, requested: int | None) -> int:
+    """Measured updates of a row: ``requested``, else 8 up to 64 envs, 4 up to 256, 2 up to 1024, then 1
+    (each is num_envs x num_steps env steps: 1 update of 4096 envs is 524,288)."""
     if requested is not None:
         return requested
-    return 8 if num_envs <= 64 else (4 if num_envs <= 256 else 3)
+    return 8 if num_envs <= 64 else (4 if num_envs <= 256 else (2 if num_envs <= 1024 else 1))
 
 
 def _fmt(row: dict, key: str, spec: str, missing: str = "-") -> str:
@@ -365,16 +403,19 @@ def _fmt(row: dict, key: str, spec: str, missing: str = "-") -> str:
 
 
 def _table(results: list[dict]) -> str:
-    head = ("| backend | envs | bare env SPS | our env SPS | ours/bare | agent SPS | agent/our env | sb3 SPS | agent/sb3 |"
-            " host us/step | update ms/2048 |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| backend | envs | bare env SPS | our env SPS | ours/bare | agent SPS | agent/our env | agent/bare |"
+            " sb3 SPS | agent/sb3 | host us/step | of it act us | update ms/2048 |")
+    lines = [head, "|" + "---|" * 13]
     for r in results:
-        lines.append(" | ".join(["", r["env_backend"], str(r["num_envs"]), _fmt(r, "bare_env_sps", ",.0f"),
+        backend = r["env_backend"] + (f" {r['dtype']}" if r.get("dtype", "f32") != "f32" else "")
+        lines.append(" | ".join(["", backend, str(r["num_envs"]), _fmt(r, "bare_env_sps", ",.0f"),
                                  _fmt(r, "raw_env_sps", ",.0f"), _fmt(r, "raw_over_bare", ".2f"),
                                  _fmt(r, "agent_sps", ",.0f"), _fmt(r, "agent_fraction_of_raw", ".2f"),
+                                 _fmt(r, "agent_fraction_of_bare", ".2f"),
                                  _fmt(r, "sb3_sps", ",.0f", r.get("sb3_note", "-")),
                                  _fmt(r, "agent_vs_sb3", ".1f") + ("x" if r.get("agent_vs_sb3") else ""),
-                                 _fmt(r, "host_overhead_us", ".0f"), _fmt(r, "update_ms_per_2048", ".1f"), ""]).strip())
+                                 _fmt(r, "host_overhead_us", ".0f"), _fmt(r, "act_us", ".0f"),
+                                 _fmt(r, "update_ms_per_2048", ".2f"), ""]).strip())
     return "\n".join(lines)
 
 
@@ -384,20 +425,27 @@ def main(argv=None) -> dict:
     p.add_argument("--dtype", default="f32")
     p.add_argument("--envs", type=int, nargs="+", default=[16, 64, 256, 1024], help="env counts (one row each)")
     p.add_argument("--updates", type=int, default=None,
-                   help="measured PPO updates per row (default 8 up to 64 envs, 4 up to 256, 3 above)")
+                   help="measured PPO updates per row (default 8 up to 64 envs, 4 up to 256, 2 up to 1024, 1 above)")
     p.add_argument("--num-steps", type=int, default=128)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--n-layers", type=int, default=3)
     p.add_argument("--raw-steps", type=int, default=100_000,
                    help="env steps per round of the bare / our env rates (min 20 per env)")
     p.add_argument("--env-rounds", type=int, default=5, help="alternating bare / ours rounds per env rate")
+    p.add_argument("--min-iters", type=int, default=20, help="at least this many vector steps per round of a rate")
     p.add_argument("--env-backend", nargs="+", default=None, choices=("gymnasium", "envpool"),
                    help="env backends, one set of rows each (default: gymnasium, plus envpool when installed)")
     p.add_argument("--env-only", action="store_true", help="only the env rates and profiles (no training, no sb3)")
     p.add_argument("--no-profile", action="store_true", help="skip the per-layer profile of a vector step")
+    p.add_argument("--profile-backend", nargs="+", default=None, choices=("gymnasium", "envpool"),
+                   help="profile (env_profile, loop_us) only these backends' rows (default: every row)")
     p.add_argument("--async-envs", action="store_true", help="gymnasium AsyncVectorEnv (shared memory) everywhere")
     p.add_argument("--no-sb3", action="store_true", help="skip sb3-contrib even if installed")
     p.add_argument("--sb3-max-envs", type=int, default=64, help="skip sb3-contrib above this many envs (too slow)")
+    p.add_argument("--sb3-threads", type=int, default=2,
+                   help="torch CPU threads while sb3-contrib runs (0: leave torch's default)")
+    p.add_argument("--bf16-envs", type=int, nargs="*", default=[],
+                   help="extra EnvPool rows at these env counts with --dtype bf16 (after the others)")
     p.add_argument("--out", "--json", dest="out", default=None, help="write the JSON here")
     p.add_argument("--nproc", type=int, default=1,
                    help="> 1: data-parallel SPS of N ranks x --envs envs (torchrun) next to 1 process (sps_ddp.py)")
@@ -410,15 +458,29 @@ def main(argv=None) -> dict:
     if a.nproc > 1:
         return _ddp(a, device)
 
-    results = []
-    for backend in a.env_backend:
-        for n in a.envs:
-            results.append(_row(a, backend, n, device))
-            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    report = {
+    rows = [(backend, n, a.dtype) for backend in a.env_backend for n in a.envs]
+    if "envpool" in a.env_backend:
+        rows += [("envpool", n, "bf16") for n in a.bf16_envs]
+    results: list[dict] = []
+    for backend, n, dtype in rows:
+        results.append(_row(a, backend, n, device, dtype))
+        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        _write(_report(a, device, results), a.out, "sps.json", quiet=True)  # what is done survives a timeout
+    report = _report(a, device, results)
+    print(report["table"], file=sys.stderr)
+    print(json.dumps(report["must_show"], indent=1), file=sys.stderr)
+    _write(report, a.out, "sps.json")
+    return report
+
+
+def _report(a: argparse.Namespace, device: str, results: list[dict]) -> dict:
+    """The JSON report of the rows measured so far."""
+    return {
         "benchmark": "CartPole-v1 end-to-end SPS (RecurrentPPO on the Mamba backbone vs raw env vs sb3-contrib)",
         "device": device, "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
         "torch": torch.__version__, "python": platform.python_version(), "dtype": a.dtype,
+        "numpy": np.__version__, "gymnasium": _version("gymnasium"), "envpool": _version("envpool"),
+        "sb3_contrib": _version("sb3_contrib"),
         "model": {"d_model": a.d_model, "n_layers": a.n_layers, "d_state": 16},
         "targets": {"raw_over_bare": "gymnasium: >= 0.8 at 64 envs and above (issue 25)",
                     "agent_sps": "envpool: >= 300,000 at its best env count, >= 0.6 of EnvPool's own rate (bare_env_sps)",
@@ -426,40 +488,72 @@ def main(argv=None) -> dict:
                     "host_overhead_us": "<= 100 at 16 envs", "update_ms_per_2048": "<= 15"},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg(),
-        "results": results, "table": _table(results),
+        "args": {k: v for k, v in vars(a).items() if k != "out"},
+        "results": results, "table": _table(results), "must_show": must_show(results),
     }
-    print(report["table"], file=sys.stderr)
-    _write(report, a.out, "sps.json")
-    return report
 
 
-def _row(a: argparse.Namespace, backend: str, n: int, device: str) -> dict:
+def _row(a: argparse.Namespace, backend: str, n: int, device: str, dtype: str) -> dict:
     """One row: the env rates (bare library env and ours, alternating), the profile, training SPS, GAE, sb3."""
-    row = {"env_backend": backend, "num_envs": n, "num_steps": a.num_steps, "async_envs": a.async_envs}
-    row.update(env_rates(n, max(a.raw_steps, 20 * n), backend, a.async_envs, rounds=a.env_rounds))
-    if not a.no_profile and not a.async_envs:
+    row = {"env_backend": backend, "num_envs": n, "num_steps": a.num_steps, "async_envs": a.async_envs, "dtype": dtype}
+    row.update(env_rates(n, max(a.raw_steps, a.min_iters * n), backend, a.async_envs, rounds=a.env_rounds,
+                         min_iters=a.min_iters))
+    if not a.no_profile and not a.async_envs and (a.profile_backend is None or backend in a.profile_backend):
         row["env_profile"] = env_profile(n, max(a.raw_steps // 2, 20 * n), backend)
         row.update(loop_overhead_us(n, backend, num_steps=32, rollouts=2))
     if a.env_only:
         return row
-    row.update(agent_sps(n, _updates_for(n, a.updates), a.num_steps, device, a.dtype, a.async_envs, a.d_model,
+    row.update(agent_sps(n, _updates_for(n, a.updates), a.num_steps, device, dtype, a.async_envs, a.d_model,
                          a.n_layers, env_backend=backend))
     row.update(gae_times(n, a.num_steps, device))
     row["sb3_sps"] = None
     if a.no_sb3:
         row["sb3_note"] = "skipped (--no-sb3)"
-    elif backend != "gymnasium":
+    elif backend != "gymnasium" or dtype != a.dtype:
         row["sb3_note"] = "gymnasium rows only"
     elif n > a.sb3_max_envs:
         row["sb3_note"] = f"skipped (> {a.sb3_max_envs} envs: too slow)"
     else:
-        row["sb3_sps"] = sb3_sps(n, 2, a.num_steps, device, a.async_envs)
+        row["sb3_sps"] = sb3_sps(n, 2, a.num_steps, device, a.async_envs, threads=a.sb3_threads or None)
+        row["sb3_threads"] = a.sb3_threads or torch.get_num_threads()
         if row["sb3_sps"] is None:
             row["sb3_note"] = "sb3_contrib not installed"
     row["agent_fraction_of_raw"] = row["agent_sps"] / row["raw_env_sps"]
     row["agent_fraction_of_bare"] = row["agent_sps"] / row["bare_env_sps"]
     row["agent_vs_sb3"] = row["agent_sps"] / row["sb3_sps"] if row["sb3_sps"] else None
     return row
+
+
+def must_show(results: list[dict]) -> dict:
+    """Issue 25's targets read off the rows: the gymnasium path's ours / bare from 64 envs on (>= 0.8), the
+    EnvPool path's best agent SPS (>= 300,000) and its agent / bare there (>= 0.6), and agent / sb3-contrib."""
+    out: dict = {}
+    gym_rows = [r for r in results if r["env_backend"] == "gymnasium" and r["num_envs"] >= 64]
+    if gym_rows:
+        out["gymnasium_raw_over_bare_from_64"] = {r["num_envs"]: round(r["raw_over_bare"], 3) for r in gym_rows}
+        out["gymnasium_raw_over_bare_met"] = all(r["raw_over_bare"] >= 0.8 for r in gym_rows)
+    pool = [r for r in results if r["env_backend"] == "envpool" and r.get("agent_sps")]
+    for label, rows in (("envpool", [r for r in pool if r.get("dtype") == "f32"]),
+                        ("envpool_bf16", [r for r in pool if r.get("dtype") == "bf16"])):
+        if rows:
+            best = max(rows, key=lambda r: r["agent_sps"])
+            out[label] = {"best_num_envs": best["num_envs"], "agent_sps": round(best["agent_sps"]),
+                          "bare_env_sps": round(best["bare_env_sps"]),
+                          "agent_over_bare": round(best["agent_sps"] / best["bare_env_sps"], 3),
+                          "sps_met": best["agent_sps"] >= 300_000,
+                          "ratio_met": best["agent_sps"] / best["bare_env_sps"] >= 0.6}
+    sb3 = [r for r in results if r.get("sb3_sps")]
+    if sb3:
+        out["agent_vs_sb3"] = {r["num_envs"]: {"agent_sps": round(r["agent_sps"]), "sb3_sps": round(r["sb3_sps"]),
+                                               "ratio": round(r["agent_vs_sb3"], 1)} for r in sb3}
+    return out
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - not installed or no version: say None
+        return None
 
 
 def _cpu_name() -> str:
@@ -488,9 +582,10 @@ def _ddp(a: argparse.Namespace, device: str) -> dict:
     return report
 
 
-def _write(report: dict, out: str | None, name: str) -> None:
+def _write(report: dict, out: str | None, name: str, quiet: bool = False) -> None:
     text = json.dumps(report, indent=2)
-    print(text)
+    if not quiet:
+        print(text)
     paths = [out] if out else []
     if os.environ.get("OUT"):
         paths.append(os.path.join(os.environ["OUT"], name))

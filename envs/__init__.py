@@ -18,12 +18,12 @@ from .pomdp import POMDP_ENV_IDS, MaskObservation, make_masked_env, register_pom
 from .registry import check_env_id, list_env_ids
 from .stats import VecEpisodeStatistics, VecNormalizeReward
 from .vector import check_start_method, make_env, make_vec_env, resolve_env_backend
-from .wrappers import (FlattenObs, FlattenVecObs, Float32Obs, find_vector_wrapper, finished_episodes,
-                       flatten_vec_obs, needs_flatten, raw_observation_space)
+from .wrappers import (FlattenObs, FlattenVecObs, Float32Obs, find_vector_wrapper, finished_episode_arrays,
+                       finished_episodes, flatten_vec_obs, needs_flatten, raw_observation_space)
 
 __all__ = [
     "make_env", "make_vec_env", "check_start_method", "check_env_id", "list_env_ids", "finished_episodes",
-    "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "FlattenObs", "FlattenVecObs", "Float32Obs",
+    "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "FlattenObs", "FlattenVecObs", "Float32Obs",
     "MaskObservation", "POMDP_ENV_IDS", "make_masked_env", "register_pomdp_envs", "EnvGuard", "EnvWorkerDied",
     "NonFiniteEnvError", "flatten_observation", "ENV_BACKENDS", "EnvPoolVecEnv", "envpool_available", "envpool_task",
     "resolve_env_backend", "VecEpisodeStatistics", "VecNormalizeReward",

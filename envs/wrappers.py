@@ -17,7 +17,7 @@ from gymnasium import spaces
 from .envpool_backend import EnvPoolVecEnv
 
 __all__ = ["FlattenObs", "Float32Obs", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
-           "finished_episodes", "raw_observation_space"]
+           "finished_episodes", "finished_episode_arrays", "raw_observation_space"]
 
 
 class FlattenObs(gym.ObservationWrapper):
@@ -85,14 +85,22 @@ def find_vector_wrapper(env: gym.vector.VectorEnv, wrapper_type: type) -> gym.ve
         env = inner
 
 
+def finished_episode_arrays(info: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(returns [E] float64, lengths [E] int64) of the E sub-envs whose episode ended at this step, in sub-env
+    order, from the ``info`` of a vector env wrapped in ``RecordEpisodeStatistics`` (raw, unnormalised
+    returns); two empty arrays when none ended."""
+    if "_episode" not in info:
+        return np.zeros(0, dtype=np.float64), np.zeros(0, dtype=np.int64)
+    idx = np.flatnonzero(info["_episode"])
+    ep = info["episode"]
+    return np.asarray(ep["r"])[idx].astype(np.float64), np.asarray(ep["l"])[idx].astype(np.int64)
+
+
 def finished_episodes(info: dict[str, Any]) -> list[tuple[float, int]]:
     """(return, length) of every sub-env whose episode ended at this step, from the ``info`` of a
     vector env wrapped in ``RecordEpisodeStatistics`` (raw, unnormalised returns)."""
-    if "_episode" not in info:
-        return []
-    idx = np.flatnonzero(info["_episode"])
-    ep = info["episode"]
-    return list(zip(np.asarray(ep["r"])[idx].astype(np.float64).tolist(), np.asarray(ep["l"])[idx].astype(np.int64).tolist()))
+    rets, lens = finished_episode_arrays(info)
+    return list(zip(rets.tolist(), lens.tolist()))
 
 
 def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:

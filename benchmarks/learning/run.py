@@ -6,7 +6,8 @@ Usage (from the repo root):
 
 Any PPOConfig field can be set with ``--set name=value`` (repeatable; Python literals, e.g.
 ``--set learning_rate=1e-3 --set num_steps=32``) and the run named with ``--variant`` (part of the file
-name). ``--device`` picks cpu / cuda (default cpu).
+name). ``--device`` picks cpu / cuda (default cpu). ``--stop-at 475`` ends training at the first update whose
+mean return of the last 100 episodes reaches 475 (then evaluates).
 
 Writes ``{out}/{env with / -> _}{__variant}__seed{seed}.csv`` with columns
 ``env_id, variant, seed, update, global_step, episodes, mean_return_update, mean_return_last20,
@@ -43,6 +44,8 @@ def main(argv=None) -> None:
                    help="deterministic evaluation episodes of the final policy (0: none)")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                    help="a PPOConfig field override (repeatable)")
+    p.add_argument("--stop-at", type=float, default=None, metavar="RETURN",
+                   help="stop after the first update whose mean return of the last 100 episodes is >= RETURN")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "data"))
     a = p.parse_args(argv)
 
@@ -68,7 +71,9 @@ def main(argv=None) -> None:
                   memoryless=a.memoryless, device=a.device, track=False, checkpoint_every=0, checkpoint_dir=tmp,
                   runs_dir=tmp)
     kwargs.update(overrides)
+    t_build = time.time()
     agent = RecurrentPPO(a.env, **kwargs)
+    build_s = time.time() - t_build
     last = deque(maxlen=20)
     last100 = deque(maxlen=100)
     t0 = time.time()
@@ -87,8 +92,13 @@ def main(argv=None) -> None:
             w.writerow([a.env, variant, a.seed, metrics["update"], metrics["global_step"], len(this),
                         f"{mu:.3f}", f"{ml:.3f}", f"{m100:.3f}", f"{time.time() - t0:.1f}"])
             f.flush()
+            if a.stop_at is not None and len(last100) == 100 and m100 >= a.stop_at:
+                raise _Reached()
 
-        agent.learn(callback=callback)
+        try:
+            agent.learn(callback=callback)
+        except _Reached:
+            pass
     if a.eval_episodes:
         res = agent.evaluate(num_episodes=a.eval_episodes, deterministic=True)
         import json
@@ -96,7 +106,11 @@ def main(argv=None) -> None:
             json.dump({"episodes": a.eval_episodes, "deterministic": True, "mean": res.mean, "std": res.std,
                        "returns": res.returns.tolist()}, f)
     agent.close()
-    print(f"{path}: done in {time.time() - t0:.0f}s", file=sys.stderr)
+    print(f"{path}: done in {time.time() - t0:.1f} s after a {build_s:.1f} s build", file=sys.stderr)
+
+
+class _Reached(Exception):
+    """Raised by the callback to end training once ``--stop-at`` is reached."""
 
 
 if __name__ == "__main__":

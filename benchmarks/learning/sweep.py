@@ -4,7 +4,7 @@ Each run is ``run.py`` (RecurrentPPO on one env, seed and configuration; one CSV
 pinned to one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``) so that N runs on N cores do
 not fight over them. The summary gives, per env and variant over its seeds: the final mean return of the
 last 100 training episodes, MMER (the maximum over training of that mean, POPGym's metric), the first step
-at which it reached ``--threshold`` (if given), and the deterministic evaluation return of the final policy.
+at which it reached ``--threshold`` (if given; once 100 episodes have finished) and the wall time then, and the deterministic evaluation return of the final policy.
 
 Usage:
     python benchmarks/learning/sweep.py --env mamba_rl/CartPoleNoVel-v1 --seeds 1 2 3 --total 100000 \
@@ -38,11 +38,17 @@ def summarise(path: str, threshold: float | None) -> dict:
     m100 = [(int(r["global_step"]), float(r["mean_return_last100"])) for r in rows
             if r["mean_return_last100"] not in ("", "nan")]
     m100 = [(s, v) for s, v in m100 if not math.isnan(v)]
-    hit = next((s for s, v in m100 if threshold is not None and v >= threshold), None)
+    seen, full = 0, set()  # the steps at which 100 episodes or more have finished (a full window)
+    for r in rows:
+        seen += int(r["episodes"])
+        if seen >= 100:
+            full.add(int(r["global_step"]))
+    hit = next((s for s, v in m100 if threshold is not None and v >= threshold and s in full), None)
+    hit_wall = next((float(r["wall_s"]) for r in rows if hit is not None and int(r["global_step"]) == hit), None)
     ev = path[:-4] + ".eval.json"
     eval_mean = json.load(open(ev))["mean"] if os.path.exists(ev) else math.nan
     return {"eval": eval_mean, "final": m100[-1][1] if m100 else math.nan, "mmer": max((v for _, v in m100), default=math.nan),
-            "steps": int(rows[-1]["global_step"]) if rows else 0, "hit_step": hit,
+            "steps": int(rows[-1]["global_step"]) if rows else 0, "hit_step": hit, "hit_wall_s": hit_wall,
             "wall_s": float(rows[-1]["wall_s"]) if rows else math.nan}
 
 
@@ -56,6 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--timeout", type=float, default=None, help="seconds before unfinished runs are killed")
+    ap.add_argument("--stop-at", type=float, default=None, help="run.py --stop-at for every run")
+    ap.add_argument("--eval-episodes", type=int, default=20, help="run.py --eval-episodes for every run")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     variants = [parse_variant(v) for v in (a.variant or ["default"])]
@@ -66,7 +74,9 @@ def main(argv=None) -> int:
             for seed in a.seeds:
                 cmd = [sys.executable, os.path.join(HERE, "run.py"), "--env", env, "--seed", str(seed), "--total",
                        str(a.total), "--device", a.device, "--variant", name, "--out", a.out, "--threads", "1",
-                       "--d-model", "128", "--n-layers", "3"]
+                       "--d-model", "128", "--n-layers", "3", "--eval-episodes", str(a.eval_episodes)]
+                if a.stop_at is not None:
+                    cmd += ["--stop-at", str(a.stop_at)]
                 for kv in sets:
                     cmd += ["--set", kv]
                 jobs.append(cmd)
@@ -91,14 +101,15 @@ def main(argv=None) -> int:
     json.dump({"total": a.total, "threshold": a.threshold, "device": a.device, "runs": summary},
               open(os.path.join(a.out, "summary.json"), "w"), indent=1)
     print("| env__variant | seeds | final mean of last 100 (per seed) | MMER mean | steps to threshold | "
-          "deterministic eval (per seed) |")
-    print("|---|---|---|---|---|---|")
+          "wall s to threshold | deterministic eval (per seed) |")
+    print("|---|---|---|---|---|---|---|")
     for key, per in summary.items():
         fin = " / ".join(f"{v['final']:.0f}" if abs(v['final']) > 5 else f"{v['final']:.2f}" for v in per.values())
         mm = sum(v["mmer"] for v in per.values()) / len(per)
         hits = " / ".join(str(v["hit_step"]) for v in per.values())
+        walls = " / ".join("-" if v.get("hit_wall_s") is None else f"{v['hit_wall_s']:.1f}" for v in per.values())
         ev = " / ".join(f"{v['eval']:.0f}" if abs(v['eval']) > 5 else f"{v['eval']:.2f}" for v in per.values())
-        print(f"| {key} | {len(per)} | {fin} | {mm:.3f} | {hits} | {ev} |")
+        print(f"| {key} | {len(per)} | {fin} | {mm:.3f} | {hits} | {walls} | {ev} |")
     print(f"sweep: {time.time() - t0:.0f} s", file=sys.stderr)
     return 0
 

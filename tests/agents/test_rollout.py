@@ -5,6 +5,7 @@ terminates after 3 + i steps when ``terminate`` else is truncated by a TimeLimit
 of different lengths put resets at different columns of the rollout.
 """
 
+import numpy as np
 import pytest
 import torch
 from mamba_rl.agents import PPOConfig, RecurrentPPO
@@ -142,3 +143,28 @@ def test_memoryless_resets_every_step(tmp_path, toy_envs):
 def test_vector_env_mismatch_raises(tmp_path, toy_envs):
     with pytest.raises(ValueError, match="has 4 sub-envs but config.num_envs is 8"):
         RecurrentPPO(toy_envs(4), config=PPOConfig(num_envs=8, device="cpu"))
+
+
+def test_rollout_reports_every_finished_episode_in_order(tmp_path, toy_envs):
+    """The episodes a rollout reports (collected as arrays per step, turned into tuples once) are the
+    (global step, return, length) of every episode RecordEpisodeStatistics closed, step by step, env order."""
+    envs = toy_envs(n=4, terminate=True)
+    agent = small_agent(envs, tmp_path)
+    seen = []
+    step = agent.envs.step
+
+    def recording_step(actions):
+        out = step(actions)
+        info = out[4]
+        if "_episode" in info:
+            idx = np.flatnonzero(info["_episode"])
+            gs = agent.global_step + agent.config.num_envs  # the step these episodes are logged at
+            seen.extend((gs, float(info["episode"]["r"][i]), int(info["episode"]["l"][i])) for i in idx)
+        return out
+
+    agent.envs.step = recording_step
+    episodes, _ = agent.collect_rollout()
+    assert episodes == seen and len(seen) > 10
+    assert {length for _, _, length in episodes} == {3, 4, 5, 6}  # env i's episodes last 3 + i steps
+    assert all(isinstance(s, int) and isinstance(r, float) and isinstance(n, int) for s, r, n in episodes)
+    assert all(length <= ret <= 2 * length for _, ret, length in episodes)  # reward 1 + action per step
