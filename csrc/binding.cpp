@@ -82,11 +82,12 @@ std::array<int64_t, 5> conv_check(const Tensor& x, const Tensor& w, const Tensor
 }
 
 std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
-                             const OptT& starts) {
+                             const OptT& starts, const OptT& final_out) {
   const auto [B, T, D, K, dt] = conv_check(x, w, bias, init, starts);
+  if (final_out) check_f32(*final_out, "causal_conv1d: final_out", x, {B, D, K - 1});
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = new_empty({B, T, D}, x.options());
-  auto fin = new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
+  auto fin = final_out ? *final_out : new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
   mrl::ConvFwdParams p{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
                        ptr_or_null<float>(init), ptr_or_null<bool>(starts), out.data_ptr(), fin.data_ptr<float>(),
                        (int)B, (int)T, (int)D, (int)K};
@@ -628,7 +629,9 @@ Tensor xdt_bwd(const Tensor& ddt, const Tensor& dB, const Tensor& dC, const Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mamba_rl CUDA kernels (csrc/; driven by mamba_rl/ops/*.py and mamba_rl/model/fused.py)";
-  m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state)");
+  m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state); optional final_out [B, D, K-1] "
+        "float32 (e.g. a layer's slice of a stacked state) receives the final state", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("init"), py::arg("starts"), py::arg("final_out") = py::none());
   m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit); optional strided "
         "dx_out and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
         py::arg("starts"), py::arg("dout"), py::arg("dfinal"), py::arg("need_dinit"), py::arg("dx_out") = py::none(),

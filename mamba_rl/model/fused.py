@@ -211,6 +211,7 @@ class _Backbone(torch.autograd.Function):
 
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
         use_xdt = _use_xdt(ext, net)
+        conv_stack = torch.empty_like(conv0) if _small_gemm_ok(ext, net) else None  # CUDA: conv_fwd's final_out
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
         saved = []
@@ -222,7 +223,10 @@ class _Backbone(torch.autograd.Function):
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
-            xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts)
+            if conv_stack is not None:  # the final window straight into its slice of the stacked output
+                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts, final_out=conv_stack[i])
+            else:
+                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts)
             if use_xdt:  # one launch: dbc = xc @ Wx^T, dt = dbc[:, :r] @ Wdt^T
                 dbc, dt = ext.xdt_fwd(xc.view(BT, di), w(p + "mixer.x_proj.weight"), w(p + "mixer.dt_proj.weight"))
             else:
@@ -247,7 +251,7 @@ class _Backbone(torch.autograd.Function):
         ctx.use_xdt = use_xdt
         # outputs that get no gradient (the final states, usually) arrive as None, not as zero tensors to fill
         ctx.set_materialize_grads(False)
-        return feat.view(B, T, -1), torch.stack(conv_f), torch.stack(ssm_f)
+        return feat.view(B, T, -1), torch.stack(conv_f) if conv_stack is None else conv_stack, torch.stack(ssm_f)
 
     @staticmethod
     def backward(ctx, dfeat, dconv_final, dssm_final):
