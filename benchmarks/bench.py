@@ -110,7 +110,7 @@ def kernel_sequence(fn):
 
 # (name suffix, fused.WGRAD, fused.XDT): the small-GEMM kernels as chosen ("auto"), forced off (the torch
 # GEMMs of the version before) and forced on, timed in the same process (--variants)
-VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_gemmon": ("on", "on")}
+VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("off", "on"), "_gemmon": ("on", "on")}
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant=""):
@@ -159,6 +159,8 @@ def bench_infer(B, iters, step_kernels=True):
     api = timeit(lambda: st.step(x), iters)
     replay = timeit(lambda: st.step(None), iters)
     raw = timeit(st._graphs["step"].replay, iters)  # the bare graph launch, no Python around it
+    st.x_buf.copy_(x)
+    st.starts_buf.zero_()
     host = host_us(lambda: st.step(x), iters)
     host_replay = host_us(lambda: st.step(None), iters)
     nk = count_kernels(lambda: st.step(None))
@@ -320,7 +322,7 @@ def main(argv=None):
         for dt in ("f32", "bf16"):
             record(lambda: bench_train(dm, B, T, dt, it, profile_it=(dm, B, T) in ((128, 16, 64), (128, 4, 4096))),
                    dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
-            for v in (("_torchgemm", "_gemmon") if a.variants else ()):
+            for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants else ()):
                 record(lambda: bench_train(dm, B, T, dt, it, variant=v),
                        dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
         if not a.no_peers:

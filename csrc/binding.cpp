@@ -417,7 +417,8 @@ unsigned int* counter_slot(const Tensor& ref, int slot) {
   return reinterpret_cast<unsigned int*>(pool[dev].data_ptr<int>()) + slot;
 }
 
-std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
+std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype,
+                                const OptT& x_copy) {
   MRL_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
@@ -433,6 +434,14 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
   auto rstd = new_empty(rshape, x.options());
   mrl::NormFwdParams p{x.data_ptr<float>(), rows, (int)C, w.data_ptr<float>(), (float)eps, out.data_ptr(), odt,
                        rstd.data_ptr<float>()};
+  if (x_copy) {
+    check_cuda(*x_copy, "rms_norm: x_copy", x);
+    MRL_CHECK(x_copy->scalar_type() == at::kFloat && x_copy->sizes() == x.sizes() && x_copy->is_contiguous(),
+              "rms_norm: x_copy must be a contiguous float32 tensor shaped like x ", shape_str(x), ", got ",
+              shape_str(*x_copy), " ", x_copy->scalar_type());
+    MRL_CHECK(x_copy->data_ptr() != x.data_ptr(), "rms_norm: x_copy must not be x");
+    p.x_copy = x_copy->data_ptr<float>();
+  }
   if (rows) raise_if(mrl::norm_fwd(p, c10::cuda::getCurrentCUDAStream().stream()));
   return {out, rstd};
 }
@@ -589,7 +598,8 @@ std::vector<Tensor> xdt_fwd(const Tensor& xc, const Tensor& wx, const Tensor& wd
   check_rows(wx, "xdt_fwd: x_proj.weight", xc, E, D);
   check_rows(wdt, "xdt_fwd: dt_proj.weight", xc, D, R);
   MRL_CHECK(R >= 1 && R <= E, "xdt_fwd: dt_rank must be in [1, ", E, "], got ", R);
-  MRL_CHECK(mrl::xdt_smem_ok((int)E), "xdt_fwd: x_proj rows ", E, " exceed the kernel's shared memory");
+  MRL_CHECK(mrl::xdt_smem_ok((int)E, (int)D), "xdt_fwd: x_proj.weight [", E, ", ", D, "] exceeds the kernel's "
+            "shared memory");
   const c10::cuda::CUDAGuard guard(xc.device());
   auto dbc = new_empty({rows, E}, xc.options());
   auto dto = new_empty({rows, D}, xc.options());
@@ -616,7 +626,8 @@ Tensor xdt_bwd(const Tensor& ddt, const Tensor& dB, const Tensor& dC, const Tens
   check_rows(dxc, "xdt_bwd: dxc", ddt, rows, D);
   MRL_CHECK(R >= 1 && R + 2 * N == E, "xdt_bwd: x_proj.weight rows must be dt_rank + 2 d_state = ", R + 2 * N,
             ", got ", E);
-  MRL_CHECK(mrl::xdt_smem_ok((int)E), "xdt_bwd: x_proj rows ", E, " exceed the kernel's shared memory");
+  MRL_CHECK(mrl::xdt_smem_ok((int)E, (int)D), "xdt_bwd: x_proj.weight [", E, ", ", D, "] exceeds the kernel's "
+            "shared memory");
   const c10::cuda::CUDAGuard guard(ddt.device());
   auto ddbc = new_empty({rows, E}, ddt.options());
   mrl::XdtBwdParams p{ddt.data_ptr(), dB.data_ptr(), dC.data_ptr(), wx.data_ptr(), wdt.data_ptr(), ddbc.data_ptr(),
@@ -654,7 +665,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("rows_per_block", &PreparedStep::rows);
   m.def("backbone_step_prepare", &backbone_step_prepare, "check and bind the one-token step's weights and states "
         "once (x gives B, input_dim and the device) -> PreparedStep");
-  m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1])");
+  m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1]); optional x_copy (float32, "
+        "shaped like x) receives a copy of x in the same pass", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("out_dtype"), py::arg("x_copy") = py::none());
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
         "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());

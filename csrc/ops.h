@@ -146,6 +146,8 @@ struct NormFwdParams {
   float eps;
   void* out; int out_dtype;              // [rows, C]
   float* rstd;                           // [rows]
+  float* x_copy = nullptr;               // [rows, C] float32 copy of x, or nullptr (the fused node's next
+                                         //   residual buffer: saves the copy an out-of-place addmm makes)
 };
 struct NormBwdParams {
   const void* dy; int dy_dtype;          // [rows, C]
@@ -209,7 +211,7 @@ struct XdtBwdParams {
   void* dxc;               // [rows, D], read and written
   int64_t rows; int D, E, R, N;
 };
-int xdt_smem_ok(int E);    // 1 when E fits the kernels' shared memory
+int xdt_smem_ok(int E, int D);  // 1 when x_proj.weight [E, D] fits the kernels' shared memory
 const char* xdt_fwd(int dtype, const XdtFwdParams& p, cudaStream_t s);
 const char* xdt_bwd(int dtype, const XdtBwdParams& p, cudaStream_t s);
 }  // namespace mrl

@@ -10,7 +10,8 @@
 
 namespace mrl {
 
-constexpr int WG_BM = 64, WG_BN = 64, WG_BK = 16, WG_THREADS = 256;
+constexpr int WG_BM = 64, WG_BN = 64, WG_BK = 32, WG_THREADS = 256;
+constexpr int WG_LD = WG_BK * WG_BM / WG_THREADS;  // operand elements each thread loads per K step
 constexpr int WG_TILE = WG_BM * WG_BN;
 
 __device__ __forceinline__ float wg_ld(const void* p, int64_t i, int dt) {
@@ -19,7 +20,7 @@ __device__ __forceinline__ float wg_ld(const void* p, int64_t i, int dt) {
   return reinterpret_cast<const float*>(p)[i];
 }
 
-__global__ void __launch_bounds__(WG_THREADS) wgrad_kernel(const __grid_constant__ WGradParams p) {
+__global__ void __launch_bounds__(WG_THREADS, 2) wgrad_kernel(const __grid_constant__ WGradParams p) {
   __shared__ __align__(16) float As[WG_BK][WG_BM];
   __shared__ __align__(16) float Bs[WG_BK][WG_BN];
   __shared__ bool is_last;
@@ -36,10 +37,10 @@ __global__ void __launch_bounds__(WG_THREADS) wgrad_kernel(const __grid_constant
   const int tm = t / 16, tn = t % 16;  // this thread's 4 x 4 outputs: rows tm*4.., cols tn*4..
   const bool ones = jb.b == nullptr;
 
-  float ra[4], rb[4];
+  float ra[WG_LD], rb[WG_LD];
   auto load = [&](int64_t k0) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < WG_LD; ++i) {
       const int e = t + WG_THREADS * i;
       const int kk = e / WG_BM, c = e % WG_BM;
       const int64_t k = k0 + kk;
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(WG_THREADS) wgrad_kernel(const __grid_constant
   for (int64_t k0 = kb; k0 < ke; k0 += WG_BK) {
     __syncthreads();  // the previous step's compute is done with As / Bs
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < WG_LD; ++i) {
       const int e = t + WG_THREADS * i;
       As[e / WG_BM][e % WG_BM] = ra[i];
       Bs[e / WG_BN][e % WG_BN] = rb[i];
@@ -130,23 +131,34 @@ __global__ void __launch_bounds__(WG_THREADS) wgrad_kernel(const __grid_constant
 }
 
 int64_t wgrad_plan(WGradParams& p, int sm_count) {
-  // Work in tile-rows of K; aim at ~4 work items per SM, slices of at least 256 rows (a multiple of WG_BK).
-  int64_t work = 0;
+  // One K-slice length for every job, a multiple of WG_BK, chosen from the shapes only: the smallest
+  // estimated time ceil(items / slots) * (slice + overhead), slots = 2 resident blocks per SM (the kernel's
+  // register use), overhead ~ one slice epilogue in K rows. Deterministic: the same shapes, the same plan.
+  int64_t kmax = 1;
   for (int j = 0; j < p.n_jobs; ++j) {
     WGradJob& jb = p.job[j];
     jb.tiles_n = (jb.N + WG_BN - 1) / WG_BN;
     jb.tiles = ((jb.M + WG_BM - 1) / WG_BM) * jb.tiles_n;
-    work += (int64_t)jb.tiles * (jb.K > 0 ? jb.K : 1);
+    if (jb.K > kmax) kmax = jb.K;
   }
-  const int64_t target = 4 * (int64_t)(sm_count > 0 ? sm_count : 132);
-  int64_t slice = (work + target - 1) / target;
-  slice = ((slice + WG_BK - 1) / WG_BK) * WG_BK;
-  if (slice < 256) slice = 256;
+  const int64_t slots = 2 * (int64_t)(sm_count > 0 ? sm_count : 132);
+  const int64_t overhead = 96;
+  int64_t best = ((kmax + WG_BK - 1) / WG_BK) * WG_BK, best_cost = -1;
+  for (int64_t sl = 128; sl < kmax + WG_BK; sl += (sl < 1024 ? 128 : sl / 4)) {
+    const int64_t slice = ((sl + WG_BK - 1) / WG_BK) * WG_BK;
+    int64_t items = 0;
+    for (int j = 0; j < p.n_jobs; ++j) {
+      const int64_t sp = (p.job[j].K + slice - 1) / slice;
+      items += (int64_t)p.job[j].tiles * (sp < 1 ? 1 : sp);
+    }
+    const int64_t cost = ((items + slots - 1) / slots) * (slice + overhead);
+    if (best_cost < 0 || cost < best_cost) { best_cost = cost; best = slice; }
+  }
   int64_t items = 0, tiles = 0, ws = 0;
   for (int j = 0; j < p.n_jobs; ++j) {
     WGradJob& jb = p.job[j];
-    jb.slice = slice;
-    int64_t sp = (jb.K + slice - 1) / slice;
+    jb.slice = best;
+    int64_t sp = (jb.K + best - 1) / best;
     if (sp < 1) sp = 1;
     jb.splits = (int)sp;
     jb.item0 = (int)items;

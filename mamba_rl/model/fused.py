@@ -63,7 +63,9 @@ XDT = "auto"
 # The grouped launch waits for the operands of several layers; past this many bytes of operands held only
 # for it, it runs at the end of the current layer instead (peak memory at long B*T).
 WGRAD_HOLD_BYTES = 64 << 20
-_WGRAD_BF16_MAX_ROWS = 4096  # "auto" for bf16/f16: the tensor-core GEMMs win at larger K = B*T
+# "auto": float32 only (bf16/f16 weight gradients run on cuBLAS's tensor-core kernels, which were faster than
+# this SIMT kernel even at B*T = 1024), and only up to this many rows (K = B*T) per GEMM.
+_WGRAD_F32_MAX_ROWS = 4096
 _XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
 
 
@@ -74,14 +76,15 @@ def _small_gemm_ok(ext, net) -> bool:
 def _use_wgrad(ext, net, rows: int, cdt) -> bool:
     if WGRAD == "off" or not _small_gemm_ok(ext, net):
         return False
-    return WGRAD == "on" or cdt == torch.float32 or rows <= _WGRAD_BF16_MAX_ROWS
+    return WGRAD == "on" or (cdt == torch.float32 and rows <= _WGRAD_F32_MAX_ROWS)
 
 
 def _use_xdt(ext, net) -> bool:
     if XDT == "off" or not _small_gemm_ok(ext, net):
         return False
     c = net.cfg
-    if 8 * 4 * (c.dt_rank_value + 2 * c.d_state) > 48 * 1024:  # csrc/xdt.cu: XDT_RB rows of ddbc in smem
+    E, D = c.dt_rank_value + 2 * c.d_state, c.d_inner
+    if 4 * (E * D + 8 * D + 8 * E) > 160 * 1024:  # csrc/xdt.cu xdt_smem_ok: x_proj.weight staged in smem
         return False
     return XDT == "on" or c.d_inner <= _XDT_MAX_D_INNER
 
@@ -160,6 +163,16 @@ def _residual_mm(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return h + torch.mm(a, b).float()
 
 
+def _residual_acc(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h += a @ b in place (h a float32 copy of the residual stream): :func:`_residual_mm` without the copy of
+    h that an out-of-place addmm launches first."""
+    if a.dtype == h.dtype:
+        return h.addmm_(a, b)
+    if _out_dtype_ok(h.device, a.dtype):
+        return torch.addmm(h, a, b, out_dtype=torch.float32, out=h)
+    return h.add_(torch.mm(a, b).float())
+
+
 def _norm_fwd(ext, ok, h, w, eps, out_dtype):
     """(RMSNorm(h) in out_dtype, rstd [rows, 1]): the kernel, or torch ops where it does not take d_model."""
     if ok:
@@ -212,13 +225,18 @@ class _Backbone(torch.autograd.Function):
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
         use_xdt = _use_xdt(ext, net)
         conv_stack = torch.empty_like(conv0) if _small_gemm_ok(ext, net) else None  # CUDA: conv_fwd's final_out
+        resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
         saved = []
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            u, rstd = _norm_fwd(ext, nf_ok, h, w(p + "norm.weight", M), eps, cdt)
+            if resid_copy:  # the norm kernel also copies h into the next residual buffer (then an in-place GEMM)
+                h_next = torch.empty_like(h)
+                u, rstd = ext.rmsnorm_fwd(h, w(p + "norm.weight", M), eps, cdt, x_copy=h_next)
+            else:
+                u, rstd = _norm_fwd(ext, nf_ok, h, w(p + "norm.weight", M), eps, cdt)
             xz = torch.mm(u, w(p + "mixer.in_proj.weight").t())  # [BT, 2di]
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
@@ -238,7 +256,10 @@ class _Backbone(torch.autograd.Function):
                                        ssm0[i], starts, True)
             h_in = h
             w_out = w(p + "mixer.out_proj.weight").t()
-            h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
+            if resid_copy:
+                h = _residual_acc(h_next, y.view(BT, di), w_out)
+            else:
+                h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
             saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
             conv_f.append(cf)
             ssm_f.append(sf)

@@ -53,7 +53,9 @@ class Stepper:
         Args:
             x_t: [B, input_dim] float (cast to the master dtype), on the backbone's device; or None after
                 :meth:`capture_graph` when the caller wrote ``x_buf`` and ``starts_buf`` in place (zero-copy:
-                the replay then reads them as they are).
+                the replay then reads them as they are). After :meth:`capture_graph` on the CUDA kernel step, a
+                float32 contiguous x_t (and a contiguous bool episode_starts) is read where it lies: the
+                captured kernel is launched on it directly (bit-identical to the replay, no input copy).
             episode_starts: [B] bool or None. Rows with True are reset (zero conv window and SSM state)
                 before x_t is consumed: x_t is the first observation of a new episode.
         Returns:
@@ -68,8 +70,12 @@ class Stepper:
             if not self._graphs or episode_starts is not None:
                 raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
                                  "written into starts_buf rather than passed")
-            self._graphs.replay("step")
             self._starts_zero = False  # the caller may have written starts_buf
+            if self._fast is not None:  # the graph's one kernel, launched directly (no graph-launch overhead)
+                self._graphs.check()
+                if self._fast.launch(self.x_buf, self.starts_buf, self._out):
+                    return self._out
+            self._graphs.replay("step")
             return self._out
         fast = self._fast
         if fast is not None and isinstance(x_t, torch.Tensor) and (
