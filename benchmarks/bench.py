@@ -9,9 +9,14 @@ Times (median µs per call, CUDA events around every call, graph replays, TF32 o
   * the one-token step of the graph-captured Stepper (replay and ``stepper.step``) at the default model,
     the fused kernel alone at each rows-per-block setting, and the peers' one-token step.
 Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay), with a
-per-kernel profile at the default model. Every row carries ``d_model``.
+per-kernel profile and the launch-order kernel list (``kernel_seq``) at the default model. ``--variants`` also
+times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully on
+(models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``). The one-token rows add the bare graph
+replay (``raw_graph_us``) and the host time to issue one call (``host_api_us``, ``host_replay_us``). Every row
+carries ``d_model``.
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
+    [--variants] [--no-step-kernels]
 """
 from __future__ import annotations
 

@@ -64,9 +64,13 @@ XDT = "auto"
 # for it, it runs at the end of the current layer instead (peak memory at long B*T).
 WGRAD_HOLD_BYTES = 64 << 20
 # "auto": float32 only (bf16/f16 weight gradients run on cuBLAS's tensor-core kernels, which were faster than
-# this SIMT kernel even at B*T = 1024), and only up to this many rows (K = B*T) per GEMM.
+# this SIMT kernel even at B*T = 1024: 458 vs 427 us a step), and only up to this many rows (K = B*T) per GEMM
+# (f32: 498 vs 574 us at 1024 rows, 1613 vs 1509 at 8192).
 _WGRAD_F32_MAX_ROWS = 4096
 _XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
+# "auto": x_proj + dt_proj kernels only up to this many rows (B*T): measured faster than cuBLAS at 1024 rows
+# (f32 574 vs 591 us a step, bf16 equal) and slower at 8192 (f32 1509 vs 1426, bf16 1107 vs 989)
+_XDT_MAX_ROWS = 2048
 
 
 def _small_gemm_ok(ext, net) -> bool:
@@ -79,14 +83,14 @@ def _use_wgrad(ext, net, rows: int, cdt) -> bool:
     return WGRAD == "on" or (cdt == torch.float32 and rows <= _WGRAD_F32_MAX_ROWS)
 
 
-def _use_xdt(ext, net) -> bool:
+def _use_xdt(ext, net, rows: int) -> bool:
     if XDT == "off" or not _small_gemm_ok(ext, net):
         return False
     c = net.cfg
     E, D = c.dt_rank_value + 2 * c.d_state, c.d_inner
     if 4 * (E * D + 8 * D + 8 * E) > 160 * 1024:  # csrc/xdt.cu xdt_smem_ok: x_proj.weight staged in smem
         return False
-    return XDT == "on" or c.d_inner <= _XDT_MAX_D_INNER
+    return XDT == "on" or (c.d_inner <= _XDT_MAX_D_INNER and rows <= _XDT_MAX_ROWS)
 
 
 class _WGrads:
@@ -223,7 +227,7 @@ class _Backbone(torch.autograd.Function):
             return (vm if src is M else vw)[name]
 
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
-        use_xdt = _use_xdt(ext, net)
+        use_xdt = _use_xdt(ext, net, BT)
         conv_stack = torch.empty_like(conv0) if _small_gemm_ok(ext, net) else None  # CUDA: conv_fwd's final_out
         resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
         x2 = x.reshape(BT, -1).to(cdt)

@@ -50,7 +50,13 @@ def test_wgrad_grouped_vs_ref(ext, K, dtype, tol):
     wgrad_grouped_ref(ref)
     for (a, b, c), (_, _, cr) in zip(jobs, ref):
         assert torch.isfinite(c).all()
-        assert rel(c, cr) <= tol, (a.shape, None if b is None else b.shape)
+        # float32 accumulation over K terms: elementwise within tol * (|a|^T |b| + |c|), the scale of the
+        # rounding errors (a relative norm alone fails on a single output that nearly cancels)
+        scale = (a.double().abs().t() @ (torch.ones_like(a[:, :1]) if b is None else b).double().abs())
+        scale = scale.reshape(c.shape) + cr.double().abs()
+        assert ((c.double() - cr.double()).abs() <= tol * scale).all(), (a.shape, None if b is None else b.shape)
+        if c.numel() >= 64:
+            assert rel(c, cr) <= tol, (a.shape, None if b is None else b.shape)
 
 
 def test_wgrad_strided_operands_and_mixed_dtypes(ext):
