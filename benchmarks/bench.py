@@ -9,9 +9,14 @@ Times (median µs per call, CUDA events around every call, graph replays, TF32 o
   * the one-token step of the graph-captured Stepper (replay and ``stepper.step``) at the default model,
     the fused kernel alone at each rows-per-block setting, and the peers' one-token step.
 Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay), with a
-per-kernel profile at the default model. Every row carries ``d_model``.
+per-kernel profile and the launch-order kernel list (``kernel_seq``) at the default model. ``--variants`` also
+times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully on
+(models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``). The one-token rows add the bare graph
+replay (``raw_graph_us``) and the host time to issue one call (``host_api_us``, ``host_replay_us``). Every row
+carries ``d_model``.
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
+    [--variants] [--no-step-kernels]
 """
 from __future__ import annotations
 
@@ -51,6 +56,20 @@ def timeit(fn, iters, warm=5):
     return ts[len(ts) // 2]
 
 
+def host_us(fn, iters):
+    """Median host-side µs to issue one call (perf_counter around the call, synchronised before each)."""
+    import time
+    ts = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
 def count_kernels(fn):
     """GPU kernels, memcpys and memsets executed by one call (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -82,9 +101,28 @@ def kernel_profile(fn, top=25):
     return rows[:top]
 
 
-def bench_train(dm, B, T, dtype, iters, profile_it=False):
+def kernel_sequence(fn):
+    """Names of the GPU kernels / memcpys of one call in launch order (torch.profiler), shortened."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [ev for ev in prof.events() if getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    evs.sort(key=lambda ev: ev.time_range.start)
+    return [ev.name[:60] for ev in evs]
+
+
+# (name suffix, fused.WGRAD, fused.XDT): the small-GEMM kernels as chosen ("auto"), forced off (the torch
+# GEMMs of the version before) and forced on, timed in the same process (--variants)
+VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("off", "on"), "_gemmon": ("on", "on")}
+
+
+def bench_train(dm, B, T, dtype, iters, profile_it=False, variant=""):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
+    from mamba_rl.model import fused
+    fused.WGRAD, fused.XDT = VARIANTS[variant]
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -100,16 +138,20 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False):
     replay = timeit(graph.replay, iters)
     nk = count_kernels(graph.replay)
     prof = kernel_profile(graph.replay) if profile_it else None
+    seq = kernel_sequence(graph.replay) if profile_it else None
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     del tr, net, graph
-    r = dict(kind="train", model=f"mamba_rl_{dtype}", d_model=dm, B=B, T=T, graph=True, us=replay, api_us=api,
-             eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
+    fused.WGRAD, fused.XDT = VARIANTS[""]
+    r = dict(kind="train", model=f"mamba_rl_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
+             api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:
         r["profile"] = prof
+    if seq:
+        r["kernel_seq"] = seq
     return r
 
 
-def bench_infer(B, iters):
+def bench_infer(B, iters, step_kernels=True):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl.ops.step import backbone_step
     torch.cuda.synchronize()
@@ -121,10 +163,18 @@ def bench_infer(B, iters):
     st.capture_graph()
     api = timeit(lambda: st.step(x), iters)
     replay = timeit(lambda: st.step(None), iters)
+    raw = timeit(st._graphs["step"].replay, iters)  # the bare graph launch, no Python around it
+    st.x_buf.copy_(x)
+    st.starts_buf.zero_()
+    host = host_us(lambda: st.step(x), iters)
+    host_replay = host_us(lambda: st.step(None), iters)
     nk = count_kernels(lambda: st.step(None))
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     rows = [dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True, us=replay, api_us=api,
+                 raw_graph_us=raw, host_api_us=host, host_replay_us=host_replay, fast_launch=st._fast is not None,
                  kernels=nk, peak_mib=round(peak, 1))]
+    if not step_kernels:
+        return rows
     # the fused kernel alone, per rows-per-block setting, captured
     w = net.step_weights()
     cs, ss = st.state.conv.clone(), st.state.ssm.clone()
@@ -249,6 +299,8 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", choices=["train", "infer"], default=None)
     ap.add_argument("--rows", type=int, default=None, help="only the first N rows of the training table")
+    ap.add_argument("--no-step-kernels", action="store_true", help="skip the one-token kernel's R / cluster sweep")
+    ap.add_argument("--variants", action="store_true", help="also time the small-GEMM kernels forced off / on")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs a GPU")
@@ -264,21 +316,26 @@ def main(argv=None):
             r = dict(fallback, us=float("nan"), err=repr(e)[:300])
         rows.extend(r if isinstance(r, list) else [r])
         for x in (r if isinstance(r, list) else [r]):
-            print({k: v for k, v in x.items() if k != "profile"}, flush=True)
+            print({k: v for k, v in x.items() if k not in ("profile", "kernel_seq")}, flush=True)
             for pr in x.get("profile", []):
                 print(f"    {pr[2]:9.1f} us  x{pr[1]:<3d} {pr[0]}", flush=True)
+            if x.get("kernel_seq"):
+                print("    seq: " + " | ".join(k[:28] for k in x["kernel_seq"]), flush=True)
 
     for dm, B, T in (ROWS[:a.rows] if a.only != "infer" else []):
         it = iters if B * T <= 16384 else max(20, iters // 3)
         for dt in ("f32", "bf16"):
             record(lambda: bench_train(dm, B, T, dt, it, profile_it=(dm, B, T) in ((128, 16, 64), (128, 4, 4096))),
                    dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
+            for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants else ()):
+                record(lambda: bench_train(dm, B, T, dt, it, variant=v),
+                       dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
         if not a.no_peers:
             for n in PEERS:
                 record(lambda: bench_peer_train(n, dm, B, T, it),
                        dict(kind="train", model=n, d_model=dm, B=B, T=T, graph=True))
     for B in (INFER_B if a.only != "train" else []):
-        record(lambda: bench_infer(B, 200 if not a.quick else 50),
+        record(lambda: bench_infer(B, 200 if not a.quick else 50, not a.no_step_kernels),
                dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True))
         if not a.no_peers:
             for n in PEERS:

@@ -82,11 +82,12 @@ std::array<int64_t, 5> conv_check(const Tensor& x, const Tensor& w, const Tensor
 }
 
 std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
-                             const OptT& starts) {
+                             const OptT& starts, const OptT& final_out) {
   const auto [B, T, D, K, dt] = conv_check(x, w, bias, init, starts);
+  if (final_out) check_f32(*final_out, "causal_conv1d: final_out", x, {B, D, K - 1});
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = new_empty({B, T, D}, x.options());
-  auto fin = new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
+  auto fin = final_out ? *final_out : new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
   mrl::ConvFwdParams p{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
                        ptr_or_null<float>(init), ptr_or_null<bool>(starts), out.data_ptr(), fin.data_ptr<float>(),
                        (int)B, (int)T, (int)D, (int)K};
@@ -250,8 +251,8 @@ void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_sca
   raise_if(mrl::grad_stats(p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
-                const Tensor& scalars, int64_t n_decay, const OptT& compute) {
+void adamw_step(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
+                const Tensor& scalars, int64_t n_decay, const OptT& compute, bool zero_grad) {
   MRL_CHECK(param.dim() == 1, "adamw_step: param must be a flat [P] arena, got ", shape_str(param));
   const int64_t P = param.numel();
   check_vec(param, "adamw_step: param", at::kFloat, P, param);
@@ -271,15 +272,18 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   const c10::cuda::CUDAGuard guard(param.device());
   mrl::AdamWParams p{param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
                      exp_avg_sq.data_ptr<float>(), hyper.data_ptr<double>(), scalars.data_ptr<double>(), P, n_decay,
-                     compute ? compute->data_ptr() : nullptr, cdt};
+                     compute ? compute->data_ptr() : nullptr, cdt, zero_grad};
   raise_if(mrl::adamw_step(p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
 
 // ---------------- one-token backbone step ----------------
-Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+struct StepBuilt { mrl::StepParams p; int wcode; int64_t B, in_dim, dm; };
+
+// Every check of the one-token step's arguments; the parameter block without x / starts / out.
+StepBuilt step_build(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                      const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
-                     const OptT& starts, double eps, int64_t rows_per_block) {
+                     const OptT& starts, double eps) {
   MRL_CHECK(x.dim() == 2, "backbone_step: x_t must be [B, input_dim], got ", shape_str(x));
   const int64_t B = x.size(0), in_dim = x.size(1);
   check_f32(x, "backbone_step: x_t", x, {B, in_dim});
@@ -335,15 +339,70 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
                                 t[4].data_ptr(), t[5].data_ptr(), t[6].data_ptr<float>(), t[7].data_ptr<float>(),
                                 t[8].data_ptr<float>(), t[9].data_ptr()};
   }
-  const c10::cuda::CUDAGuard guard(x.device());
-  auto out = new_empty({B, dm}, x.options());
-  p.x = x.data_ptr<float>(); p.inp_w = inp_w.data_ptr(); p.inp_b = inp_b.data_ptr();
+  p.inp_w = inp_w.data_ptr(); p.inp_b = inp_b.data_ptr();
   p.normf_w = normf_w.data_ptr<float>(); p.conv_state = conv_state.data_ptr<float>();
-  p.ssm_state = ssm_state.data_ptr<float>(); p.starts = ptr_or_null<bool>(starts); p.out = out.data_ptr<float>();
+  p.ssm_state = ssm_state.data_ptr<float>();
   p.B = (int)B; p.in_dim = (int)in_dim; p.dm = (int)dm; p.D = (int)D; p.N = (int)N; p.K = (int)K;
   p.rank = (int)rank; p.L = (int)L; p.eps = (float)eps;
-  raise_if(mrl::backbone_step(wcode, p, (int)rows_per_block, c10::cuda::getCurrentCUDAStream().stream()));
+  return StepBuilt{p, wcode, B, in_dim, dm};
+}
+
+Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                     const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
+                     const OptT& starts, double eps, int64_t rows_per_block) {
+  StepBuilt sb = step_build(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, starts, eps);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = new_empty({sb.B, sb.dm}, x.options());
+  sb.p.x = x.data_ptr<float>(); sb.p.starts = ptr_or_null<bool>(starts); sb.p.out = out.data_ptr<float>();
+  raise_if(mrl::backbone_step(sb.wcode, sb.p, (int)rows_per_block, c10::cuda::getCurrentCUDAStream().stream()));
   return out;
+}
+
+// The one-token step with every argument checked once (backbone_step_prepare): a call then checks only the
+// per-token tensors (x_t, starts, out) and launches the kernel, without the ~30 weight checks of a full call.
+// It holds references to the weights and states it points at (their storage cannot be freed under it); the
+// caller re-prepares when a buffer is replaced (the Stepper's pointer guard).
+struct PreparedStep {
+  mrl::StepParams p;
+  int wcode, rows;
+  int64_t B, in_dim, dm;
+  c10::Device device;
+  std::vector<Tensor> keep;
+
+  // x [B, in_dim] float32 contiguous, starts [B] bool contiguous or None, out [B, d_model] float32 contiguous,
+  // all on the prepared device; False (nothing launched) when any of them does not fit, so the caller can take
+  // the checked path for its error message.
+  bool launch(const Tensor& x, const OptT& starts, Tensor& out) {
+    if (!x.defined() || x.device() != device || x.scalar_type() != at::kFloat || x.dim() != 2 || x.size(0) != B ||
+        x.size(1) != in_dim || !x.is_contiguous())
+      return false;
+    if (!out.defined() || out.device() != device || out.scalar_type() != at::kFloat || out.dim() != 2 ||
+        out.size(0) != B || out.size(1) != dm || !out.is_contiguous())
+      return false;
+    if (starts && (starts->device() != device || starts->scalar_type() != at::kBool || starts->numel() != B ||
+                   !starts->is_contiguous()))
+      return false;
+    const c10::cuda::CUDAGuard guard(device);
+    mrl::StepParams q = p;
+    q.x = x.data_ptr<float>();
+    q.starts = starts ? starts->data_ptr<bool>() : nullptr;
+    q.out = out.data_ptr<float>();
+    raise_if(mrl::backbone_step(wcode, q, rows, c10::cuda::getCurrentCUDAStream().stream()));
+    return true;
+  }
+};
+
+PreparedStep backbone_step_prepare(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                                   const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state,
+                                   Tensor& ssm_state, double eps, int64_t rows_per_block) {
+  StepBuilt sb = step_build(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, std::nullopt, eps);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const char* err = nullptr;
+  const int R = mrl::backbone_step_rows(sb.p, (int)rows_per_block, &err);
+  raise_if(err);
+  std::vector<Tensor> keep{inp_w, inp_b, normf_w, conv_state, ssm_state};
+  for (const auto& l : layers) keep.insert(keep.end(), l.begin(), l.end());
+  return PreparedStep{sb.p, sb.wcode, R, sb.B, sb.in_dim, sb.dm, x.device(), std::move(keep)};
 }
 
 
@@ -358,7 +417,8 @@ unsigned int* counter_slot(const Tensor& ref, int slot) {
   return reinterpret_cast<unsigned int*>(pool[dev].data_ptr<int>()) + slot;
 }
 
-std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
+std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype,
+                                const OptT& x_copy) {
   MRL_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
@@ -374,6 +434,14 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
   auto rstd = new_empty(rshape, x.options());
   mrl::NormFwdParams p{x.data_ptr<float>(), rows, (int)C, w.data_ptr<float>(), (float)eps, out.data_ptr(), odt,
                        rstd.data_ptr<float>()};
+  if (x_copy) {
+    check_cuda(*x_copy, "rms_norm: x_copy", x);
+    MRL_CHECK(x_copy->scalar_type() == at::kFloat && x_copy->sizes() == x.sizes() && x_copy->is_contiguous(),
+              "rms_norm: x_copy must be a contiguous float32 tensor shaped like x ", shape_str(x), ", got ",
+              shape_str(*x_copy), " ", x_copy->scalar_type());
+    MRL_CHECK(x_copy->data_ptr() != x.data_ptr(), "rms_norm: x_copy must not be x");
+    p.x_copy = x_copy->data_ptr<float>();
+  }
   if (rows) raise_if(mrl::norm_fwd(p, c10::cuda::getCurrentCUDAStream().stream()));
   return {out, rstd};
 }
@@ -424,11 +492,157 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
   return dx;
 }
 
+
+// ---------------- small GEMMs of the fused training step (wgrad.cu, xdt.cu) ----------------
+int sm_count(const Tensor& ref) {
+  static std::vector<int> cache(64, 0);
+  const int dev = ref.get_device();
+  MRL_CHECK(dev >= 0 && dev < 64, "sm_count: bad device");
+  if (!cache[dev]) {
+    int n = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    MRL_RAISE_IF(e == cudaSuccess ? nullptr : cudaGetErrorString(e));
+    cache[dev] = n > 0 ? n : 132;
+  }
+  return cache[dev];
+}
+
+// Tile counters of the grouped weight-gradient kernel: zero once, left zero by every launch.
+constexpr int64_t WGRAD_COUNTERS = 1 << 16;
+unsigned int* wgrad_counters(const Tensor& ref) {
+  static std::vector<Tensor> pool(64);
+  const int dev = ref.get_device();
+  MRL_CHECK(dev >= 0 && dev < 64, "wgrad: bad device");
+  if (!pool[dev].defined()) pool[dev] = at::zeros({WGRAD_COUNTERS}, ref.options().dtype(at::kInt));
+  return reinterpret_cast<unsigned int*>(pool[dev].data_ptr<int>());
+}
+
+// A 2-D operand with unit column stride (row stride free), in a float dtype.
+void check_mat(const Tensor& t, const char* name, const Tensor& ref, int64_t rows) {
+  check_cuda(t, name, ref);
+  MRL_CHECK(t.dim() == 2, name, ": expected a 2-D tensor, got shape ", shape_str(t));
+  MRL_CHECK(t.size(0) == rows, name, ": expected ", rows, " rows (K), got shape ", shape_str(t));
+  MRL_CHECK(t.size(1) <= 1 || t.stride(1) == 1, name, ": the last dim must have stride 1, got strides ",
+            t.strides());
+  MRL_CHECK(t.size(1) > 0 && t.stride(0) >= t.size(1), name, ": rows must not overlap, got shape ", shape_str(t),
+            " strides ", t.strides());
+}
+
+// jobs: [(a [K, M], b [K, N] or None, c [M, N] float32)]: c += a^T b (b None: c [M] or [M, 1] += column
+// sums of a). One launch for every job.
+void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs) {
+  const int64_t nj = (int64_t)jobs.size();
+  MRL_CHECK(nj >= 1 && nj <= mrl::WGRAD_MAX_JOBS, "wgrad_grouped: expected 1..", mrl::WGRAD_MAX_JOBS,
+            " jobs, got ", nj);
+  const Tensor& ref = std::get<0>(jobs[0]);
+  mrl::WGradParams p{};
+  p.n_jobs = (int)nj;
+  for (int64_t j = 0; j < nj; ++j) {
+    const Tensor& a = std::get<0>(jobs[j]);
+    const OptT& b = std::get<1>(jobs[j]);
+    const Tensor& c = std::get<2>(jobs[j]);
+    MRL_CHECK(a.dim() == 2, "wgrad_grouped: job ", j, ": a must be [K, M], got ", shape_str(a));
+    const int64_t K = a.size(0), M = a.size(1);
+    check_mat(a, "wgrad_grouped: a", ref, K);
+    const int adt = dtype_code(a, "wgrad_grouped: a");
+    int64_t N = 1;
+    int bdt = mrl::kF32;
+    if (b) {
+      check_mat(*b, "wgrad_grouped: b", ref, K);
+      N = b->size(1);
+      bdt = dtype_code(*b, "wgrad_grouped: b");
+    }
+    check_cuda(c, "wgrad_grouped: c", ref);
+    MRL_CHECK(c.scalar_type() == at::kFloat, "wgrad_grouped: job ", j, ": c: expected float32, got ", c.scalar_type());
+    const bool c_ok = b ? (c.dim() == 2 && c.size(0) == M && c.size(1) == N)
+                        : ((c.dim() == 1 && c.size(0) == M) || (c.dim() == 2 && c.size(0) == M && c.size(1) == 1));
+    MRL_CHECK(c_ok, "wgrad_grouped: job ", j, ": c: expected shape [", M, ", ", N, "], got ", shape_str(c));
+    const int64_t ldc = c.dim() == 2 ? c.stride(0) : 1;
+    MRL_CHECK(c.dim() == 1 ? c.stride(0) == 1 : (N <= 1 || c.stride(1) == 1) && ldc >= N,
+              "wgrad_grouped: job ", j, ": c must have unit column stride, got strides ", c.strides());
+    MRL_CHECK(M <= std::numeric_limits<int>::max() / 2 && N <= std::numeric_limits<int>::max() / 2,
+              "wgrad_grouped: job ", j, ": M, N too large");
+    p.job[j] = mrl::WGradJob{a.data_ptr(), a.stride(0), adt, b ? b->data_ptr() : nullptr, b ? b->stride(0) : 0, bdt,
+                             c.data_ptr<float>(), c.dim() == 2 ? ldc : 1, (int)M, (int)N, K, 0, 0, 0, 0, 0, 0};
+  }
+  const c10::cuda::CUDAGuard guard(ref.device());
+  const int64_t ws_floats = mrl::wgrad_plan(p, sm_count(ref));
+  MRL_CHECK(p.n_tiles <= WGRAD_COUNTERS, "wgrad_grouped: ", p.n_tiles, " output tiles, at most ", WGRAD_COUNTERS);
+  Tensor ws;
+  if (ws_floats > 0) {
+    ws = new_empty({ws_floats}, ref.options().dtype(at::kFloat));
+    p.ws = ws.data_ptr<float>();
+  }
+  p.counters = wgrad_counters(ref);
+  raise_if(mrl::wgrad(p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+void check_rows(const Tensor& t, const char* name, const Tensor& ref, int64_t rows, int64_t cols) {
+  check_cuda(t, name, ref);
+  MRL_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, ": expected shape [", rows, ", ", cols,
+            "], got ", shape_str(t));
+  MRL_CHECK(t.scalar_type() == ref.scalar_type(), name, ": expected dtype ", ref.scalar_type(), ", got ",
+            t.scalar_type());
+  MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+// xc [rows, D], wx [E, D], wdt [D, R] -> (dbc [rows, E], dt [rows, D]), one dtype.
+std::vector<Tensor> xdt_fwd(const Tensor& xc, const Tensor& wx, const Tensor& wdt) {
+  MRL_CHECK(xc.dim() == 2, "xdt_fwd: xc must be [rows, d_inner], got ", shape_str(xc));
+  const int dt = dtype_code(xc, "xdt_fwd: xc");
+  const int64_t rows = xc.size(0), D = xc.size(1);
+  MRL_CHECK(wx.dim() == 2 && wdt.dim() == 2, "xdt_fwd: x_proj.weight [E, d_inner] and dt_proj.weight [d_inner, R] "
+            "expected, got ", shape_str(wx), " and ", shape_str(wdt));
+  const int64_t E = wx.size(0), R = wdt.size(1);
+  check_rows(xc, "xdt_fwd: xc", xc, rows, D);
+  check_rows(wx, "xdt_fwd: x_proj.weight", xc, E, D);
+  check_rows(wdt, "xdt_fwd: dt_proj.weight", xc, D, R);
+  MRL_CHECK(R >= 1 && R <= E, "xdt_fwd: dt_rank must be in [1, ", E, "], got ", R);
+  MRL_CHECK(mrl::xdt_smem_ok((int)E, (int)D), "xdt_fwd: x_proj.weight [", E, ", ", D, "] exceeds the kernel's "
+            "shared memory");
+  const c10::cuda::CUDAGuard guard(xc.device());
+  auto dbc = new_empty({rows, E}, xc.options());
+  auto dto = new_empty({rows, D}, xc.options());
+  mrl::XdtFwdParams p{xc.data_ptr(), wx.data_ptr(), wdt.data_ptr(), dbc.data_ptr(), dto.data_ptr(), rows, (int)D,
+                      (int)E, (int)R};
+  raise_if(mrl::xdt_fwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {dbc, dto};
+}
+
+// ddt [rows, D], dB / dC [rows, N], wx [E, D], wdt [D, R], dxc [rows, D] (+= in place) -> ddbc [rows, E].
+Tensor xdt_bwd(const Tensor& ddt, const Tensor& dB, const Tensor& dC, const Tensor& wx, const Tensor& wdt,
+               Tensor& dxc) {
+  MRL_CHECK(ddt.dim() == 2, "xdt_bwd: ddt must be [rows, d_inner], got ", shape_str(ddt));
+  const int dt = dtype_code(ddt, "xdt_bwd: ddt");
+  const int64_t rows = ddt.size(0), D = ddt.size(1);
+  MRL_CHECK(wx.dim() == 2 && wdt.dim() == 2 && dB.dim() == 2, "xdt_bwd: 2-D dB, x_proj.weight and dt_proj.weight "
+            "expected, got ", shape_str(dB), ", ", shape_str(wx), ", ", shape_str(wdt));
+  const int64_t E = wx.size(0), R = wdt.size(1), N = dB.size(1);
+  check_rows(ddt, "xdt_bwd: ddt", ddt, rows, D);
+  check_rows(dB, "xdt_bwd: dB", ddt, rows, N);
+  check_rows(dC, "xdt_bwd: dC", ddt, rows, N);
+  check_rows(wx, "xdt_bwd: x_proj.weight", ddt, E, D);
+  check_rows(wdt, "xdt_bwd: dt_proj.weight", ddt, D, R);
+  check_rows(dxc, "xdt_bwd: dxc", ddt, rows, D);
+  MRL_CHECK(R >= 1 && R + 2 * N == E, "xdt_bwd: x_proj.weight rows must be dt_rank + 2 d_state = ", R + 2 * N,
+            ", got ", E);
+  MRL_CHECK(mrl::xdt_smem_ok((int)E, (int)D), "xdt_bwd: x_proj.weight [", E, ", ", D, "] exceeds the kernel's "
+            "shared memory");
+  const c10::cuda::CUDAGuard guard(ddt.device());
+  auto ddbc = new_empty({rows, E}, ddt.options());
+  mrl::XdtBwdParams p{ddt.data_ptr(), dB.data_ptr(), dC.data_ptr(), wx.data_ptr(), wdt.data_ptr(), ddbc.data_ptr(),
+                      dxc.data_ptr(), rows, (int)D, (int)E, (int)R, (int)N};
+  raise_if(mrl::xdt_bwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
+  return ddbc;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "mamba_rl CUDA kernels (csrc/; driven by mamba_rl/ops/*.py and mamba_rl/model/fused.py)";
-  m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state)");
+  m.def("conv_fwd", &conv_fwd, "causal conv1d + SiLU forward -> (out, final_state); optional final_out [B, D, K-1] "
+        "float32 (e.g. a layer's slice of a stacked state) receives the final state", py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("init"), py::arg("starts"), py::arg("final_out") = py::none());
   m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit); optional strided "
         "dx_out and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
         py::arg("starts"), py::arg("dout"), py::arg("dfinal"), py::arg("need_dinit"), py::arg("dx_out") = py::none(),
@@ -440,12 +654,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("init"), py::arg("starts"), py::arg("ckpt"), py::arg("dout"), py::arg("dfinal"),
         py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
   m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections (in place)");
-  m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
+  m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place); zero_grad: "
+        "grad is zeroed once read", py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+        py::arg("hyper"), py::arg("scalars"), py::arg("n_decay"), py::arg("compute"), py::arg("zero_grad") = false);
   m.def("backbone_step", &backbone_step, "one token through the whole backbone (one launch); states in place");
-  m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1])");
+  py::class_<PreparedStep>(m, "PreparedStep", "one-token step with its weights and states checked and bound once")
+      .def("launch", &PreparedStep::launch, "launch on x_t [B, in_dim] f32 (starts [B] bool or None) into out "
+           "[B, d_model] f32; False (nothing launched) when an argument does not fit", py::arg("x"),
+           py::arg("starts"), py::arg("out"))
+      .def_readonly("rows_per_block", &PreparedStep::rows);
+  m.def("backbone_step_prepare", &backbone_step_prepare, "check and bind the one-token step's weights and states "
+        "once (x gives B, input_dim and the device) -> PreparedStep");
+  m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1]); optional x_copy (float32, "
+        "shaped like x) receives a copy of x in the same pass", py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("out_dtype"), py::arg("x_copy") = py::none());
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
         "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
+  m.def("wgrad_grouped", &wgrad_grouped, "grouped weight gradients, one launch: for each (a [K, M], b [K, N] or "
+        "None, c [M, N] float32) c += a^T b (None: column sums of a)");
+  m.def("xdt_fwd", &xdt_fwd, "x_proj + dt_proj forward of one layer -> (dbc [rows, E], dt [rows, d_inner])");
+  m.def("xdt_bwd", &xdt_bwd, "x_proj + dt_proj backward of one layer -> ddbc [rows, E]; dxc += ddbc @ x_proj.weight "
+        "in place");
   m.def("set_poison", &set_poison, "fill every output/workspace with NaN on allocation (tests)");
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
   m.def("scan_segments", &mrl::scan_segments, "time segments of the scan's two-level split for (B, T, D, N, bwd)");

@@ -43,6 +43,14 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p)
     const int c = lane + 32 * k;
     if (c < p.C) o[c] = from_f<OT>(v[k] * rs * p.w[c]);
   }
+  if (p.x_copy) {
+    float* xc = p.x_copy + row * p.C;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int c = lane + 32 * k;
+      if (c < p.C) xc[c] = v[k];
+    }
+  }
   if (lane == 0) p.rstd[row] = rs;
 }
 

@@ -95,10 +95,11 @@ int grad_stats_blocks(int64_t P);
 const char* grad_stats(const GradStatsParams& p, cudaStream_t s);
 
 struct AdamWParams {
-  float* param; const float* grad; float* exp_avg; float* exp_avg_sq;
+  float* param; float* grad; float* exp_avg; float* exp_avg_sq;
   const double* hyper; const double* scalars;
   int64_t P, n_decay;
   void* compute; int compute_dtype;  // kBF16 / kF16 / kF32, or compute == nullptr
+  bool zero_grad = false;            // write grad[i] = 0 once read (also on a skipped step): saves a memset
 };
 const char* adamw_step(const AdamWParams& p, cudaStream_t s);
 }  // namespace mrl
@@ -133,6 +134,8 @@ struct StepParams {
 };
 // rows_per_block: 0 = choose from B
 const char* backbone_step(int wdtype, const StepParams& p, int rows_per_block, cudaStream_t s);
+// The rows_per_block code backbone_step uses for R (R == 0: the automatic choice); *err set on failure.
+int backbone_step_rows(const StepParams& p, int R, const char** err);
 }  // namespace mrl
 
 namespace mrl {
@@ -143,6 +146,8 @@ struct NormFwdParams {
   float eps;
   void* out; int out_dtype;              // [rows, C]
   float* rstd;                           // [rows]
+  float* x_copy = nullptr;               // [rows, C] float32 copy of x, or nullptr (the fused node's next
+                                         //   residual buffer: saves the copy an out-of-place addmm makes)
 };
 struct NormBwdParams {
   const void* dy; int dy_dtype;          // [rows, C]
@@ -159,4 +164,54 @@ struct NormBwdParams {
 int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);
 const char* norm_bwd(const NormBwdParams& p, cudaStream_t s);
+}  // namespace mrl
+
+namespace mrl {
+// ---------------- small GEMMs of the fused training step (csrc/wgrad.cu, csrc/xdt.cu) ----------------
+// Grouped weight gradients: for each job, C[M, N] += A^T B with A [K, M] (row stride lda) and B [K, N]
+// (row stride ldb; b == nullptr: B is a column of ones, N must be 1 -> column sums of A, e.g. a bias grad).
+// One launch for every job; f32 accumulation; K split into fixed slices whose partials the last slice of a
+// tile sums in slice order (deterministic for a given plan; the plan depends only on the shapes).
+constexpr int WGRAD_MAX_JOBS = 24;
+struct WGradJob {
+  const void* a; int64_t lda; int a_dtype;
+  const void* b; int64_t ldb; int b_dtype;
+  float* c; int64_t ldc;
+  int M, N; int64_t K;
+  // set by wgrad_plan:
+  int tiles_n, tiles, splits, item0, tile0; int64_t slice;
+};
+struct WGradParams {
+  WGradJob job[WGRAD_MAX_JOBS];
+  int n_jobs, n_items, n_tiles;
+  float* ws;               // wgrad_plan()'s floats: one BM x BN partial per work item of a split tile
+  unsigned int* counters;  // [n_tiles], zero on entry; the kernel leaves them zero
+};
+// Fills the plan fields for sm_count SMs; returns the workspace floats needed (0 when no tile is split).
+int64_t wgrad_plan(WGradParams& p, int sm_count);
+const char* wgrad(const WGradParams& p, cudaStream_t s);
+
+// x_proj + dt_proj of one layer, forward: dbc[r, :] = xc[r, :] @ Wx^T (rounded to the dtype),
+// dt[r, :] = dbc[r, :R] @ Wdt^T (rounded); rows r < rows, all tensors in one dtype, contiguous rows.
+struct XdtFwdParams {
+  const void* xc;          // [rows, D]
+  const void* wx;          // [E, D], E = R + 2N
+  const void* wdt;         // [D, R]
+  void* dbc;               // [rows, E]
+  void* dt;                // [rows, D]
+  int64_t rows; int D, E, R;
+};
+// Backward: ddbc[r, :R] = ddt[r, :] @ Wdt (rounded), ddbc[r, R:R+N] = dB[r], ddbc[r, R+N:] = dC[r];
+// dxc[r, :] = dxc[r, :] + ddbc[r, :] @ Wx (in place, rounded once).
+struct XdtBwdParams {
+  const void* ddt;         // [rows, D]
+  const void* dB; const void* dC;  // [rows, N] each
+  const void* wx; const void* wdt;
+  void* ddbc;              // [rows, E]
+  void* dxc;               // [rows, D], read and written
+  int64_t rows; int D, E, R, N;
+};
+int xdt_smem_ok(int E, int D);  // 1 when x_proj.weight [E, D] fits the kernels' shared memory
+const char* xdt_fwd(int dtype, const XdtFwdParams& p, cudaStream_t s);
+const char* xdt_bwd(int dtype, const XdtBwdParams& p, cudaStream_t s);
 }  // namespace mrl

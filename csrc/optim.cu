@@ -94,7 +94,12 @@ template <typename C>
 __global__ void __launch_bounds__(256) adamw_kernel(AdamWParams p) {
   const double* h = p.hyper;
   const double* sc = p.scalars;
-  if (sc[5] > 0.0 && h[6] > 0.0) return;  // overflow step: nothing changes
+  if (sc[5] > 0.0 && h[6] > 0.0) {  // overflow step: nothing changes (but the gradient is consumed)
+    if (p.zero_grad)
+      for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.P; i += (int64_t)gridDim.x * blockDim.x)
+        p.grad[i] = 0.f;
+    return;
+  }
   const float decay = (float)(1.0 - h[0] * h[4]);
   const float w1 = (float)(1.0 - h[1]);
   const float b2 = (float)h[2], w2 = (float)(1.0 - h[2]), eps = (float)h[3];
@@ -104,6 +109,7 @@ __global__ void __launch_bounds__(256) adamw_kernel(AdamWParams p) {
   C* comp = reinterpret_cast<C*>(p.compute);
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < p.P; i += (int64_t)gridDim.x * blockDim.x) {
     const float g = (p.grad[i] * inv) * clip;
+    if (p.zero_grad) p.grad[i] = 0.f;
     float w = p.param[i];
     if (i < p.n_decay) w *= decay;
     float m = p.exp_avg[i];

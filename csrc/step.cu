@@ -18,21 +18,34 @@ static size_t rows_smem(const StepParams& p, int R) {
 // rows_per_block R: > 0 the one-block-per-R-rows kernel; < 0 the cluster kernel with -R rows per cluster;
 // 0 = automatic (the cluster kernel where it applies; else the measured R, halved until R rows fit the
 // device's opt-in shared memory per block).
+int backbone_step_rows(const StepParams& p, int R, const char** err) {
+  *err = nullptr;
+  if (R != 0) return R;
+  // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
+  // 1-2 rows for large ones
+  if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
+  R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
+  int dev = 0, optin = 48 * 1024;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e != cudaSuccess) {
+    *err = cudaGetErrorString(e);
+    return 0;
+  }
+  while (R > 1 && rows_smem(p, R) > (size_t)optin) R /= 2;
+  if (rows_smem(p, R) > (size_t)optin) {
+    *err = "backbone_step: one row's activations exceed the shared memory per block";
+    return 0;
+  }
+  return R;
+}
+
 const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s) {
   if (p.L < 1 || p.L > STEP_MAX_LAYERS) return "backbone_step: n_layers must be in [1, 16]";
   if (R == 0) {
-    // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
-    // 1-2 rows for large ones
-    if (backbone_step_cluster_ok(p) && p.B <= 32) R = p.B <= 16 ? -1 : -2;
-    else R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
-    if (R > 0) {
-      int dev = 0, optin = 48 * 1024;
-      cudaError_t e = cudaGetDevice(&dev);
-      if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-      if (e != cudaSuccess) return cudaGetErrorString(e);
-      while (R > 1 && rows_smem(p, R) > (size_t)optin) R /= 2;
-      if (rows_smem(p, R) > (size_t)optin) return "backbone_step: one row's activations exceed the shared memory per block";
-    }
+    const char* err = nullptr;
+    R = backbone_step_rows(p, 0, &err);
+    if (err) return err;
   }
   if (R < 0) {
     if (!backbone_step_cluster_ok(p)) return "backbone_step: the cluster kernel needs d_inner 256, d_conv 4, d_state 8/16";

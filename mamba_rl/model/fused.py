@@ -54,6 +54,78 @@ def _norm_flags(net, cdt):
         f = per_net[cdt] = _norm_ok(net, cdt) + (_norm_ok(net, torch.float32)[0],)
     return f
 
+# The small-GEMM kernels of the CUDA backend (mamba_rl/ops/small_gemm.py): "auto" is the measured choice
+# (benchmarks/NOTES.md, issue 18 "fuse"), "on" / "off" force them (the benchmark times both in one process).
+# WGRAD: every weight gradient of the backward in one grouped launch instead of one (f32: two, with cuBLASLt's
+# split-K reduce) per weight. XDT: x_proj + dt_proj (and their backward) as one launch each way per layer.
+WGRAD = "auto"
+XDT = "auto"
+# The grouped launch waits for the operands of several layers; past this many bytes of operands held only
+# for it, it runs at the end of the current layer instead (peak memory at long B*T).
+WGRAD_HOLD_BYTES = 64 << 20
+# "auto": float32 only (bf16/f16 weight gradients run on cuBLAS's tensor-core kernels, which were faster than
+# this SIMT kernel even at B*T = 1024: 458 vs 427 us a step), and only up to this many rows (K = B*T) per GEMM
+# (f32: 498 vs 574 us at 1024 rows, 1613 vs 1509 at 8192).
+_WGRAD_F32_MAX_ROWS = 4096
+_XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
+# "auto": x_proj + dt_proj kernels only up to this many rows (B*T): measured faster than cuBLAS at 1024 rows
+# (f32 574 vs 591 us a step, bf16 equal) and slower at 8192 (f32 1509 vs 1426, bf16 1107 vs 989)
+_XDT_MAX_ROWS = 2048
+
+
+def _small_gemm_ok(ext, net) -> bool:
+    return net.device.type == "cuda" and hasattr(ext, "wgrad_grouped")
+
+
+def _use_wgrad(ext, net, rows: int, cdt) -> bool:
+    if WGRAD == "off" or not _small_gemm_ok(ext, net):
+        return False
+    return WGRAD == "on" or (cdt == torch.float32 and rows <= _WGRAD_F32_MAX_ROWS)
+
+
+def _use_xdt(ext, net, rows: int) -> bool:
+    if XDT == "off" or not _small_gemm_ok(ext, net):
+        return False
+    c = net.cfg
+    E, D = c.dt_rank_value + 2 * c.d_state, c.d_inner
+    if 4 * (E * D + 8 * D + 8 * E) > 160 * 1024:  # csrc/xdt.cu xdt_smem_ok: x_proj.weight staged in smem
+        return False
+    return XDT == "on" or (c.d_inner <= _XDT_MAX_D_INNER and rows <= _XDT_MAX_ROWS)
+
+
+class _WGrads:
+    """Collects ``dst += a^T b`` weight-gradient jobs and runs them as one grouped launch (or, where the grouped
+    kernel is off, each as its GEMM at once)."""
+
+    def __init__(self, ext, on: bool):
+        self.ext, self.on, self.jobs, self.held, self.tiles = ext, on, [], 0, 0
+
+    def add(self, dst, a, b):
+        """dst (float32 arena view) += a^T @ b (a [K, M], b [K, N] or None for column sums)."""
+        if not self.on:
+            if b is None:
+                dst.add_(a.sum(0, dtype=torch.float32).view(dst.shape))
+            else:
+                _acc_mm(dst, a.t(), b)
+            return
+        tiles = -(-a.shape[1] // 64) * (1 if b is None else -(-b.shape[1] // 64))  # csrc/wgrad.cu: 64 x 64
+        if self.tiles + tiles > _WGRAD_MAX_TILES:
+            self.flush()
+        self.jobs.append((a, b, dst))
+        self.tiles += tiles
+        self.held += a.numel() * a.element_size() + (0 if b is None else b.numel() * b.element_size())
+        if len(self.jobs) == _WGRAD_MAX_JOBS:
+            self.flush()
+
+    def flush(self, if_above: int = 0):
+        if self.jobs and self.held >= if_above:
+            self.ext.wgrad_grouped(self.jobs)
+            self.jobs, self.held, self.tiles = [], 0, 0
+
+
+_WGRAD_MAX_JOBS = 24  # csrc/ops.h WGRAD_MAX_JOBS
+_WGRAD_MAX_TILES = 1 << 16  # csrc/binding.cpp WGRAD_COUNTERS (one tile counter each)
+
 _ADDMM_OUT_DTYPE = None  # probed once: does torch.addmm(..., out_dtype=float32) work for low-precision inputs?
 
 
@@ -93,6 +165,16 @@ def _residual_mm(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
         out = torch.empty_like(h)
         return torch.addmm(h, a, b, out_dtype=torch.float32, out=out)
     return h + torch.mm(a, b).float()
+
+
+def _residual_acc(h: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h += a @ b in place (h a float32 copy of the residual stream): :func:`_residual_mm` without the copy of
+    h that an out-of-place addmm launches first."""
+    if a.dtype == h.dtype:
+        return h.addmm_(a, b)
+    if _out_dtype_ok(h.device, a.dtype):
+        return torch.addmm(h, a, b, out_dtype=torch.float32, out=h)
+    return h.add_(torch.mm(a, b).float())
 
 
 def _norm_fwd(ext, ok, h, w, eps, out_dtype):
@@ -145,27 +227,43 @@ class _Backbone(torch.autograd.Function):
             return (vm if src is M else vw)[name]
 
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
+        use_xdt = _use_xdt(ext, net, BT)
+        conv_stack = torch.empty_like(conv0) if _small_gemm_ok(ext, net) else None  # CUDA: conv_fwd's final_out
+        resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
         saved = []
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            u, rstd = _norm_fwd(ext, nf_ok, h, w(p + "norm.weight", M), eps, cdt)
+            if resid_copy:  # the norm kernel also copies h into the next residual buffer (then an in-place GEMM)
+                h_next = torch.empty_like(h)
+                u, rstd = ext.rmsnorm_fwd(h, w(p + "norm.weight", M), eps, cdt, x_copy=h_next)
+            else:
+                u, rstd = _norm_fwd(ext, nf_ok, h, w(p + "norm.weight", M), eps, cdt)
             xz = torch.mm(u, w(p + "mixer.in_proj.weight").t())  # [BT, 2di]
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
-            xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts)
-            dbc = torch.mm(xc.view(BT, di), w(p + "mixer.x_proj.weight").t())  # [BT, r+2n]
+            if conv_stack is not None:  # the final window straight into its slice of the stacked output
+                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts, final_out=conv_stack[i])
+            else:
+                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts)
+            if use_xdt:  # one launch: dbc = xc @ Wx^T, dt = dbc[:, :r] @ Wdt^T
+                dbc, dt = ext.xdt_fwd(xc.view(BT, di), w(p + "mixer.x_proj.weight"), w(p + "mixer.dt_proj.weight"))
+            else:
+                dbc = torch.mm(xc.view(BT, di), w(p + "mixer.x_proj.weight").t())  # [BT, r+2n]
+                dt = torch.mm(dbc[:, :r], w(p + "mixer.dt_proj.weight").t())  # [BT, di]
             dbc3 = dbc.view(B, T, r + 2 * n)
-            dt = torch.mm(dbc[:, :r], w(p + "mixer.dt_proj.weight").t())  # [BT, di]
             y, sf, ckpt = ext.scan_fwd(xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n],
                                        dbc3[..., r + n:], w(p + "mixer.D", M), z, w(p + "mixer.dt_proj.bias", M),
                                        ssm0[i], starts, True)
             h_in = h
             w_out = w(p + "mixer.out_proj.weight").t()
-            h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
+            if resid_copy:
+                h = _residual_acc(h_next, y.view(BT, di), w_out)
+            else:
+                h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
             saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
             conv_f.append(cf)
             ssm_f.append(sf)
@@ -175,7 +273,10 @@ class _Backbone(torch.autograd.Function):
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
         ctx.x_dtype = x.dtype
         ctx.norm_bwd_ok = nb_ok
-        return feat.view(B, T, -1), torch.stack(conv_f), torch.stack(ssm_f)
+        ctx.use_xdt = use_xdt
+        # outputs that get no gradient (the final states, usually) arrive as None, not as zero tensors to fill
+        ctx.set_materialize_grads(False)
+        return feat.view(B, T, -1), torch.stack(conv_f) if conv_stack is None else conv_stack, torch.stack(ssm_f)
 
     @staticmethod
     def backward(ctx, dfeat, dconv_final, dssm_final):
@@ -194,6 +295,10 @@ class _Backbone(torch.autograd.Function):
             return (vm if src is M else vg if src is G else vw)[name]
 
         nb_ok = ctx.norm_bwd_ok
+        use_xdt = ctx.use_xdt
+        wg = _WGrads(ext, _use_wgrad(ext, net, BT, cdt))
+        if dfeat is None:  # only the final states were differentiated
+            dfeat = torch.zeros(B, T, c.d_model, device=ctx.h_last.device, dtype=torch.float32)
         dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
                              w("norm_f.weight", M), w("norm_f.weight", G), None, cdt)
         for i in reversed(range(c.n_layers)):
@@ -201,7 +306,7 @@ class _Backbone(torch.autograd.Function):
             h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
             dout = dh if dh_c is None else dh_c
             yf = y.view(BT, di)
-            _acc_mm(w(p + "mixer.out_proj.weight", G), dout.t(), yf)
+            wg.add(w(p + "mixer.out_proj.weight", G), dout, yf)
             dy = torch.mm(dout, w(p + "mixer.out_proj.weight"))  # [BT, di]
             dbc3 = dbc.view(B, T, r + 2 * n)
             z = xz.view(B, T, 2 * di)[..., di:]
@@ -216,24 +321,31 @@ class _Backbone(torch.autograd.Function):
                 dy.view(B, T, di), dfin, False, dxz3[..., di:],
                 [w(p + "mixer.A_log", G), w(p + "mixer.D", G), w(p + "mixer.dt_proj.bias", G)])
             ddt2 = ddt.view(BT, di)
-            _acc_mm(w(p + "mixer.dt_proj.weight", G), ddt2.t(), dbc[:, :r])
-            ddbc = torch.cat([torch.mm(ddt2, w(p + "mixer.dt_proj.weight")), dB.view(BT, n), dC.view(BT, n)], dim=1)
-            _acc_mm(w(p + "mixer.x_proj.weight", G), ddbc.t(), xc.view(BT, di))
-            dxc = torch.addmm(dxc.view(BT, di), ddbc, w(p + "mixer.x_proj.weight"))
+            wg.add(w(p + "mixer.dt_proj.weight", G), ddt2, dbc[:, :r])
+            if use_xdt:  # one launch: ddbc = [ddt @ Wdt, dB, dC], dxc += ddbc @ Wx (in place)
+                ddbc = ext.xdt_bwd(ddt2, dB.view(BT, n), dC.view(BT, n), w(p + "mixer.x_proj.weight"),
+                                   w(p + "mixer.dt_proj.weight"), dxc.view(BT, di))
+            else:
+                ddbc = torch.cat([torch.mm(ddt2, w(p + "mixer.dt_proj.weight")), dB.view(BT, n), dC.view(BT, n)],
+                                 dim=1)
+                dxc = torch.addmm(dxc.view(BT, di), ddbc, w(p + "mixer.x_proj.weight"))
+            wg.add(w(p + "mixer.x_proj.weight", G), ddbc, xc.view(BT, di))
             xi = xz.view(B, T, 2 * di)[..., :di]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
             dcf = None if dconv_final is None else dconv_final[i].contiguous()
             ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts, dxc.view(B, T, di), dcf,
                          False, dxz3[..., :di], w(p + "mixer.conv1d.weight", G).view(di, -1),
                          w(p + "mixer.conv1d.bias", G))
-            _acc_mm(w(p + "mixer.in_proj.weight", G), dxz.t(), u)
+            wg.add(w(p + "mixer.in_proj.weight", G), dxz, u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
             dh, dh_c = _norm_bwd(ext, nb_ok, du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh,
                                  cdt)
+            wg.flush(if_above=WGRAD_HOLD_BYTES)  # long B*T: this layer's launch now rather than one at the end
         if dh_c is None:
             dh_c = dh
-        _acc_mm(w("input_proj.weight", G), dh_c.t(), ctx.x2)
-        w("input_proj.bias", G).add_(dh.sum(0))
+        wg.add(w("input_proj.weight", G), dh_c, ctx.x2)
+        wg.add(w("input_proj.bias", G), dh, None)
+        wg.flush()
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(dh_c, w("input_proj.weight")).view(B, T, -1).to(ctx.x_dtype)

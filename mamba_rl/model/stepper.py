@@ -39,6 +39,7 @@ class Stepper:
         self.starts_buf = None
         self._starts_zero = False  # starts_buf is known to be all False (skip re-zeroing it)
         self._out = None
+        self._fast = None  # after capture_graph: the extension's PreparedStep (the public step's direct launch)
         self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm))
 
     @property
@@ -52,7 +53,9 @@ class Stepper:
         Args:
             x_t: [B, input_dim] float (cast to the master dtype), on the backbone's device; or None after
                 :meth:`capture_graph` when the caller wrote ``x_buf`` and ``starts_buf`` in place (zero-copy:
-                the replay then reads them as they are).
+                the replay then reads them as they are). After :meth:`capture_graph` on the CUDA kernel step, a
+                float32 contiguous x_t (and a contiguous bool episode_starts) is read where it lies: the
+                captured kernel is launched on it directly (bit-identical to the replay, no input copy).
             episode_starts: [B] bool or None. Rows with True are reset (zero conv window and SSM state)
                 before x_t is consumed: x_t is the first observation of a new episode.
         Returns:
@@ -67,9 +70,23 @@ class Stepper:
             if not self._graphs or episode_starts is not None:
                 raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
                                  "written into starts_buf rather than passed")
-            self._graphs.replay("step")
             self._starts_zero = False  # the caller may have written starts_buf
+            if self._fast is not None:  # the graph's one kernel, launched directly (no graph-launch overhead)
+                self._graphs.check()
+                if self._fast.launch(self.x_buf, self.starts_buf, self._out):
+                    return self._out
+            self._graphs.replay("step")
             return self._out
+        fast = self._fast
+        if fast is not None and isinstance(x_t, torch.Tensor) and (
+                episode_starts is None or isinstance(episode_starts, torch.Tensor)):
+            # The captured graph's one kernel, launched on x_t and episode_starts where they lie (no input copy,
+            # no per-weight checks: PreparedStep checked and bound those at capture, and the pointer guard says
+            # they did not move). launch() returns False, launching nothing, for anything it does not take (a
+            # float64 x_t, a wrong shape or device): the checked path below then casts or raises.
+            self._graphs.check()
+            if fast.launch(x_t, episode_starts, self._out):
+                return self._out
         check_tensor("Stepper.step: x_t", x_t, shape=(B, D), device=self.device, floating=True)
         if episode_starts is not None:
             check_tensor("Stepper.step: episode_starts", episode_starts, shape=(B,), dtype=torch.bool,
@@ -115,6 +132,7 @@ class Stepper:
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"Stepper.capture_graph needs a CUDA device, the backbone is on {self.device}")
+        self._fast = None
         B = self.batch
         self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
         self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
@@ -126,4 +144,20 @@ class Stepper:
 
         self._out = capture_restoring(self._graphs, {"step": body}, snapshot((self.state.conv, self.state.ssm)),
                                       warmup)["step"]
+        self._fast = self._prepare_fast()
         return self
+
+    def _prepare_fast(self):
+        """The extension's PreparedStep for the public :meth:`step` (the kernel the graph holds, bound to the
+        same weights, states and launch configuration), or None where the graph body is not that one kernel
+        (the torch-op step, an extension without it)."""
+        net = self.net
+        ext = net.kernels
+        # MambaBackbone.step's kernel branch, exactly (a subclass with its own step, e.g. Mamba-3, is not it)
+        if (getattr(type(net).step, "__qualname__", "") != "MambaBackbone.step" or net.backend != "cuda"
+                or self.state.ssm.dtype != torch.float32 or not net.kernel_support("step")
+                or not hasattr(ext, "backbone_step_prepare")):
+            return None
+        inp_w, inp_b, normf, layers = net._packed_step_weights()
+        return ext.backbone_step_prepare(self.x_buf, inp_w, inp_b, normf, layers, self.state.conv, self.state.ssm,
+                                         float(net.cfg.rms_norm_eps), 0)

@@ -173,19 +173,27 @@ def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars, kernels=None):
     ext.grad_stats(grad, extra, loss_scale.reshape(1), hyper, scalars, _counter(grad.device))
 
 
-def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None, kernels=None):
+def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None, kernels=None,
+               zero_grad: bool = False):
     """:func:`adamw_step_ref` semantics; one fused kernel on CUDA (param, moments, compute in place).
 
     ``kernels``: the CPU extension to run the C++ pass on float32 CPU arenas (param, grad, exp_avg,
     exp_avg_sq: contiguous [P]; compute: [P] float32 written in the same pass, or bf16/f16 cast after it);
-    None runs the reference there. Ignored on CUDA. The C++ pass raises ValueError naming a wrong shape,
+    None runs the reference there. Ignored on CUDA. ``zero_grad``: leave ``grad`` all zeros afterwards (also
+    on a skipped overflow step); on CUDA the kernel zeroes each element once it has read it, which saves the
+    separate memset launch of a ``grad.zero_()``. The C++ pass raises ValueError naming a wrong shape,
     dtype, device or an n_decay outside [0, P].
     """
     cpu = _cpu_kernels(kernels, param)
     if cpu is not None:
         cpu.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute)
+        if zero_grad:
+            grad.zero_()
         return None
     ext = _cuda_ext(param)
     if ext is None:
-        return adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
-    ext.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute)
+        adamw_step_ref(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute)
+        if zero_grad:
+            grad.zero_()
+        return None
+    ext.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute, bool(zero_grad))

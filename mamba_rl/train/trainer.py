@@ -127,13 +127,24 @@ class MambaTrainer:
         # called after the backbone backward and before the clip + AdamW of an optimizer step (data-parallel
         # PPO sums grad_arena and sets extra_sq_buf there); no arguments, must not sync in a captured graph
         self.grad_hook: Callable[[], None] | None = None
-        self.state = net.initial_state(batch)  # the carried state (input of the next call)
-        self._state_used = net.initial_state(batch)  # what the current forward started from (saved by autograd)
+        # the carried state (input of the next call) and what the current forward started from (saved by
+        # autograd): conv and ssm of each are views of one flat buffer, so the per-step copy is one launch
+        self.state, self._state_flat = self._flat_state(batch)
+        self._state_used, self._state_used_flat = self._flat_state(batch)
         self._feat = None
         self._graphs = GraphSet("MambaTrainer", self._graph_buffers)
         # the CPU extension for grad_stats / AdamW (C++ passes) when the backbone runs the cpu backend
         self._cpu_kernels = net.kernels if net.backend == "cpu" and dev.type == "cpu" else None
         self._grad_views = None  # (grad arena, [(param, its grad view)]) as last attached (the CPU check)
+
+    def _flat_state(self, batch: int):
+        """(zero state for ``batch`` rows whose conv and ssm are views of one buffer, that buffer)."""
+        s = self.net.initial_state(batch)
+        if s.conv.dtype != s.ssm.dtype or s.conv.device != s.ssm.device:
+            return s, None
+        nc = s.conv.numel()
+        flat = torch.zeros(nc + s.ssm.numel(), dtype=s.ssm.dtype, device=s.ssm.device)
+        return type(s)(flat[:nc].view(s.conv.shape), flat[nc:].view(s.ssm.shape)), flat
 
     # ------------------------------------------------------------------------------------ inputs
     def _load(self, x, initial_state, episode_starts, where):
@@ -183,7 +194,10 @@ class MambaTrainer:
 
     # -------------------------------------------------------------------------------------- bodies
     def _forward_body(self):
-        self._state_used.copy_(self.state)
+        if self._state_flat is not None:
+            self._state_used_flat.copy_(self._state_flat)  # = self._state_used.copy_(self.state), one launch
+        else:
+            self._state_used.copy_(self.state)
         feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
         self.state.copy_(final.detach())
         if self.skip_nonfinite:
@@ -227,12 +241,12 @@ class MambaTrainer:
             net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
         cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
         grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars, kernels=cpu)
+        # zero_grad: the CUDA kernel zeroes the gradient arena as it reads it (one memset launch fewer)
         adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                   self.n_decay, net.compute_arena, kernels=cpu)
+                   self.n_decay, net.compute_arena, kernels=cpu, zero_grad=True)
         if self.scaler.enabled:
             self.scaler.update(self.scalars[FOUND_INF])
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]
-        net.grad_arena.zero_()
 
     def _attach_grads_cpu(self):
         """``net.attach_grads()`` only when some ``.grad`` is no longer its grad-arena view (a parent's

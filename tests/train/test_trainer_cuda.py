@@ -224,3 +224,41 @@ def test_stepper_graph_equals_forward(B):
     ys = torch.stack([st.step(x[:, t], starts[:, t]).clone() for t in range(T)], 1)
     assert rel(ys, y) <= 1e-4
     assert rel(st.state.ssm, final.ssm) <= 1e-4 and rel(st.state.conv, final.conv) <= 1e-4
+
+
+@pytest.mark.parametrize("B", [1, 16, 256])
+def test_stepper_direct_launch_equals_graph_replay(B):
+    """The public step(x) launches the captured kernel directly (PreparedStep): the same bits as the replay, in
+    the output and in both states, with and without episode starts; other inputs take the checked path."""
+    gen = torch.Generator().manual_seed(7)
+    net = MambaBackbone(CFG, IN, device="cuda", seed=2, backend="cuda")
+    st = net.stepper(B).capture_graph()
+    assert st._fast is not None
+    x, starts, _ = random_inputs(B, 3, gen)
+    for t in range(3):
+        s0 = st.get_state()
+        a = st.step(x[:, t], starts[:, t] if t else None).clone()
+        sa = st.get_state()
+        st.load_state(s0)
+        st.x_buf.copy_(x[:, t])
+        st.starts_buf.copy_(starts[:, t]) if t else st.starts_buf.zero_()
+        st._graphs["step"].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a, st._out) and torch.equal(sa.ssm, st.state.ssm) and torch.equal(sa.conv, st.state.conv)
+    s0 = st.get_state()
+    a = st.step(x[:, 0].double()).clone()  # float64: cast on the checked path, same result
+    st.load_state(s0)
+    assert torch.equal(a, st.step(x[:, 0]))
+    with pytest.raises(ValueError, match="expected shape"):
+        st.step(x[:1, 0] if B > 1 else x[:, 0, :3])
+
+
+def test_norm_fwd_x_copy():
+    from mamba_rl.ops.extension import extension
+    ext = extension("cuda")
+    h = torch.randn(77, 96, device="cuda")
+    w = torch.randn(96, device="cuda")
+    cp = torch.full_like(h, float("nan"))
+    u, r = ext.rmsnorm_fwd(h, w, 1e-5, torch.bfloat16, x_copy=cp)
+    u2, r2 = ext.rmsnorm_fwd(h, w, 1e-5, torch.bfloat16)
+    assert torch.equal(cp, h) and torch.equal(u, u2) and torch.equal(r, r2)

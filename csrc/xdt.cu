@@ -1,0 +1,210 @@
+// x_proj and dt_proj of one Mamba layer as one kernel each way (the two small GEMMs between the conv and
+// the scan). Forward: dbc = xc @ Wx^T, dt = dbc[:, :R] @ Wdt^T; backward: ddbc = [ddt @ Wdt, dB, dC],
+// dxc += ddbc @ Wx. Through torch these are 2 (forward) and 3 (backward: mm, cat, addmm) launches per
+// layer, plus cuBLAS's split-K reduce for the skinny ones in float32. Block = XDT_RB rows; float32
+// accumulation, each output rounded once to the tensors' dtype (dt from the rounded dbc, as two GEMMs do).
+#include "common.cuh"
+
+namespace mrl {
+
+constexpr int XDT_RB = 8, XDT_THREADS = 256;  // rows per block (one warp per row in phase 1)
+constexpr size_t XDT_SMEM_MAX = 160 * 1024;
+
+// Shared memory of both kernels: x_proj.weight [E][D] as float (staged once per block: phase 1 reads it
+// E/8 times per row, from shared memory instead of one dependent global round trip per 4 outputs, which
+// made the first version latency-bound at ~25 us per launch), XDT_RB rows of [D] and of [E].
+static size_t xdt_smem(int E, int D) { return sizeof(float) * ((size_t)E * D + (size_t)XDT_RB * D + (size_t)XDT_RB * E); }
+int xdt_smem_ok(int E, int D) { return xdt_smem(E, D) <= XDT_SMEM_MAX ? 1 : 0; }
+
+template <typename T>
+__device__ __forceinline__ void xdt_stage(float* dst, const T* __restrict__ src, int n) {
+#pragma unroll 8
+  for (int i = threadIdx.x; i < n; i += XDT_THREADS) dst[i] = to_f(src[i]);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(XDT_THREADS) xdt_fwd_kernel(XdtFwdParams p) {
+  extern __shared__ float sm[];
+  const int D = p.D, E = p.E, R = p.R;
+  float* ws = sm;                        // [E][D]
+  float* xs = ws + (size_t)E * D;        // [XDT_RB][D]
+  float* dbs = xs + (size_t)XDT_RB * D;  // [XDT_RB][E]: the rounded dbc rows
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t r0 = (int64_t)blockIdx.x * XDT_RB;
+  const T* __restrict__ xc = reinterpret_cast<const T*>(p.xc);
+  const T* __restrict__ wdt = reinterpret_cast<const T*>(p.wdt);
+  T* dbc = reinterpret_cast<T*>(p.dbc);
+  T* dt = reinterpret_cast<T*>(p.dt);
+  xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D);
+  {
+    const int64_t nrow = p.rows - r0 < XDT_RB ? p.rows - r0 : XDT_RB;
+#pragma unroll 8
+    for (int i = threadIdx.x; i < XDT_RB * D; i += XDT_THREADS) xs[i] = i < nrow * D ? to_f(xc[r0 * D + i]) : 0.f;
+  }
+  __syncthreads();
+  {  // phase 1: warp `warp` computes row r0 + warp of dbc, 8 outputs at a time (independent accumulators)
+    const int64_t row = r0 + warp;
+    const float* xr = xs + warp * D;
+    for (int e0 = 0; e0 < E; e0 += 8) {
+      float acc[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+      for (int d = lane; d < D; d += 32) {
+        const float x = xr[d];
+#pragma unroll
+        for (int q = 0; q < 8; ++q)
+          if (e0 + q < E) acc[q] = fmaf(x, ws[(e0 + q) * D + d], acc[q]);
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = group_sum<32>(acc[q]);
+      if (lane < 8 && e0 + lane < E) {
+        float v = acc[0];
+#pragma unroll
+        for (int q = 1; q < 8; ++q)
+          if (lane == q) v = acc[q];
+        const T vr = from_f<T>(v);
+        dbs[warp * E + e0 + lane] = to_f(vr);
+        if (row < p.rows) dbc[row * E + e0 + lane] = vr;
+      }
+    }
+  }
+  __syncthreads();
+  // phase 2: thread d computes dt[r, d] for the block's rows
+  for (int d = threadIdx.x; d < D; d += XDT_THREADS) {
+    float acc[XDT_RB];
+#pragma unroll
+    for (int r = 0; r < XDT_RB; ++r) acc[r] = 0.f;
+    for (int k = 0; k < R; ++k) {
+      const float w = to_f(wdt[(int64_t)d * R + k]);
+#pragma unroll
+      for (int r = 0; r < XDT_RB; ++r) acc[r] = fmaf(dbs[r * E + k], w, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < XDT_RB; ++r)
+      if (r0 + r < p.rows) dt[(r0 + r) * D + d] = from_f<T>(acc[r]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(XDT_THREADS) xdt_bwd_kernel(XdtBwdParams p) {
+  extern __shared__ float sm[];
+  const int D = p.D, E = p.E, R = p.R, N = p.N;
+  float* ws = sm;                                       // [E][D]
+  float* ds = ws + (size_t)E * D + (size_t)XDT_RB * D;  // [XDT_RB][E]: the rounded ddbc rows
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t r0 = (int64_t)blockIdx.x * XDT_RB;
+  const T* __restrict__ ddt = reinterpret_cast<const T*>(p.ddt);
+  const T* __restrict__ dB = reinterpret_cast<const T*>(p.dB);
+  const T* __restrict__ dC = reinterpret_cast<const T*>(p.dC);
+  const T* __restrict__ wdt = reinterpret_cast<const T*>(p.wdt);
+  T* ddbc = reinterpret_cast<T*>(p.ddbc);
+  T* dxc = reinterpret_cast<T*>(p.dxc);
+  xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D);  // for phase 2; in flight during phase 1
+  {  // phase 1: warp `warp` computes ddbc row r0 + warp: R dots over D (8 at a time), then copies dB, dC
+    const int64_t row = r0 + warp;
+    const bool rok = row < p.rows;
+    const T* gr = ddt + row * D;
+    for (int k0 = 0; k0 < R; k0 += 8) {
+      float acc[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+      if (rok) {
+        for (int d = lane; d < D; d += 32) {
+          const float g = to_f(gr[d]);
+          const T* wr = wdt + (int64_t)d * R + k0;
+#pragma unroll
+          for (int q = 0; q < 8; ++q)
+            if (k0 + q < R) acc[q] = fmaf(g, to_f(wr[q]), acc[q]);
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = group_sum<32>(acc[q]);
+      if (lane < 8 && k0 + lane < R) {
+        float v = acc[0];
+#pragma unroll
+        for (int q = 1; q < 8; ++q)
+          if (lane == q) v = acc[q];
+        const T vr = from_f<T>(v);
+        ds[warp * E + k0 + lane] = to_f(vr);
+        if (rok) ddbc[row * E + k0 + lane] = vr;
+      }
+    }
+    for (int i = lane; i < 2 * N; i += 32) {
+      T v = from_f<T>(0.f);
+      if (rok) v = i < N ? dB[row * N + i] : dC[row * N + (i - N)];
+      ds[warp * E + R + i] = to_f(v);
+      if (rok) ddbc[row * E + R + i] = v;
+    }
+  }
+  __syncthreads();
+  // phase 2: thread d adds ddbc[r, :] @ Wx[:, d] into dxc[r, d]
+  for (int d = threadIdx.x; d < D; d += XDT_THREADS) {
+    float acc[XDT_RB], old[XDT_RB];
+#pragma unroll
+    for (int r = 0; r < XDT_RB; ++r) {
+      acc[r] = 0.f;
+      old[r] = r0 + r < p.rows ? to_f(dxc[(r0 + r) * D + d]) : 0.f;  // issued before the FMAs
+    }
+    for (int e = 0; e < E; ++e) {
+      const float w = ws[e * D + d];
+#pragma unroll
+      for (int r = 0; r < XDT_RB; ++r) acc[r] = fmaf(ds[r * E + e], w, acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < XDT_RB; ++r) {
+      const int64_t row = r0 + r;
+      if (row < p.rows) dxc[row * D + d] = from_f<T>(old[r] + acc[r]);
+    }
+  }
+}
+
+template <typename K>
+static const char* xdt_smem_attr(K kern, size_t smem) {
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return cudaGetErrorString(e);
+  }
+  return nullptr;
+}
+
+template <typename T>
+static const char* xdt_fwd_t(const XdtFwdParams& p, cudaStream_t s) {
+  const unsigned nb = (unsigned)((p.rows + XDT_RB - 1) / XDT_RB);
+  const size_t smem = xdt_smem(p.E, p.D);
+  if (const char* e = xdt_smem_attr(xdt_fwd_kernel<T>, smem)) return e;
+  xdt_fwd_kernel<T><<<nb, XDT_THREADS, smem, s>>>(p);
+  MRL_LAUNCH_CHECK();
+  return nullptr;
+}
+template <typename T>
+static const char* xdt_bwd_t(const XdtBwdParams& p, cudaStream_t s) {
+  const unsigned nb = (unsigned)((p.rows + XDT_RB - 1) / XDT_RB);
+  const size_t smem = xdt_smem(p.E, p.D);
+  if (const char* e = xdt_smem_attr(xdt_bwd_kernel<T>, smem)) return e;
+  xdt_bwd_kernel<T><<<nb, XDT_THREADS, smem, s>>>(p);
+  MRL_LAUNCH_CHECK();
+  return nullptr;
+}
+
+const char* xdt_fwd(int dtype, const XdtFwdParams& p, cudaStream_t s) {
+  if (!xdt_smem_ok(p.E, p.D)) return "xdt: x_proj.weight exceeds the kernel's shared memory";
+  if (p.rows < 1) return nullptr;
+  switch (dtype) {
+    case kF32: return xdt_fwd_t<float>(p, s);
+    case kBF16: return xdt_fwd_t<__nv_bfloat16>(p, s);
+    case kF16: return xdt_fwd_t<__half>(p, s);
+  }
+  return "xdt: unsupported dtype";
+}
+const char* xdt_bwd(int dtype, const XdtBwdParams& p, cudaStream_t s) {
+  if (!xdt_smem_ok(p.E, p.D)) return "xdt: x_proj.weight exceeds the kernel's shared memory";
+  if (p.rows < 1) return nullptr;
+  switch (dtype) {
+    case kF32: return xdt_bwd_t<float>(p, s);
+    case kBF16: return xdt_bwd_t<__nv_bfloat16>(p, s);
+    case kF16: return xdt_bwd_t<__half>(p, s);
+  }
+  return "xdt: unsupported dtype";
+}
+
+}  // namespace mrl
