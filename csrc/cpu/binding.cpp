@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <limits>
@@ -31,6 +32,7 @@
 #include "../binding_common.h"
 #include "kernels.h"
 #include "step.h"
+#include "mamba3_step.h"
 
 using at::Tensor;
 using OptT = std::optional<Tensor>;
@@ -437,6 +439,197 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
 
 int scan_chunk() { return mrl_cpu::kScanChunk; }
 
+// ---------------- Mamba-3 SISO mixer core and one-token step (mamba3.cpp, mamba3_step.cpp) ----------------
+struct M3Shapes { int64_t B, T, Dp, H, P, N, R, di; };
+
+// Validates the core's inputs; the sizes come from dt_bias (H), B_norm_w (N), headdim (P) and the row width.
+M3Shapes m3_check(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
+                  const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp, const OptT& out_w,
+                  const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps, double A_floor) {
+  check_cpu(zxbc, "mamba3: zxbc");
+  MRL_CHECK(zxbc.dim() == 3 && zxbc.size(0) >= 1 && zxbc.size(1) >= 1, "mamba3: zxbc: expected shape [B, T, "
+            "2 d_inner + 2 d_state + 3 nheads + R] with B, T >= 1, got ", shape_str(zxbc));
+  MRL_CHECK(headdim >= 1, "mamba3: headdim: expected an int >= 1, got ", headdim);
+  check_cpu(dt_bias, "mamba3: dt_bias");
+  MRL_CHECK(dt_bias.dim() == 1 && dt_bias.size(0) >= 1, "mamba3: dt_bias: expected shape [nheads], got ",
+            shape_str(dt_bias));
+  check_cpu(B_w, "mamba3: B_norm.weight");
+  MRL_CHECK(B_w.dim() == 1 && B_w.size(0) >= 2 && B_w.size(0) <= 256, "mamba3: B_norm.weight: expected shape "
+            "[d_state] with 2 <= d_state <= 256, got ", shape_str(B_w));
+  M3Shapes s{zxbc.size(0), zxbc.size(1), zxbc.size(2), dt_bias.size(0), headdim, B_w.size(0), 0, 0};
+  s.di = s.H * s.P;
+  s.R = s.Dp - 2 * s.di - 2 * s.N - 3 * s.H;
+  MRL_CHECK(s.R >= 1 && 2 * s.R <= s.N, "mamba3: zxbc: expected a last dim of 2 d_inner + 2 d_state + 3 nheads + R "
+            "= ", 2 * s.di + 2 * s.N + 3 * s.H, " + R with 1 <= R <= d_state / 2 = ", s.N / 2, " (d_inner = ",
+            s.di, ", d_state = ", s.N, ", nheads = ", s.H, "), got ", s.Dp);
+  check_act(zxbc, "mamba3: zxbc", s.B, s.T, s.Dp);
+  check_f32(dt_bias, "mamba3: dt_bias", {s.H});
+  check_f32(B_bias, "mamba3: B_bias (as [nheads, d_state])", {s.H, s.N});
+  check_f32(C_bias, "mamba3: C_bias (as [nheads, d_state])", {s.H, s.N});
+  check_f32(B_w, "mamba3: B_norm.weight", {s.N});
+  check_f32(C_w, "mamba3: C_norm.weight", {s.N});
+  check_f32(Dp, "mamba3: D", {s.H});
+  if (out_w) check_f32(*out_w, "mamba3: norm.weight", {s.di});
+  if (carry0) check_f32(*carry0, "mamba3: carry ([angle | k | v])", {s.B, s.H, s.R + s.N + s.P});
+  if (ssm0) check_f32(*ssm0, "mamba3: ssm_state", {s.B, s.di, s.N});
+  check_starts(starts, s.B, s.T);
+  MRL_CHECK(eps > 0.0, "mamba3: eps: expected a value > 0, got ", eps);
+  MRL_CHECK(A_floor > 0.0, "mamba3: A_floor: expected a value > 0, got ", A_floor);
+  return s;
+}
+
+mrl_cpu::M3Args m3_args(const M3Shapes& s, const Tensor& zxbc, const Tensor& dt_bias, const Tensor& B_bias,
+                        const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp,
+                        const OptT& out_w, const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps,
+                        double A_floor, bool heavy_tail) {
+  mrl_cpu::M3Args a{};
+  a.zxbc = fptr(zxbc); a.z_sb = zxbc.stride(0); a.z_st = zxbc.stride(1);
+  a.dt_bias = fptr(dt_bias); a.B_bias = fptr(B_bias); a.C_bias = fptr(C_bias);
+  a.B_w = fptr(B_w); a.C_w = fptr(C_w); a.Dskip = fptr(Dp); a.out_w = ptr_or_null<float>(out_w);
+  a.carry0 = ptr_or_null<float>(carry0); a.ssm0 = ptr_or_null<float>(ssm0); a.starts = ptr_or_null<bool>(starts);
+  a.eps = (float)eps; a.A_floor = (float)A_floor; a.heavy_tail = heavy_tail;
+  a.B = (int)s.B; a.T = (int)s.T; a.H = (int)s.H; a.P = (int)s.P; a.N = (int)s.N; a.R = (int)s.R;
+  a.nthreads = nthreads();
+  return a;
+}
+
+int64_t m3_num_chunks(int64_t T) { return (T + mrl_cpu::kM3Chunk - 1) / mrl_cpu::kM3Chunk; }
+
+std::vector<Tensor> m3_fwd(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
+                           const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp,
+                           const OptT& out_w, const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps,
+                           double A_floor, bool heavy_tail, bool need_ckpt) {
+  const auto s = m3_check(zxbc, headdim, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps,
+                          A_floor);
+  auto f32 = zxbc.options();
+  auto y = new_empty({s.B, s.T, s.di}, f32);
+  auto carry_f = new_empty({s.B, s.H, s.R + s.N + s.P}, f32);
+  auto ssm_f = new_empty({s.B, s.di, s.N}, f32);
+  Tensor ckpt = need_ckpt ? new_empty({s.B, m3_num_chunks(s.T), s.H, mrl_cpu::m3_ckpt_len((int)s.P, (int)s.N,
+                                                                                         (int)s.R)}, f32)
+                          : Tensor();
+  auto a = m3_args(s, zxbc, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps, A_floor,
+                   heavy_tail);
+  mrl_cpu::m3_fwd(a, y.data_ptr<float>(), carry_f.data_ptr<float>(), ssm_f.data_ptr<float>(),
+                  need_ckpt ? ckpt.data_ptr<float>() : nullptr);
+  return {y, carry_f, ssm_f, ckpt};
+}
+
+// -> [dzxbc, ddt_bias, dB_bias, dC_bias, dB_norm_w, dC_norm_w, dD, dout_w or None]; with acc (those 6 or 7
+// gradients as tensors) the parameter gradients are added into acc and returned.
+std::vector<Tensor> m3_bwd(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
+                           const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp,
+                           const OptT& out_w, const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps,
+                           double A_floor, bool heavy_tail, const Tensor& ckpt, const Tensor& dy,
+                           const OptT& dcarry, const OptT& dssm, const OptT& dzxbc_out,
+                           const std::optional<std::vector<Tensor>>& acc) {
+  const auto s = m3_check(zxbc, headdim, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps,
+                          A_floor);
+  check_f32(ckpt, "mamba3: ckpt", {s.B, m3_num_chunks(s.T), s.H,
+                                   mrl_cpu::m3_ckpt_len((int)s.P, (int)s.N, (int)s.R)});
+  check_f32(dy, "mamba3: grad_y", {s.B, s.T, s.di});
+  if (dcarry) check_f32(*dcarry, "mamba3: grad_final_carry", {s.B, s.H, s.R + s.N + s.P});
+  if (dssm) check_f32(*dssm, "mamba3: grad_final_ssm", {s.B, s.di, s.N});
+  if (dzxbc_out) check_f32(*dzxbc_out, "mamba3: dzxbc_out", {s.B, s.T, s.Dp});
+  const size_t n_acc = out_w ? 7 : 6;
+  if (acc) {
+    MRL_CHECK(acc->size() == n_acc, "mamba3: acc: expected ", (int64_t)n_acc, " tensors [ddt_bias, dB_bias, dC_bias, "
+              "dB_norm_w, dC_norm_w, dD", out_w ? ", dnorm_w" : "", "], got ", (int64_t)acc->size());
+    check_f32((*acc)[0], "mamba3: ddt_bias_acc", {s.H});
+    check_f32((*acc)[1], "mamba3: dB_bias_acc (as [nheads, d_state])", {s.H, s.N});
+    check_f32((*acc)[2], "mamba3: dC_bias_acc (as [nheads, d_state])", {s.H, s.N});
+    check_f32((*acc)[3], "mamba3: dB_norm_w_acc", {s.N});
+    check_f32((*acc)[4], "mamba3: dC_norm_w_acc", {s.N});
+    check_f32((*acc)[5], "mamba3: dD_acc", {s.H});
+    if (out_w) check_f32((*acc)[6], "mamba3: dnorm_w_acc", {s.di});
+  }
+  auto f32 = zxbc.options();
+  auto zeros = [&](at::IntArrayRef shp) { return at::zeros(shp, f32); };
+  std::vector<Tensor> g(n_acc);
+  if (acc) {
+    g = *acc;
+  } else {
+    g[0] = zeros({s.H}); g[1] = zeros({s.H, s.N}); g[2] = zeros({s.H, s.N}); g[3] = zeros({s.N});
+    g[4] = zeros({s.N}); g[5] = zeros({s.H});
+    if (out_w) g[6] = zeros({s.di});
+  }
+  auto dz = dzxbc_out ? *dzxbc_out : new_empty({s.B, s.T, s.Dp}, f32);
+  auto a = m3_args(s, zxbc, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps, A_floor,
+                   heavy_tail);
+  mrl_cpu::M3BwdArgs b{};
+  b.ckpt = fptr(ckpt); b.dy = fptr(dy); b.dcarry = ptr_or_null<float>(dcarry); b.dssm = ptr_or_null<float>(dssm);
+  b.dzxbc = dz.data_ptr<float>();
+  b.ddt_bias = g[0].data_ptr<float>(); b.dB_bias = g[1].data_ptr<float>(); b.dC_bias = g[2].data_ptr<float>();
+  b.dB_w = g[3].data_ptr<float>(); b.dC_w = g[4].data_ptr<float>(); b.dD = g[5].data_ptr<float>();
+  b.dout_w = out_w ? g[6].data_ptr<float>() : nullptr;
+  mrl_cpu::m3_bwd(a, b);
+  std::vector<Tensor> out{dz};
+  for (auto& t : g) out.push_back(t);
+  if (!out_w) out.push_back(Tensor());
+  return out;
+}
+
+Tensor m3_backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                        const std::vector<std::vector<Tensor>>& layers, Tensor& carry, Tensor& ssm,
+                        const OptT& starts, double eps, int64_t headdim, double A_floor, bool heavy_tail) {
+  check_cpu(x, "m3_backbone_step: x_t");
+  MRL_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "m3_backbone_step: x_t: expected shape "
+            "[B, input_dim], got ", shape_str(x));
+  const int64_t B = x.size(0), in_dim = x.size(1);
+  check_f32(x, "m3_backbone_step: x_t", {B, in_dim});
+  check_cpu(inp_w, "m3_backbone_step: input_proj.weight");
+  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "m3_backbone_step: input_proj.weight: expected shape "
+            "[d_model, ", in_dim, "], got ", shape_str(inp_w));
+  const int64_t dm = inp_w.size(0);
+  check_f32(inp_w, "m3_backbone_step: input_proj.weight", {dm, in_dim});
+  check_f32(inp_b, "m3_backbone_step: input_proj.bias", {dm});
+  check_f32(normf_w, "m3_backbone_step: norm_f.weight", {dm});
+  const int64_t L = (int64_t)layers.size();
+  MRL_CHECK(L >= 1, "m3_backbone_step: layers: expected at least 1 layer, got ", L);
+  MRL_CHECK(headdim >= 1, "m3_backbone_step: headdim: expected an int >= 1, got ", headdim);
+  check_cpu(carry, "m3_backbone_step: carry");
+  check_cpu(ssm, "m3_backbone_step: ssm_state");
+  MRL_CHECK(carry.dim() == 4 && carry.size(0) == L && carry.size(1) == B && carry.size(2) >= 1,
+            "m3_backbone_step: carry: expected shape [", L, ", ", B, ", nheads, R + d_state + headdim], got ",
+            shape_str(carry));
+  const int64_t H = carry.size(2), di = H * headdim;
+  MRL_CHECK(ssm.dim() == 4 && ssm.size(3) >= 2 && ssm.size(3) <= 256, "m3_backbone_step: ssm_state: expected "
+            "shape [", L, ", ", B, ", ", di, ", d_state] with 2 <= d_state <= 256, got ", shape_str(ssm));
+  const int64_t N = ssm.size(3), R = carry.size(3) - N - headdim;
+  MRL_CHECK(R >= 1 && 2 * R <= N, "m3_backbone_step: carry: expected a last dim of R + d_state + headdim = R + ",
+            N + headdim, " with 1 <= R <= ", N / 2, ", got ", carry.size(3));
+  check_f32(carry, "m3_backbone_step: carry", {L, B, H, R + N + headdim});
+  check_f32(ssm, "m3_backbone_step: ssm_state", {L, B, di, N});
+  if (starts) {
+    check_cpu(*starts, "m3_backbone_step: episode_starts");
+    MRL_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
+              "m3_backbone_step: episode_starts: expected a contiguous [", B, "] bool tensor, got shape ",
+              shape_str(*starts), " dtype ", starts->scalar_type());
+  }
+  const int64_t Dp = 2 * di + 2 * N + 3 * H + R;
+  const size_t nt = layers[0].size();
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& t = layers[l];
+    MRL_CHECK((t.size() == 9 || t.size() == 10) && t.size() == nt, "m3_backbone_step: layer ", l, ": expected 9 "
+              "tensors (10 with the gated out norm), the same for every layer, got ", (int64_t)t.size());
+    check_f32(t[0], "m3_backbone_step: norm.weight", {dm});
+    check_f32(t[1], "m3_backbone_step: in_proj.weight", {Dp, dm});
+    check_f32(t[2], "m3_backbone_step: dt_bias", {H});
+    check_f32(t[3], "m3_backbone_step: B_bias (as [nheads, d_state])", {H, N});
+    check_f32(t[4], "m3_backbone_step: C_bias (as [nheads, d_state])", {H, N});
+    check_f32(t[5], "m3_backbone_step: B_norm.weight", {N});
+    check_f32(t[6], "m3_backbone_step: C_norm.weight", {N});
+    check_f32(t[7], "m3_backbone_step: D", {H});
+    check_f32(t[8], "m3_backbone_step: out_proj.weight", {dm, di});
+    if (t.size() == 10) check_f32(t[9], "m3_backbone_step: mixer.norm.weight", {di});
+  }
+  MRL_CHECK(eps > 0.0, "m3_backbone_step: eps: expected a value > 0, got ", eps);
+  MRL_CHECK(A_floor > 0.0, "m3_backbone_step: A_floor: expected a value > 0, got ", A_floor);
+  return mrl_cpu::m3_backbone_step(x, inp_w, inp_b, normf_w, layers, carry, ssm, ptr_or_null<bool>(starts),
+                                   (float)eps, (int)headdim, (float)A_floor, heavy_tail, nthreads());
+}
+// ---------------- end of the Mamba-3 block ----------------
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -466,4 +659,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hyper"), py::arg("scalars"), py::arg("counter") = py::none());
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
   m.def("scan_chunk", &scan_chunk, "checkpoint interval of the scan backward (steps)");
+  // Mamba-3 (mamba3.cpp, mamba3_step.cpp)
+  m.def("m3_fwd", &m3_fwd, "Mamba-3 SISO mixer core forward -> [y [B,T,d_inner], final carry [B,H,R+N+P], final ssm "
+        "[B,d_inner,N], ckpt or None]", py::arg("zxbc"), py::arg("headdim"), py::arg("dt_bias"), py::arg("B_bias"),
+        py::arg("C_bias"), py::arg("B_norm_w"), py::arg("C_norm_w"), py::arg("D"), py::arg("norm_w"), py::arg("carry"),
+        py::arg("ssm"), py::arg("starts"), py::arg("eps"), py::arg("A_floor"), py::arg("heavy_tail"),
+        py::arg("need_ckpt"));
+  m.def("m3_bwd", &m3_bwd, "Mamba-3 SISO mixer core backward -> [dzxbc, ddt_bias, dB_bias, dC_bias, dB_norm_w, "
+        "dC_norm_w, dD, dnorm_w or None]; optional dzxbc_out (written) and acc (added into)", py::arg("zxbc"),
+        py::arg("headdim"), py::arg("dt_bias"), py::arg("B_bias"), py::arg("C_bias"), py::arg("B_norm_w"),
+        py::arg("C_norm_w"), py::arg("D"), py::arg("norm_w"), py::arg("carry"), py::arg("ssm"), py::arg("starts"),
+        py::arg("eps"), py::arg("A_floor"), py::arg("heavy_tail"), py::arg("ckpt"), py::arg("dy"),
+        py::arg("dcarry"), py::arg("dssm"), py::arg("dzxbc_out") = py::none(), py::arg("acc") = py::none());
+  m.def("m3_backbone_step", &m3_backbone_step, "one token through the whole Mamba-3 backbone; carry / ssm updated "
+        "in place -> features [B, d_model]");
+  m.def("m3_chunk", []() { return mrl_cpu::kM3Chunk; }, "checkpoint interval of the Mamba-3 backward (steps)");
 }

@@ -254,3 +254,44 @@ void grad_stats(const float* grad, int64_t P, const float* extra_sq, float loss_
 void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* compute, int64_t P,
                 int64_t n_decay, const double* hyper, const double* scalars, int nthreads);
 }  // namespace mrl_cpu
+
+namespace mrl_cpu {
+// ------------------------------------------------------------------ Mamba-3 SISO mixer core (mamba3.cpp)
+// Everything of one Mamba-3 layer between its in_proj and out_proj GEMMs (Lahoti et al. 2026 as mamba_ssm's
+// Mamba3 SISO builds it; the math is mamba_rl/ops/mamba3_ref.py and mamba_rl/model/mamba3.py): from the
+// in_proj output row [z | x | B | C | dd_dt | dd_A | trap | angles] (sizes di, di, N, N, H, H, H, R;
+// di = H P) to the gated output y [di], with the carried state per (row, head): S [P, N], the accumulated
+// angle [R], the previous rotated k~ [N] and v [P]. A True episode start zeroes all four before its step.
+struct M3Args {
+  const float* zxbc; int64_t z_sb, z_st;  // [B, T, Dp], unit last stride, Dp = 2 di + 2N + 3H + R
+  const float* dt_bias;                   // [H]
+  const float* B_bias; const float* C_bias;  // [H, N]
+  const float* B_w; const float* C_w;     // [N] the B / C RMSNorm weights
+  const float* Dskip;                     // [H]
+  const float* out_w;                     // [di] gated-RMSNorm weight, or nullptr: y * SiLU(z)
+  const float* carry0;                    // [B, H, R + N + P] ([angle | k~ | v]) or nullptr (zeros)
+  const float* ssm0;                      // [B, H P, N] or nullptr (zeros)
+  const bool* starts;                     // [B, T] or nullptr
+  float eps, A_floor;
+  bool heavy_tail;                        // A activation: heavy tail (true) or softplus
+  int B, T, H, P, N, R;
+  int nthreads;
+};
+constexpr int kM3Chunk = 64;  // the backward restarts the recurrence from a checkpoint every kM3Chunk steps
+// Floats per (row, chunk, head) of the forward's checkpoint: S [N][P], angle [R], k~ [N], v [P].
+inline int m3_ckpt_len(int P, int N, int R) { return N * P + R + N + P; }
+// Forward: y [B, T, H P] contiguous, the final state (carry_f like carry0, ssm_f like ssm0), and ckpt
+// [B, nC, H, m3_ckpt_len] (nC = ceil(T / kM3Chunk)) unless null. In place is allowed (carry_f == carry0,
+// ssm_f == ssm0): each (row, head) reads its state before writing it; the one-token step uses that.
+void m3_fwd(const M3Args& a, float* y, float* carry_f, float* ssm_f, float* ckpt);
+struct M3BwdArgs {
+  const float* ckpt;    // the forward's checkpoint
+  const float* dy;      // [B, T, H P] contiguous
+  const float* dcarry;  // [B, H, R + N + P] or nullptr
+  const float* dssm;    // [B, H P, N] or nullptr
+  float* dzxbc;         // [B, T, Dp] contiguous, every element written
+  // added into (every parameter gradient of the core): [H], [H, N], [H, N], [N], [N], [H], [di] or nullptr
+  float *ddt_bias, *dB_bias, *dC_bias, *dB_w, *dC_w, *dD, *dout_w;
+};
+void m3_bwd(const M3Args& a, const M3BwdArgs& g);
+}  // namespace mrl_cpu

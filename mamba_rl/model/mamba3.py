@@ -65,9 +65,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import MambaConfig
+from ..ops.capability import Support, kernel_support
+from ..ops.extension import extension, extension_error, fallback_message
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
-from .backbone import MambaBackbone
+from .backbone import MambaBackbone, _guard_fused_backward
+from .fused_m3 import fused_m3_backbone, m3_core_params
 from .state import RecurrentState
 
 __all__ = ["Mamba3Backbone", "Mamba3Block", "Mamba3State", "m3_param_layout", "m3_is_no_decay", "m3_init_values",
@@ -320,18 +323,81 @@ class Mamba3Backbone(MambaBackbone):
         self.backend = self._resolve_backend(backend)
 
     def _resolve_backend(self, backend: str) -> str:
-        if backend in ("cuda", "cpu"):
-            raise ValueError(f"MambaBackbone: backend={backend!r} has no Mamba-3 kernels yet; layer='Mamba3' runs "
-                             f"on backend='reference' (or 'auto', which falls back to it)")
-        if backend == "auto" and self.arena.dtype == torch.float32 and "auto" not in _WARNED:
-            _WARNED.add("auto")
-            warnings.warn("MambaBackbone: layer='Mamba3' has no cuda/cpu kernels yet; running the pure-PyTorch "
-                          "reference backend (pass backend='reference' to choose it explicitly)",
-                          RuntimeWarning, stacklevel=3)
+        dev, dt = self.arena.device, self.arena.dtype
+        if backend == "reference":
+            return "reference"
+        if backend == "cuda":
+            raise ValueError("MambaBackbone: backend='cuda' has no Mamba-3 kernels yet; layer='Mamba3' runs on "
+                             "backend='cpu' (a CPU device) or 'reference' (any device; 'auto' picks it on a GPU)")
+        if backend == "cpu":
+            if dev.type != "cpu":
+                raise ValueError(f"MambaBackbone: backend='cpu' needs a CPU device, got {dev}")
+            if dt != torch.float32:
+                raise ValueError(f"MambaBackbone: backend='cpu' needs float32 masters, got {dt}")
+            if extension("cpu") is None:
+                raise RuntimeError(f"MambaBackbone: the cpu kernels could not load: {extension_error('cpu')!r}")
+            return "cpu"
+        if dt == torch.float32:  # auto
+            if dev.type == "cpu":
+                if extension("cpu") is not None:
+                    return "cpu"
+                if "cpu" not in _WARNED:
+                    _WARNED.add("cpu")
+                    warnings.warn(fallback_message("cpu") + " (layer='Mamba3')", RuntimeWarning, stacklevel=3)
+            elif "cuda" not in _WARNED:
+                _WARNED.add("cuda")
+                warnings.warn("MambaBackbone: layer='Mamba3' has no CUDA kernels yet; running the pure-PyTorch "
+                              "reference backend on the GPU (pass backend='reference' to choose it explicitly)",
+                              RuntimeWarning, stacklevel=3)
         return "reference"
 
-    def _use_fused(self, initial_state) -> bool:
-        return False
+    def kernel_support(self, op: str) -> Support:
+        """(ok, reason): can this backbone run ``op`` ("sequence": the whole-backbone node of
+        :mod:`mamba_rl.model.fused_m3`; "step": the one-token kernel; "rms_norm_fwd" / "rms_norm_bwd") on its
+        backend's kernels now? :func:`mamba_rl.ops.capability.kernel_support` ("m3_sequence" / "m3_step")
+        plus: the parameters must be the arena's own (not swapped in by ``torch.func.functional_call``).
+        "conv" and "scan" (Mamba-1 ops) are never ok."""
+        if self.backend == "reference":
+            return Support(False, "the reference backend runs no kernels")
+        if op in ("conv", "scan"):
+            return Support(False, f"{op}: a Mamba-1 op; layer='Mamba3' has no {op}")
+        if not self.params_are_arena():
+            return Support(False, "parameters were swapped in (torch.func.functional_call or assignment): "
+                                  "the kernels read the arena, so the reference math runs")
+        c = self.cfg
+        return kernel_support(self.backend, {"sequence": "m3_sequence", "step": "m3_step"}.get(op, op),
+                              d_model=c.d_model, d_state=c.d_state, n_layers=c.n_layers, dtype=self.compute_dtype,
+                              device=self.device)
+
+    def _forward_fused(self, x, initial_state, episode_starts):
+        B, T = x.shape[:2]
+        if initial_state is None:
+            initial_state = self.initial_state(B)
+        carry0 = initial_state.conv.to(torch.float32).contiguous()
+        ssm0 = initial_state.ssm.to(torch.float32).contiguous()
+        if episode_starts is None:
+            episode_starts = torch.zeros(B, T, dtype=torch.bool, device=x.device)
+        feat, carry_f, ssm_f = fused_m3_backbone(self, x, carry0, ssm0, episode_starts.contiguous())
+        if feat.grad_fn is not None:
+            _guard_fused_backward(self, feat.grad_fn)
+        return feat, Mamba3State(carry_f, ssm_f)
+
+    def _packed_step_weights(self) -> tuple:
+        """The one-token kernel's argument layout (views of the float32 arena), cached per arena."""
+        key = self.arena.data_ptr()
+        cache = self.__dict__.get("_m3_packed")
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        v = {name: self.arena_view(self.arena, name) for name, _ in self._layout}
+        layers = []
+        for i in range(self.cfg.n_layers):
+            p = f"layers.{i}."
+            prm = m3_core_params(v, i, self.cfg)
+            layers.append([v[p + "norm.weight"], v[p + "mixer.in_proj.weight"], *prm[:6], v[p + "mixer.out_proj.weight"],
+                           *prm[6:]])
+        packed = (v["input_proj.weight"], v["input_proj.bias"], v["norm_f.weight"], layers)
+        self.__dict__["_m3_packed"] = (key, packed)
+        return packed
 
     def step_weights(self) -> dict:
         """name -> tensor for the one-token step: GEMM weights (input_proj, in_proj, out_proj) in the compute
@@ -376,6 +442,8 @@ class Mamba3Backbone(MambaBackbone):
             ValueError: on a wrong shape, dtype or device.
         """
         self.check_inputs(x, initial_state, episode_starts)
+        if x.shape[0] != 0 and self._use_fused(initial_state, x):
+            return self._forward_fused(x, initial_state, episode_starts)
         c = self.cfg
         rdt, cdt = self.arena.dtype, self.compute_dtype
         h = F.linear(x.to(cdt), self.weight("input_proj.weight"), self.weight("input_proj.bias")).to(rdt)
@@ -394,5 +462,16 @@ class Mamba3Backbone(MambaBackbone):
     def step(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None = None):
         """One token through every layer: x_t [B, input_dim] -> features [B, d_model] (master dtype), with
         ``state`` (a :class:`Mamba3State`) advanced in place; rows with ``episode_starts`` [B] True start from
-        a zero state. Inputs are not validated here (see :class:`~mamba_rl.model.stepper.Stepper`)."""
+        a zero state. Inputs are not validated here (see :class:`~mamba_rl.model.stepper.Stepper`). One
+        extension call (``m3_backbone_step``, the sequence kernel's own core with T = 1) where
+        :meth:`kernel_support` ("step") allows it and the state is float32; otherwise each block's
+        :meth:`Mamba3Block.step` (torch ops)."""
+        if state.ssm.dtype == torch.float32 and self.kernel_support("step"):
+            c = self.cfg
+            inp_w, inp_b, normf, layers = self._packed_step_weights()
+            starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
+            xt = x_t if x_t.dtype == torch.float32 and x_t.is_contiguous() else x_t.float().contiguous()
+            return self.kernels.m3_backbone_step(xt, inp_w, inp_b, normf, layers, state.conv, state.ssm, starts,
+                                                 float(c.rms_norm_eps), c.headdim, float(c.A_floor),
+                                                 c.A_activation == "heavy_tail")
         return self._step_layers(x_t, state, episode_starts)

@@ -17,6 +17,9 @@ are those of the kernels in ``csrc/`` (each number below is checked there too, w
   (the per-layer pointers travel in the kernel's parameter block), float32 states, and one row's residual
   stream and activations, ``4 * (2 d_model + 3 d_inner + dt_rank + 2 d_state + input_dim)`` bytes, within the
   device's opt-in shared memory per block. CPU: float32 states and compute.
+- ``m3_sequence`` / ``m3_step``: the Mamba-3 (``layer="Mamba3"``) whole-backbone node of
+  :mod:`mamba_rl.model.fused_m3` and its one-token step. CPU: float32 compute, d_state at most
+  ``M3_MAX_STATE`` = 256 (the core keeps a head's B and C in stack buffers of that size); CUDA: none yet.
 
 The op-independent condition, that the module's parameters are its arena's own views (not tensors swapped in
 by ``torch.func.functional_call``), is :meth:`~mamba_rl.model.arena.ArenaModule.params_are_arena`; the
@@ -33,9 +36,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["Support", "kernel_support", "autograd_support", "OPS", "CUDA_NORM_FWD_MAX", "CUDA_NORM_BWD_MAX", "CUDA_CONV_K",
-           "CUDA_SCAN_N", "STEP_MAX_LAYERS"]
+           "CUDA_SCAN_N", "STEP_MAX_LAYERS", "M3_MAX_STATE"]
 
-OPS = ("rms_norm_fwd", "rms_norm_bwd", "conv", "scan", "sequence", "step")
+OPS = ("rms_norm_fwd", "rms_norm_bwd", "conv", "scan", "sequence", "step", "m3_sequence", "m3_step")
+M3_MAX_STATE = 256
 CUDA_NORM_FWD_MAX = 1024
 CUDA_NORM_BWD_MAX = 512
 CUDA_CONV_K = (2, 3, 4)
@@ -127,6 +131,13 @@ def kernel_support(backend: str, op: str, *, d_model: int | None = None, d_inner
         N = need("d_state", d_state)
         if cuda and N not in CUDA_SCAN_N:
             return _no(f"scan: the CUDA kernel takes d_state in {CUDA_SCAN_N}, got {N}")
+        return _OK
+    if op in ("m3_sequence", "m3_step"):
+        N = need("d_state", d_state)
+        if cuda:
+            return _no(f"{op}: there are no Mamba-3 CUDA kernels yet")
+        if N > M3_MAX_STATE:
+            return _no(f"{op}: the CPU kernels take d_state <= {M3_MAX_STATE}, got {N}")
         return _OK
     if op == "sequence":
         for sub, kw in (("conv", dict(d_conv=need("d_conv", d_conv))), ("scan", dict(d_state=need("d_state", d_state)))):
