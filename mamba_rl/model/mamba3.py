@@ -1,4 +1,4 @@
-"""Mamba-3 (SISO) backbone beside Mamba-1: ``MambaConfig(layer="Mamba3")``, reference backend.
+"""Mamba-3 (SISO) backbone beside Mamba-1: ``MambaConfig(layer="Mamba3")``, reference and CPU-kernel backends.
 
 Sources: Lahoti et al., "Mamba-3: Improved Sequence Modeling using State Space Principles" (ICLR 2026),
 as built by mamba_ssm's ``Mamba3`` (``mamba_ssm/modules/mamba3.py``, ``is_mimo=False``, state-spaces/mamba
@@ -51,9 +51,14 @@ only), out_proj.weight}``, plus ``input_proj.{weight,bias}`` and ``norm_f.weight
 No-decay group (the seed's M3 set): dt_bias, D, every norm scale and every bias (B_bias, C_bias,
 input_proj.bias).
 
-Backends: the pure-torch reference only (float32 or float64; bf16/f16 compute copies for the GEMMs under the
-trainer; tested on the CPU, its GPU test is marked ``cuda``). ``backend="auto"`` falls back to it with one
-warning; ``"cuda"`` / ``"cpu"`` raise ValueError until the Mamba-3 kernels exist.
+Backends: the pure-torch reference (float32 or float64; bf16/f16 compute copies for the GEMMs under the
+trainer; tested on the CPU, its GPU test is marked ``cuda``) and ``"cpu"``: the C++ kernels of
+``csrc/cpu/mamba3*.cpp`` (float32) under the one autograd node of :mod:`mamba_rl.model.fused_m3` (hand-written
+backward into the gradient arena) and a one-call one-token step. ``backend="auto"`` picks "cpu" for float32
+masters on the CPU where the kernels built (else the reference, with one warning naming the cause) and the
+reference on a GPU (one warning); ``"cuda"`` raises ValueError until Mamba-3 CUDA kernels exist. The
+reference math runs instead of the kernels where they cannot stand in (a bf16/f16 compute copy on the CPU,
+swapped-in or frozen parameters, a gradient into the initial state), as for Mamba-1.
 """
 from __future__ import annotations
 
@@ -302,12 +307,14 @@ class Mamba3Backbone(MambaBackbone):
     Args:
         cfg: a :class:`MambaConfig` with ``layer="Mamba3"``.
         input_dim, device, seed, dtype: as :class:`MambaBackbone`.
-        backend: "reference", or "auto" (the reference, with one warning for float32 masters: no Mamba-3
-            kernels yet).
+        backend: "reference", "cpu" (the C++ kernels; a CPU device and float32 masters), or "auto" (module
+            doc: "cpu" where it applies, else the reference with one warning for float32 masters).
 
     Raises:
-        ValueError: bad input_dim, dtype or backend; ``backend="cuda"`` or ``"cpu"`` (no Mamba-3 kernels
-            yet); an input of the wrong shape/dtype/device in forward.
+        ValueError: bad input_dim, dtype or backend; ``backend="cuda"`` (no Mamba-3 CUDA kernels yet);
+            ``backend="cpu"`` off the CPU or with float64 masters; an input of the wrong shape/dtype/device
+            in forward.
+        RuntimeError: ``backend="cpu"`` where the CPU kernels could not load (the message says why).
     """
 
     def __init__(self, cfg: MambaConfig, input_dim: int, device=None, seed: int | None = 0,
