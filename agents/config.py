@@ -132,9 +132,6 @@ class _PPOFields:
             what = "async_envs" if self.async_envs else "capture_video"
             raise ValueError(f"{name('env_backend')} 'envpool' runs its envs in EnvPool's own thread pool and records no "
                              f"video; expected {what}=False (or env_backend 'gymnasium' / 'auto'), got {what}=True")
-        if self.backbone.layer == "Mamba3" and self.backend == "cuda":
-            raise ValueError(f"{name('backend')}: layer 'Mamba3' has no CUDA kernels yet (it runs on the 'cpu' kernels or "
-                             f"the reference); expected 'auto', 'cpu' or 'reference', got {self.backend!r}")
         if self.num_envs % self.num_minibatches != 0:
             raise ValueError(
                 f"PPOConfig.num_envs ({self.num_envs}) must be divisible by num_minibatches "

@@ -635,6 +635,154 @@ Tensor xdt_bwd(const Tensor& ddt, const Tensor& dB, const Tensor& dC, const Tens
   raise_if(mrl::xdt_bwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
   return ddbc;
 }
+// ---------------- Mamba-3 SISO mixer core (mamba3.cu; the CPU binding's m3_fwd / m3_bwd contract) ----------------
+struct M3Sizes { int64_t B, T, Dp, H, P, N, R, di; };
+
+M3Sizes m3_check(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
+                 const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp, const OptT& out_w,
+                 const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps, double A_floor) {
+  check_cuda(zxbc, "mamba3: zxbc", zxbc);
+  MRL_CHECK(zxbc.dim() == 3 && zxbc.size(0) >= 1 && zxbc.size(1) >= 1, "mamba3: zxbc: expected shape [B, T, "
+            "2 d_inner + 2 d_state + 3 nheads + R] with B, T >= 1, got ", shape_str(zxbc));
+  MRL_CHECK(headdim >= 1, "mamba3: headdim: expected an int >= 1, got ", headdim);
+  MRL_CHECK(dt_bias.dim() == 1 && dt_bias.size(0) >= 1, "mamba3: dt_bias: expected shape [nheads], got ",
+            shape_str(dt_bias));
+  MRL_CHECK(B_w.dim() == 1, "mamba3: B_norm.weight: expected shape [d_state], got ", shape_str(B_w));
+  M3Sizes s{zxbc.size(0), zxbc.size(1), zxbc.size(2), dt_bias.size(0), headdim, B_w.size(0), 0, 0};
+  s.di = s.H * s.P;
+  s.R = s.Dp - 2 * s.di - 2 * s.N - 3 * s.H;
+  MRL_CHECK(s.R >= 1 && 2 * s.R <= s.N, "mamba3: zxbc: expected a last dim of 2 d_inner + 2 d_state + 3 nheads + R "
+            "= ", 2 * s.di + 2 * s.N + 3 * s.H, " + R with 1 <= R <= d_state / 2 = ", s.N / 2, ", got ", s.Dp);
+  const char* why = mrl::m3_supported((int)s.P, (int)s.N, (int)s.R);
+  MRL_CHECK(why == nullptr, why ? why : "", " (headdim ", s.P, ", d_state ", s.N, ")");
+  check_act(zxbc, "mamba3: zxbc", zxbc, s.B, s.T, s.Dp, at::kFloat);
+  check_f32(dt_bias, "mamba3: dt_bias", zxbc, {s.H});
+  check_f32(B_bias, "mamba3: B_bias (as [nheads, d_state])", zxbc, {s.H, s.N});
+  check_f32(C_bias, "mamba3: C_bias (as [nheads, d_state])", zxbc, {s.H, s.N});
+  check_f32(B_w, "mamba3: B_norm.weight", zxbc, {s.N});
+  check_f32(C_w, "mamba3: C_norm.weight", zxbc, {s.N});
+  check_f32(Dp, "mamba3: D", zxbc, {s.H});
+  if (out_w) check_f32(*out_w, "mamba3: norm.weight", zxbc, {s.di});
+  if (carry0) check_f32(*carry0, "mamba3: carry ([angle | k | v])", zxbc, {s.B, s.H, s.R + s.N + s.P});
+  if (ssm0) check_f32(*ssm0, "mamba3: ssm_state", zxbc, {s.B, s.di, s.N});
+  check_starts(starts, zxbc, s.B, s.T);
+  MRL_CHECK(eps > 0.0, "mamba3: eps: expected a value > 0, got ", eps);
+  MRL_CHECK(A_floor > 0.0, "mamba3: A_floor: expected a value > 0, got ", A_floor);
+  return s;
+}
+
+mrl::M3Params m3_params(const M3Sizes& s, const Tensor& zxbc, const Tensor& dt_bias, const Tensor& B_bias,
+                        const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp,
+                        const OptT& out_w, const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps,
+                        double A_floor, bool heavy_tail) {
+  mrl::M3Params a{};
+  a.zxbc = zxbc.data_ptr<float>(); a.z_sb = zxbc.stride(0); a.z_st = zxbc.stride(1);
+  a.dt_bias = dt_bias.data_ptr<float>(); a.B_bias = B_bias.data_ptr<float>(); a.C_bias = C_bias.data_ptr<float>();
+  a.B_w = B_w.data_ptr<float>(); a.C_w = C_w.data_ptr<float>(); a.Dskip = Dp.data_ptr<float>();
+  a.out_w = ptr_or_null<float>(out_w);
+  a.carry0 = ptr_or_null<float>(carry0); a.ssm0 = ptr_or_null<float>(ssm0); a.starts = ptr_or_null<bool>(starts);
+  a.eps = (float)eps; a.A_floor = (float)A_floor; a.heavy_tail = heavy_tail;
+  a.B = (int)s.B; a.T = (int)s.T; a.H = (int)s.H; a.P = (int)s.P; a.N = (int)s.N; a.R = (int)s.R;
+  return a;
+}
+
+int64_t m3_nchunks(int64_t T) { return (T + mrl::m3_chunk() - 1) / mrl::m3_chunk(); }
+
+std::vector<Tensor> m3_fwd(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
+                           const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp,
+                           const OptT& out_w, const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps,
+                           double A_floor, bool heavy_tail, bool need_ckpt) {
+  const auto s = m3_check(zxbc, headdim, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps,
+                          A_floor);
+  const c10::cuda::CUDAGuard guard(zxbc.device());
+  auto f32 = zxbc.options();
+  auto y = new_empty({s.B, s.T, s.di}, f32);
+  auto carry_f = new_empty({s.B, s.H, s.R + s.N + s.P}, f32);
+  auto ssm_f = new_empty({s.B, s.di, s.N}, f32);
+  Tensor ckpt = need_ckpt ? new_empty({s.B, m3_nchunks(s.T), s.H, mrl::m3_ckpt_len((int)s.P, (int)s.N, (int)s.R)}, f32)
+                          : Tensor();
+  auto a = m3_params(s, zxbc, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps, A_floor,
+                     heavy_tail);
+  a.y = y.data_ptr<float>(); a.carry_f = carry_f.data_ptr<float>(); a.ssm_f = ssm_f.data_ptr<float>();
+  a.ckpt = need_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  raise_if(mrl::m3_fwd(a, c10::cuda::getCurrentCUDAStream().stream()));
+  return {y, carry_f, ssm_f, ckpt};
+}
+
+// One token, the state advanced in place: zxbc [B, Dp], carry [B, H, R + N + P], ssm [B, H P, N],
+// starts [B] or None -> y [B, H P]. Allocates only y; no sync (CUDA-graph capturable).
+Tensor m3_step(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias, const Tensor& C_bias,
+               const Tensor& B_w, const Tensor& C_w, const Tensor& Dp, const OptT& out_w, Tensor& carry, Tensor& ssm,
+               const OptT& starts, double eps, double A_floor, bool heavy_tail) {
+  MRL_CHECK(zxbc.dim() == 2, "mamba3_step: zxbc: expected shape [B, Dp], got ", shape_str(zxbc));
+  OptT st;
+  if (starts) {
+    MRL_CHECK(starts->numel() == zxbc.size(0), "mamba3_step: episode_starts: expected ", zxbc.size(0),
+              " elements, got shape ", shape_str(*starts));
+    st = starts->view({zxbc.size(0), 1});
+  }
+  const Tensor z3 = zxbc.unsqueeze(1);
+  const auto s = m3_check(z3, headdim, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry, ssm, st, eps, A_floor);
+  const c10::cuda::CUDAGuard guard(zxbc.device());
+  auto y = new_empty({s.B, s.di}, zxbc.options());
+  auto a = m3_params(s, z3, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry, ssm, st, eps, A_floor, heavy_tail);
+  a.y = y.data_ptr<float>(); a.carry_f = carry.data_ptr<float>(); a.ssm_f = ssm.data_ptr<float>(); a.ckpt = nullptr;
+  raise_if(mrl::m3_fwd(a, c10::cuda::getCurrentCUDAStream().stream()));
+  return y;
+}
+
+std::vector<Tensor> m3_bwd(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
+                           const Tensor& C_bias, const Tensor& B_w, const Tensor& C_w, const Tensor& Dp,
+                           const OptT& out_w, const OptT& carry0, const OptT& ssm0, const OptT& starts, double eps,
+                           double A_floor, bool heavy_tail, const Tensor& ckpt, const Tensor& dy, const OptT& dcarry,
+                           const OptT& dssm, const OptT& dzxbc_out, const std::optional<std::vector<Tensor>>& acc) {
+  const auto s = m3_check(zxbc, headdim, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps,
+                          A_floor);
+  check_f32(ckpt, "mamba3: ckpt", zxbc, {s.B, m3_nchunks(s.T), s.H, mrl::m3_ckpt_len((int)s.P, (int)s.N, (int)s.R)});
+  check_f32(dy, "mamba3: grad_y", zxbc, {s.B, s.T, s.di});
+  if (dcarry) check_f32(*dcarry, "mamba3: grad_final_carry", zxbc, {s.B, s.H, s.R + s.N + s.P});
+  if (dssm) check_f32(*dssm, "mamba3: grad_final_ssm", zxbc, {s.B, s.di, s.N});
+  if (dzxbc_out) check_f32(*dzxbc_out, "mamba3: dzxbc_out", zxbc, {s.B, s.T, s.Dp});
+  const size_t n_acc = out_w ? 7 : 6;
+  if (acc) {
+    MRL_CHECK(acc->size() == n_acc, "mamba3: acc: expected ", (int64_t)n_acc, " tensors, got ", (int64_t)acc->size());
+    check_f32((*acc)[0], "mamba3: ddt_bias_acc", zxbc, {s.H});
+    check_f32((*acc)[1], "mamba3: dB_bias_acc (as [nheads, d_state])", zxbc, {s.H, s.N});
+    check_f32((*acc)[2], "mamba3: dC_bias_acc (as [nheads, d_state])", zxbc, {s.H, s.N});
+    check_f32((*acc)[3], "mamba3: dB_norm_w_acc", zxbc, {s.N});
+    check_f32((*acc)[4], "mamba3: dC_norm_w_acc", zxbc, {s.N});
+    check_f32((*acc)[5], "mamba3: dD_acc", zxbc, {s.H});
+    if (out_w) check_f32((*acc)[6], "mamba3: dnorm_w_acc", zxbc, {s.di});
+  }
+  const c10::cuda::CUDAGuard guard(zxbc.device());
+  auto f32 = zxbc.options();
+  std::vector<Tensor> g(n_acc);
+  if (acc) {
+    g = *acc;
+  } else {
+    g[0] = at::zeros({s.H}, f32); g[1] = at::zeros({s.H, s.N}, f32); g[2] = at::zeros({s.H, s.N}, f32);
+    g[3] = at::zeros({s.N}, f32); g[4] = at::zeros({s.N}, f32); g[5] = at::zeros({s.H}, f32);
+    if (out_w) g[6] = at::zeros({s.di}, f32);
+  }
+  auto dz = dzxbc_out ? *dzxbc_out : new_empty({s.B, s.T, s.Dp}, f32);
+  auto ws = new_empty({mrl::m3_bwd_workspace((int)s.B, (int)s.T, (int)s.H, (int)s.P, (int)s.N, (int)s.R)}, f32);
+  auto a = m3_params(s, zxbc, dt_bias, B_bias, C_bias, B_w, C_w, Dp, out_w, carry0, ssm0, starts, eps, A_floor,
+                     heavy_tail);
+  mrl::M3BwdParams b{};
+  b.ckpt = ckpt.data_ptr<float>(); b.dy = dy.data_ptr<float>();
+  b.dcarry = ptr_or_null<float>(dcarry); b.dssm = ptr_or_null<float>(dssm);
+  b.dzxbc = dz.data_ptr<float>();
+  b.ddt_bias = g[0].data_ptr<float>(); b.dB_bias = g[1].data_ptr<float>(); b.dC_bias = g[2].data_ptr<float>();
+  b.dB_w = g[3].data_ptr<float>(); b.dC_w = g[4].data_ptr<float>(); b.dD = g[5].data_ptr<float>();
+  b.dout_w = out_w ? g[6].data_ptr<float>() : nullptr;
+  b.ws = ws.data_ptr<float>();
+  raise_if(mrl::m3_bwd(a, b, c10::cuda::getCurrentCUDAStream().stream()));
+  std::vector<Tensor> out{dz};
+  for (auto& t : g) out.push_back(t);
+  if (!out_w) out.push_back(Tensor());
+  return out;
+}
+// ---------------- end of the Mamba-3 block ----------------
 
 }  // namespace
 
@@ -680,4 +828,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
   m.def("scan_segments", &mrl::scan_segments, "time segments of the scan's two-level split for (B, T, D, N, bwd)");
   m.def("scan_set_segments", &mrl::scan_set_segments, "force the scan's segment count (0: automatic; tests)");
+  // Mamba-3 (mamba3.cu)
+  m.def("m3_fwd", &m3_fwd, "Mamba-3 SISO mixer core forward -> [y, final carry, final ssm, ckpt or None]",
+        py::arg("zxbc"), py::arg("headdim"), py::arg("dt_bias"), py::arg("B_bias"), py::arg("C_bias"),
+        py::arg("B_norm_w"), py::arg("C_norm_w"), py::arg("D"), py::arg("norm_w"), py::arg("carry"), py::arg("ssm"),
+        py::arg("starts"), py::arg("eps"), py::arg("A_floor"), py::arg("heavy_tail"), py::arg("need_ckpt"));
+  m.def("m3_bwd", &m3_bwd, "Mamba-3 SISO mixer core backward -> [dzxbc, ddt_bias, dB_bias, dC_bias, dB_norm_w, "
+        "dC_norm_w, dD, dnorm_w or None]", py::arg("zxbc"), py::arg("headdim"), py::arg("dt_bias"), py::arg("B_bias"),
+        py::arg("C_bias"), py::arg("B_norm_w"), py::arg("C_norm_w"), py::arg("D"), py::arg("norm_w"), py::arg("carry"),
+        py::arg("ssm"), py::arg("starts"), py::arg("eps"), py::arg("A_floor"), py::arg("heavy_tail"), py::arg("ckpt"),
+        py::arg("dy"), py::arg("dcarry"), py::arg("dssm"), py::arg("dzxbc_out") = py::none(),
+        py::arg("acc") = py::none());
+  m.def("m3_step", &m3_step, "Mamba-3 mixer core for one token, carry / ssm advanced in place -> y [B, d_inner]",
+        py::arg("zxbc"), py::arg("headdim"), py::arg("dt_bias"), py::arg("B_bias"), py::arg("C_bias"),
+        py::arg("B_norm_w"), py::arg("C_norm_w"), py::arg("D"), py::arg("norm_w"), py::arg("carry"), py::arg("ssm"),
+        py::arg("starts"), py::arg("eps"), py::arg("A_floor"), py::arg("heavy_tail"));
+  m.def("m3_chunk", &mrl::m3_chunk, "checkpoint interval of the Mamba-3 backward (steps)");
 }

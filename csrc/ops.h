@@ -214,4 +214,36 @@ struct XdtBwdParams {
 int xdt_smem_ok(int E, int D);  // 1 when x_proj.weight [E, D] fits the kernels' shared memory
 const char* xdt_fwd(int dtype, const XdtFwdParams& p, cudaStream_t s);
 const char* xdt_bwd(int dtype, const XdtBwdParams& p, cudaStream_t s);
+// ---------------- Mamba-3 SISO mixer core (mamba3.cu; the contract of cpu/mamba3.cpp, float32) ----------------
+struct M3Params {
+  const float* zxbc; int64_t z_sb, z_st;  // [B, T, Dp] in_proj output, unit last stride, Dp = 2 H P + 2N + 3H + R
+  const float* dt_bias;                   // [H]
+  const float* B_bias; const float* C_bias;  // [H, N]
+  const float* B_w; const float* C_w;     // [N]
+  const float* Dskip;                     // [H]
+  const float* out_w;                     // [H P] gated-RMSNorm weight or nullptr (y * SiLU(z))
+  const float* carry0;                    // [B, H, R + N + P] or nullptr
+  const float* ssm0;                      // [B, H P, N] or nullptr
+  const bool* starts;                     // [B, T] or nullptr
+  float eps, A_floor;
+  bool heavy_tail;
+  int B, T, H, P, N, R;
+  float* y;                               // [B, T, H P] contiguous
+  float* carry_f; float* ssm_f;           // final state (may alias carry0 / ssm0: the one-token step)
+  float* ckpt;                            // [B, nC, H, m3_ckpt_len] or nullptr, nC = ceil(T / m3_chunk())
+};
+struct M3BwdParams {
+  const float* ckpt; const float* dy;     // dy [B, T, H P] contiguous
+  const float* dcarry; const float* dssm; // or nullptr
+  float* dzxbc;                           // [B, T, Dp] contiguous, every element written
+  float *ddt_bias, *dB_bias, *dC_bias, *dB_w, *dC_w, *dD, *dout_w;  // added into; dout_w iff out_w
+  float* ws;                              // workspace: m3_bwd_workspace() floats
+  float *shared, *part_h, *part_bt;       // set by m3_bwd (views of ws)
+};
+int m3_chunk();
+int m3_ckpt_len(int P, int N, int R);
+int64_t m3_bwd_workspace(int B, int T, int H, int P, int N, int R);
+const char* m3_supported(int P, int N, int R);  // nullptr or why the kernels do not take these sizes
+const char* m3_fwd(const M3Params& p, cudaStream_t s);
+const char* m3_bwd(const M3Params& p, M3BwdParams g, cudaStream_t s);
 }  // namespace mrl

@@ -9,8 +9,9 @@ parameter gradients straight into the flat gradient arena. The math is
 :func:`mamba_rl.ops.mamba3_ref.mamba3_scan_ref` inside :class:`mamba_rl.model.mamba3.Mamba3Block`; the parity
 tests compare the two (``tests/model/test_mamba3_cpu.py``).
 
-Only the "cpu" backend has these kernels (float32 compute); :func:`mamba_rl.ops.capability.kernel_support`
-("m3_sequence") says where the node runs.
+The "cpu" backend (csrc/cpu/mamba3.cpp, float32) and the "cuda" backend (csrc/mamba3.cu: a float32 core,
+the GEMMs in the compute dtype, float32 / bf16 / f16) have these kernels;
+:func:`mamba_rl.ops.capability.kernel_support` ("m3_sequence") says where the node runs.
 """
 from __future__ import annotations
 
@@ -48,24 +49,28 @@ class _M3Backbone(torch.autograd.Function):
         c = net.cfg
         B, T, _ = x.shape
         BT, di, eps = B * T, c.d_inner, c.rms_norm_eps
+        cdt = net.compute_dtype  # the GEMMs' dtype; the core is float32
+        low = cdt != torch.float32
         W = net.arena if net.compute_arena is None else net.compute_arena
         vw, vm = _views(net, W), _views(net, net.arena)
-        nf_ok, nb_ok, nff_ok = _norm_flags(net, torch.float32)
+        nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
         kw = _core_kw(c)
-        x2 = x.reshape(BT, -1).to(torch.float32)
-        h = torch.addmm(vw["input_proj.bias"], x2, vw["input_proj.weight"].t())
+        x2 = x.reshape(BT, -1).to(cdt)
+        h = torch.addmm(vw["input_proj.bias"], x2, vw["input_proj.weight"].t()).float()
         saved, carry_f, ssm_f = [], [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            u, rstd = _norm_fwd(ext, nf_ok, h, vm[p + "norm.weight"], eps, torch.float32)
-            zxbc = torch.mm(u, vw[p + "mixer.in_proj.weight"].t())  # [BT, Dp]
+            u, rstd = _norm_fwd(ext, nf_ok, h, vm[p + "norm.weight"], eps, cdt)
+            zxbc = torch.mm(u, vw[p + "mixer.in_proj.weight"].t())  # [BT, Dp] in cdt
+            zf = zxbc.float() if low else zxbc
             prm = m3_core_params(vm, i, c)
-            y, cf, sf, ckpt = ext.m3_fwd(zxbc.view(B, T, -1), c.headdim, *prm[:6],
+            y, cf, sf, ckpt = ext.m3_fwd(zf.view(B, T, -1), c.headdim, *prm[:6],
                                          prm[6] if c.is_outproj_norm else None, carry0[i], ssm0[i], starts,
                                          need_ckpt=True, **kw)
+            yc = y.view(BT, di).to(cdt) if low else y.view(BT, di)
             h_in = h
-            h = _residual_mm(h_in, y.view(BT, di), vw[p + "mixer.out_proj.weight"].t())
-            saved.append((h_in, u, rstd, zxbc, y, ckpt))
+            h = _residual_mm(h_in, yc, vw[p + "mixer.out_proj.weight"].t())
+            saved.append((h_in, u, rstd, zf, yc, ckpt))
             carry_f.append(cf)
             ssm_f.append(sf)
         feat, rstd_f = _norm_fwd(ext, nff_ok, h, vm["norm_f.weight"], eps, torch.float32)
@@ -83,33 +88,41 @@ class _M3Backbone(torch.autograd.Function):
         c = net.cfg
         B, T = ctx.shape
         BT = B * T
+        cdt = net.compute_dtype
+        low = cdt != torch.float32
         W = net.arena if net.compute_arena is None else net.compute_arena
         vw, vm, vg = _views(net, W), _views(net, net.arena), _views(net, net.grad_arena)
         nb_ok = ctx.norm_bwd_ok
         kw = _core_kw(c)
         f32 = torch.float32
-        dh, _ = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f, vm["norm_f.weight"],
-                          vg["norm_f.weight"], None, f32)
+        dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
+                             vm["norm_f.weight"], vg["norm_f.weight"], None, cdt)
         for i in reversed(range(c.n_layers)):
             p = f"layers.{i}."
-            h_in, u, rstd, zxbc, y, ckpt = ctx.saved[i]
-            _acc_mm(vg[p + "mixer.out_proj.weight"], dh.t(), y.view(BT, -1))
-            dy = torch.mm(dh, vw[p + "mixer.out_proj.weight"])  # [BT, d_inner]
+            h_in, u, rstd, zf, yc, ckpt = ctx.saved[i]
+            dout = dh if dh_c is None else dh_c
+            _acc_mm(vg[p + "mixer.out_proj.weight"], dout.t(), yc)
+            dy = torch.mm(dout, vw[p + "mixer.out_proj.weight"])  # [BT, d_inner]
+            dy = dy.float() if low else dy
             prm = m3_core_params(vm, i, c)
             dcf = None if dcarry_final is None else dcarry_final[i].to(f32).contiguous()
             dsf = None if dssm_final is None else dssm_final[i].to(f32).contiguous()
-            dz = torch.empty_like(zxbc)
-            ext.m3_bwd(zxbc.view(B, T, -1), c.headdim, *prm[:6], prm[6] if c.is_outproj_norm else None,
+            dz = torch.empty_like(zf)
+            ext.m3_bwd(zf.view(B, T, -1), c.headdim, *prm[:6], prm[6] if c.is_outproj_norm else None,
                        ctx.carry0[i], ctx.ssm0[i], ctx.starts, ckpt=ckpt, dy=dy.view(B, T, -1), dcarry=dcf,
                        dssm=dsf, dzxbc_out=dz.view(B, T, -1), acc=m3_core_params(vg, i, c), **kw)
-            _acc_mm(vg[p + "mixer.in_proj.weight"], dz.t(), u)
-            du = torch.mm(dz, vw[p + "mixer.in_proj.weight"])
-            dh, _ = _norm_bwd(ext, nb_ok, du, h_in, rstd, vm[p + "norm.weight"], vg[p + "norm.weight"], dh, f32)
-        _acc_mm(vg["input_proj.weight"], dh.t(), ctx.x2)
+            dzc = dz.to(cdt) if low else dz
+            _acc_mm(vg[p + "mixer.in_proj.weight"], dzc.t(), u)
+            du = torch.mm(dzc, vw[p + "mixer.in_proj.weight"])
+            du = du.float() if low else du
+            dh, dh_c = _norm_bwd(ext, nb_ok, du, h_in, rstd, vm[p + "norm.weight"], vg[p + "norm.weight"], dh, cdt)
+        if dh_c is None:
+            dh_c = dh
+        _acc_mm(vg["input_proj.weight"], dh_c.t(), ctx.x2)
         vg["input_proj.bias"].add_(dh.sum(0))
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(dh, vw["input_proj.weight"]).view(B, T, -1).to(ctx.x_dtype)
+            dx = torch.mm(dh_c, vw["input_proj.weight"]).view(B, T, -1).to(ctx.x_dtype)
         return dx, None, None, None, None, None
 
 

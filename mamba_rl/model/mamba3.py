@@ -54,9 +54,11 @@ input_proj.bias).
 Backends: the pure-torch reference (float32 or float64; bf16/f16 compute copies for the GEMMs under the
 trainer; tested on the CPU, its GPU test is marked ``cuda``) and ``"cpu"``: the C++ kernels of
 ``csrc/cpu/mamba3*.cpp`` (float32) under the one autograd node of :mod:`mamba_rl.model.fused_m3` (hand-written
-backward into the gradient arena) and a one-call one-token step. ``backend="auto"`` picks "cpu" for float32
-masters on the CPU where the kernels built (else the reference, with one warning naming the cause) and the
-reference on a GPU (one warning); ``"cuda"`` raises ValueError until Mamba-3 CUDA kernels exist. The
+backward into the gradient arena) and a one-call one-token step; ``"cuda"``: csrc/mamba3.cu (a float32 core,
+the GEMMs in the compute dtype) under the same node, and a one-token step of torch GEMMs around the core's
+``m3_step`` kernel. ``backend="auto"`` picks "cpu" for float32 masters on the CPU where the kernels built
+(else the reference, with one warning naming the cause) and, for now, the reference on a GPU (one warning;
+``backend="cuda"`` opts in until the CUDA kernels' device parity run is green). The
 reference math runs instead of the kernels where they cannot stand in (a bf16/f16 compute copy on the CPU,
 swapped-in or frozen parameters, a gradient into the initial state), as for Mamba-1.
 """
@@ -307,14 +309,14 @@ class Mamba3Backbone(MambaBackbone):
     Args:
         cfg: a :class:`MambaConfig` with ``layer="Mamba3"``.
         input_dim, device, seed, dtype: as :class:`MambaBackbone`.
-        backend: "reference", "cpu" (the C++ kernels; a CPU device and float32 masters), or "auto" (module
-            doc: "cpu" where it applies, else the reference with one warning for float32 masters).
+        backend: "reference", "cpu" (the C++ kernels; a CPU device and float32 masters), "cuda" (the CUDA
+            kernels; a CUDA device and float32 masters), or "auto" (module doc: "cpu" where it applies, else
+            the reference with one warning for float32 masters).
 
     Raises:
-        ValueError: bad input_dim, dtype or backend; ``backend="cuda"`` (no Mamba-3 CUDA kernels yet);
-            ``backend="cpu"`` off the CPU or with float64 masters; an input of the wrong shape/dtype/device
-            in forward.
-        RuntimeError: ``backend="cpu"`` where the CPU kernels could not load (the message says why).
+        ValueError: bad input_dim, dtype or backend; ``backend="cpu"`` / ``"cuda"`` off its device or with
+            float64 masters; an input of the wrong shape/dtype/device in forward.
+        RuntimeError: ``backend="cpu"`` / ``"cuda"`` where its kernels could not load (the message says why).
     """
 
     def __init__(self, cfg: MambaConfig, input_dim: int, device=None, seed: int | None = 0,
@@ -334,8 +336,17 @@ class Mamba3Backbone(MambaBackbone):
         if backend == "reference":
             return "reference"
         if backend == "cuda":
-            raise ValueError("MambaBackbone: backend='cuda' has no Mamba-3 kernels yet; layer='Mamba3' runs on "
-                             "backend='cpu' (a CPU device) or 'reference' (any device; 'auto' picks it on a GPU)")
+            if dev.type != "cuda":
+                raise ValueError(f"MambaBackbone: backend='cuda' needs a CUDA device, got {dev}")
+            if dt != torch.float32:
+                raise ValueError(f"MambaBackbone: backend='cuda' needs float32 masters, got {dt}")
+            ext = extension("cuda")
+            if ext is None:
+                raise RuntimeError(f"MambaBackbone: the cuda kernels could not load: {extension_error('cuda')!r}")
+            if not hasattr(ext, "m3_fwd"):
+                raise RuntimeError("MambaBackbone: the loaded cuda extension has no Mamba-3 kernels (m3_fwd); rebuild "
+                                   "it with `python -m mamba_rl.build --kind cuda`")
+            return "cuda"
         if backend == "cpu":
             if dev.type != "cpu":
                 raise ValueError(f"MambaBackbone: backend='cpu' needs a CPU device, got {dev}")
@@ -353,9 +364,10 @@ class Mamba3Backbone(MambaBackbone):
                     warnings.warn(fallback_message("cpu") + " (layer='Mamba3')", RuntimeWarning, stacklevel=3)
             elif "cuda" not in _WARNED:
                 _WARNED.add("cuda")
-                warnings.warn("MambaBackbone: layer='Mamba3' has no CUDA kernels yet; running the pure-PyTorch "
-                              "reference backend on the GPU (pass backend='reference' to choose it explicitly)",
-                              RuntimeWarning, stacklevel=3)
+                warnings.warn("MambaBackbone: layer='Mamba3' runs the pure-PyTorch reference on a GPU under "
+                              "backend='auto' until its CUDA kernels have passed their device parity run "
+                              "(scripts/m3_check.sh); pass backend='cuda' to run them, or 'reference' to choose "
+                              "the reference explicitly", RuntimeWarning, stacklevel=3)
         return "reference"
 
     def kernel_support(self, op: str) -> Support:
@@ -374,7 +386,7 @@ class Mamba3Backbone(MambaBackbone):
         c = self.cfg
         return kernel_support(self.backend, {"sequence": "m3_sequence", "step": "m3_step"}.get(op, op),
                               d_model=c.d_model, d_state=c.d_state, n_layers=c.n_layers, dtype=self.compute_dtype,
-                              device=self.device)
+                              device=self.device, headdim=c.headdim)
 
     def _forward_fused(self, x, initial_state, episode_starts):
         B, T = x.shape[:2]
@@ -388,6 +400,25 @@ class Mamba3Backbone(MambaBackbone):
         if feat.grad_fn is not None:
             _guard_fused_backward(self, feat.grad_fn)
         return feat, Mamba3State(carry_f, ssm_f)
+
+    def _step_cuda(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None):
+        """The one-token step on the CUDA backend: per layer the RMSNorm and GEMMs in torch (compute dtype) and
+        the mixer core's ``m3_step`` kernel advancing the state in place; no host sync (graph-capturable)."""
+        c = self.cfg
+        ext, cdt = self.kernels, self.compute_dtype
+        w = self.step_weights()
+        starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
+        kw = dict(eps=float(c.rms_norm_eps), A_floor=float(c.A_floor), heavy_tail=c.A_activation == "heavy_tail")
+        h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).float()
+        for i in range(c.n_layers):
+            p = f"layers.{i}."
+            u = rms_norm_ref(h, w[p + "norm.weight"], c.rms_norm_eps, cdt)
+            zxbc = F.linear(u, w[p + "mixer.in_proj.weight"]).float().contiguous()
+            prm = m3_core_params(w, i, c)
+            y = ext.m3_step(zxbc, c.headdim, *prm[:6], prm[6] if c.is_outproj_norm else None, state.conv[i],
+                            state.ssm[i], starts, **kw)
+            h = h + F.linear(y.to(cdt), w[p + "mixer.out_proj.weight"]).float()
+        return rms_norm_ref(h, w["norm_f.weight"], c.rms_norm_eps, torch.float32)
 
     def _packed_step_weights(self) -> tuple:
         """The one-token kernel's argument layout (views of the float32 arena), cached per arena."""
@@ -474,6 +505,8 @@ class Mamba3Backbone(MambaBackbone):
         :meth:`kernel_support` ("step") allows it and the state is float32; otherwise each block's
         :meth:`Mamba3Block.step` (torch ops)."""
         if state.ssm.dtype == torch.float32 and self.kernel_support("step"):
+            if self.backend == "cuda":
+                return self._step_cuda(x_t, state, episode_starts)
             c = self.cfg
             inp_w, inp_b, normf, layers = self._packed_step_weights()
             starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()

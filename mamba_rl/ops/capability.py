@@ -19,7 +19,9 @@ are those of the kernels in ``csrc/`` (each number below is checked there too, w
   device's opt-in shared memory per block. CPU: float32 states and compute.
 - ``m3_sequence`` / ``m3_step``: the Mamba-3 (``layer="Mamba3"``) whole-backbone node of
   :mod:`mamba_rl.model.fused_m3` and its one-token step. CPU: float32 compute, d_state at most
-  ``M3_MAX_STATE`` = 256 (the core keeps a head's B and C in stack buffers of that size); CUDA: none yet.
+  ``M3_MAX_STATE`` = 256 (the core keeps a head's B and C in stack buffers of that size). CUDA (csrc/mamba3.cu;
+  float32 core, the GEMMs in float32 / bf16 / f16): d_state a power of two in [2, 32] (a channel's state
+  entries share one warp segment) and headdim * d_state at most 1024 (one thread per state entry of a head).
 
 The op-independent condition, that the module's parameters are its arena's own views (not tensors swapped in
 by ``torch.func.functional_call``), is :meth:`~mamba_rl.model.arena.ArenaModule.params_are_arena`; the
@@ -83,7 +85,7 @@ def step_smem_bytes(d_model: int, d_inner: int, dt_rank: int, d_state: int, inpu
 def kernel_support(backend: str, op: str, *, d_model: int | None = None, d_inner: int | None = None,
                    d_state: int | None = None, d_conv: int | None = None, n_layers: int | None = None,
                    dt_rank: int | None = None, input_dim: int | None = None, dtype: torch.dtype | None = None,
-                   out_dtype: torch.dtype | None = None, device=None) -> Support:
+                   out_dtype: torch.dtype | None = None, device=None, headdim: int | None = None) -> Support:
     """Does the ``backend`` kernel of ``op`` take this configuration?
 
     Args:
@@ -94,6 +96,7 @@ def kernel_support(backend: str, op: str, *, d_model: int | None = None, d_inner
         dtype: the activation / compute dtype (GEMM dtype for ``sequence`` and ``step``; None: float32).
         out_dtype: ``rms_norm_fwd``'s output dtype (None: ``dtype``).
         device: the CUDA device (for the shared-memory limit of ``step``; None: the current one).
+        headdim: Mamba-3's channels per head (``m3_sequence`` / ``m3_step`` on CUDA).
     Returns:
         :class:`Support` (ok, reason).
     Raises:
@@ -135,7 +138,12 @@ def kernel_support(backend: str, op: str, *, d_model: int | None = None, d_inner
     if op in ("m3_sequence", "m3_step"):
         N = need("d_state", d_state)
         if cuda:
-            return _no(f"{op}: there are no Mamba-3 CUDA kernels yet")
+            P = need("headdim", headdim)
+            if N < 2 or N > 32 or N & (N - 1):
+                return _no(f"{op}: the CUDA kernels take d_state a power of two in [2, 32], got {N}")
+            if P * N > 1024:
+                return _no(f"{op}: the CUDA kernels take headdim * d_state <= 1024, got {P} * {N} = {P * N}")
+            return _OK
         if N > M3_MAX_STATE:
             return _no(f"{op}: the CPU kernels take d_state <= {M3_MAX_STATE}, got {N}")
         return _OK

@@ -199,9 +199,9 @@ def test_backbone_layout_state_and_dispatch():
 
 
 def test_backend_choice():
-    """Mamba-3 has CPU kernels (tests/model/test_mamba3_cpu.py) and no CUDA kernels yet: backend='cuda' is
-    refused; float64 masters run the reference without a warning."""
-    with pytest.raises(ValueError, match="no Mamba-3 kernels yet"):
+    """Mamba-3's kernel backends (tests/model/test_mamba3_cpu.py, test_mamba3_cuda.py) need their device;
+    float64 masters run the reference without a warning."""
+    with pytest.raises(ValueError, match="backend='cuda' needs a CUDA device, got cpu"):
         MambaBackbone(m3cfg(), IN, backend="cuda")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
