@@ -55,6 +55,7 @@ class _M3Backbone(torch.autograd.Function):
         vw, vm = _views(net, W), _views(net, net.arena)
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
         kw = _core_kw(c)
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # a backward can run: keep checkpoints
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(vw["input_proj.bias"], x2, vw["input_proj.weight"].t()).float()
         saved, carry_f, ssm_f = [], [], []
@@ -66,7 +67,7 @@ class _M3Backbone(torch.autograd.Function):
             prm = m3_core_params(vm, i, c)
             y, cf, sf, ckpt = ext.m3_fwd(zf.view(B, T, -1), c.headdim, *prm[:6],
                                          prm[6] if c.is_outproj_norm else None, carry0[i], ssm0[i], starts,
-                                         need_ckpt=True, **kw)
+                                         need_ckpt=need, **kw)
             yc = y.view(BT, di).to(cdt) if low else y.view(BT, di)
             h_in = h
             h = _residual_mm(h_in, yc, vw[p + "mixer.out_proj.weight"].t())

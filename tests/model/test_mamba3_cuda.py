@@ -73,6 +73,9 @@ def run(model, x, s0, starts, w, dtype, device):
     return y.detach(), fin, xx.grad, model.grad_arena.clone()
 
 
+_REF: dict = {}
+
+
 @pytest.mark.parametrize("compute", ["f32", "bf16"])
 @pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 1000, 2049])
 def test_cuda_matches_float64_reference(T, compute):
@@ -92,7 +95,9 @@ def test_cuda_matches_float64_reference(T, compute):
          torch.randn(s0.ssm.shape, generator=g, dtype=F64))
     y, fin, dx, grads = run(net, x, s0, starts, w, torch.float32, "cuda")
     assert type(fin) is Mamba3State
-    ry, rfin, rdx, rgrads = run(ref, x, s0, starts, w, F64, "cpu")
+    if T not in _REF:  # the float64 run is the same for both compute dtypes
+        _REF[T] = run(ref, x, s0, starts, w, F64, "cpu")
+    ry, rfin, rdx, rgrads = _REF[T]
     errs = dict(y=rel(y, ry), ssm=rel(fin.ssm, rfin.ssm), k=rel(fin.k, rfin.k), v=rel(fin.v, rfin.v),
                 angle=angle_err(fin.angle, rfin.angle), dx=rel(dx, rdx), grads=rel(grads, rgrads))
     per = {n: rel(net.arena_view(grads, n), ref.arena_view(rgrads, n)) for n, _ in net._layout}
