@@ -353,20 +353,36 @@ void m3_bwd(const M3Args& a, const M3BwdArgs& g) {
           std::fill(gkp, gkp + P, 0.0f);
           for (int n = 0; n < N; ++n) {
             const float q = cs.qr[n], k = cs.kr[n], kpn = cs.kpu[n];
-            float* Gn = G + (int64_t)n * P;
-            const float* St = cs.S + (int64_t)n * P;
+            float* __restrict Gn = G + (int64_t)n * P;
+            const float* __restrict St = cs.S + (int64_t)n * P;
+            const float* __restrict vpu = cs.vpu;
+            float* __restrict gxr = gx;
+            float* __restrict gkr = gkp;
             float sq = 0.0f, sx = 0.0f, sv = 0.0f, sa = 0.0f;
-            const float* Pn = prev ? prev + (int64_t)n * P : nullptr;
+            if (prev) {  // two loops, not a branch inside one: GCC vectorises both
+              const float* __restrict Pn = prev + (int64_t)n * P;
 #pragma omp simd reduction(+ : sq, sx, sv, sa)
-            for (int p = 0; p < P; ++p) {
-              const float gvv = Gn[p] + q * dyr[p];
-              sq += dyr[p] * St[p];
-              sx += gvv * x[p];
-              sv += gvv * cs.vpu[p];
-              if (Pn) sa += gvv * Pn[p];
-              gx[p] += gvv * k;
-              gkp[p] += gvv * kpn;
-              Gn[p] = gvv * gmul;
+              for (int p = 0; p < P; ++p) {
+                const float gvv = Gn[p] + q * dyr[p];
+                sq += dyr[p] * St[p];
+                sx += gvv * x[p];
+                sv += gvv * vpu[p];
+                sa += gvv * Pn[p];
+                gxr[p] += gvv * k;
+                gkr[p] += gvv * kpn;
+                Gn[p] = gvv * gmul;
+              }
+            } else {
+#pragma omp simd reduction(+ : sq, sx, sv)
+              for (int p = 0; p < P; ++p) {
+                const float gvv = Gn[p] + q * dyr[p];
+                sq += dyr[p] * St[p];
+                sx += gvv * x[p];
+                sv += gvv * vpu[p];
+                gxr[p] += gvv * k;
+                gkr[p] += gvv * kpn;
+                Gn[p] = gvv * gmul;
+              }
             }
             dqr[n] = sq;
             dkr[n] = ccur * sx + gk[n];
