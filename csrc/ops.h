@@ -214,6 +214,9 @@ struct XdtBwdParams {
 int xdt_smem_ok(int E, int D);  // 1 when x_proj.weight [E, D] fits the kernels' shared memory
 const char* xdt_fwd(int dtype, const XdtFwdParams& p, cudaStream_t s);
 const char* xdt_bwd(int dtype, const XdtBwdParams& p, cudaStream_t s);
+}  // namespace mrl
+
+namespace mrl {
 // ---------------- Mamba-3 SISO mixer core (mamba3.cu; the contract of cpu/mamba3.cpp, float32) ----------------
 struct M3Params {
   const float* zxbc; int64_t z_sb, z_st;  // [B, T, Dp] in_proj output, unit last stride, Dp = 2 H P + 2N + 3H + R
