@@ -37,6 +37,7 @@ torchrun tears the other ranks down when one exits.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import signal
 from typing import Any
@@ -79,14 +80,26 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0, backend: str |
         True when this process is (now) one rank of a group of more than one.
 
     Raises:
-        RuntimeError: ``WORLD_SIZE`` > 1 without ``RANK`` / ``MASTER_ADDR`` (not launched by torchrun),
-            or more local ranks than visible GPUs.
+        RuntimeError: ``WORLD_SIZE`` not an integer, or > 1 without ``RANK`` / ``MASTER_ADDR`` (not launched
+            by torchrun), or more local ranks than visible GPUs.
         ValueError: ``device`` asks for CUDA on a machine without it (:func:`~mamba_rl.agents.devices.resolve_device`),
-            or ``backend`` is not one of None, "nccl", "gloo" (or "nccl" without CUDA).
+            ``backend`` is not one of None, "nccl", "gloo" (checked with or without a job), "nccl" without
+            CUDA, or ``timeout_s`` is not a finite number > 0.
     """
+    # the arguments' own values first, so a bad one is an error on one process as on many
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"init_from_env: backend must be None, 'gloo' or ('nccl' on CUDA), got {backend!r} "
+                         f"with device {device!r}")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s)
+            or timeout_s <= 0):
+        raise ValueError(f"init_from_env: timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(raw)
+    except ValueError:
+        raise RuntimeError(f"WORLD_SIZE must be an integer number of ranks (torchrun sets it), got {raw!r}") from None
     if world <= 1:
         return False
     for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -94,7 +107,7 @@ def init_from_env(device: str = "auto", timeout_s: float = 600.0, backend: str |
             raise RuntimeError(f"WORLD_SIZE={world} but {key} is not set: launch with torchrun "
                                f"(or mamba-rl train --nproc N)")
     cuda = resolve_device(device).type == "cuda"
-    if backend not in (None, "nccl", "gloo") or (backend == "nccl" and not cuda):
+    if backend == "nccl" and not cuda:
         raise ValueError(f"init_from_env: backend must be None, 'gloo' or ('nccl' on CUDA), got {backend!r} "
                          f"with device {device!r}")
     backend = backend or ("nccl" if cuda else "gloo")

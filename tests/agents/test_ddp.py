@@ -150,6 +150,35 @@ def test_bad_world_setup_is_a_clear_error(monkeypatch):
         DataParallel()
 
 
+def test_bad_init_arguments_are_clear_errors_with_or_without_a_job(monkeypatch):
+    """A bad backend / timeout_s is refused on one process too (it was silently ignored when WORLD_SIZE <= 1,
+    and a bad timeout_s reached c10d as a raw socket error or 'cannot convert float NaN to integer'); a
+    WORLD_SIZE that is not an integer names the variable."""
+    from mamba_rl.agents.distributed import init_from_env
+
+    for world in (None, "2"):
+        if world is None:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("WORLD_SIZE", world)
+            monkeypatch.setenv("RANK", "0")
+            monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+            monkeypatch.setenv("MASTER_PORT", "1")
+        for bad in ("mpi", "NCCL", "", 1):
+            with pytest.raises(ValueError, match=rf"backend must be None, 'gloo' or .*got {bad!r}"):
+                init_from_env("cpu", backend=bad)
+        for bad in (-1, 0, float("nan"), float("inf"), True, "600"):
+            with pytest.raises(ValueError, match=rf"timeout_s must be a finite number of seconds > 0, got {bad!r}"):
+                init_from_env("cpu", timeout_s=bad, backend="gloo")
+    with pytest.raises(ValueError, match="'nccl' on CUDA"):
+        init_from_env("cpu", backend="nccl")  # WORLD_SIZE 2 on the CPU
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE must be an integer number of ranks .*got 'two'"):
+        init_from_env("cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_from_env("cpu", backend="gloo") is False
+
+
 def test_a_hanging_rank_is_an_error_within_the_timeout(tmp_path):
     _spawn(hang_worker, str(tmp_path), 10.0)
     r = torch.load(tmp_path / "hang.pt")
