@@ -412,10 +412,19 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose parse errors (a flag value of the wrong type, an unknown flag, a missing
+    subcommand) are the one ``PROG: error: ...`` line and exit 2 of every other user mistake, not the error
+    after the whole usage block (some 30 lines for ``train``); ``--help`` still prints the usage."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``mamba-rl`` parser with one subparser per entry of ``SUBCOMMANDS``."""
-    parser = argparse.ArgumentParser(prog="mamba-rl", description="Mamba backbone + recurrent PPO on gymnasium.")
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    parser = _Parser(prog="mamba-rl", description="Mamba backbone + recurrent PPO on gymnasium.")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(SUBCOMMANDS) + "}", parser_class=_Parser)
     sub.required = True
     for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)

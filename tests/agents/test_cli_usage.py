@@ -291,3 +291,19 @@ def test_nproc_validates_before_launching_the_ranks(capsys):
     assert main(["train", "--nproc", "2", "--num-envs", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "must be divisible by num_minibatches" in err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "--layer", "Mamba3", "--headdim", "x"], "mamba-rl train: error: argument --headdim: invalid int value: 'x'"),
+    (["train", "--nproc", "two"], "mamba-rl train: error: argument --nproc: invalid int value: 'two'"),
+    (["train", "--layer", "Mamba3", "--no-such-flag"], "mamba-rl: error: unrecognized arguments: --no-such-flag"),
+    (["bogus"], "mamba-rl: error: argument {"),
+])
+def test_parse_errors_are_one_line_errors(argv, message, capsys):
+    """argparse's own errors (a flag value of the wrong type, an unknown flag or command) are one line and
+    exit 2 too: they used to come after the whole ``train`` usage block (31 lines)."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message) and err.endswith("--help)") and len(err.splitlines()) == 1, err
