@@ -7,6 +7,9 @@ Methods:
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
   not a 1-D Box are one-hot flattened (gymnasium's ``FlattenObservation``), as the mamba agent does.
+  ``--sb3-prev-action``: the observation is (obs, previous action) through POPGym's ``PreviousAction``
+  wrapper (POPGym marks Battleship, Concentration and MultiarmedBandit ``obs_requires_prev_action``);
+  its runs go to ``sb3__prev``.
 
 Metric: MMER (POPGym, Morad et al. 2023), the maximum over training of the mean return of the last 100
 finished episodes (all envs together), read after every rollout (every 1024 env steps for both methods).
@@ -150,9 +153,12 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
                                    for k, v in sets.items()}}
 
 
-def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
+def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int,
+            prev_action: bool = False) -> dict:
     """Train sb3-contrib's RecurrentPPO (LSTM 128, 8 envs, n_steps 128; ``sets`` override its kwargs; the
-    command line never passes any). No evaluation (``eval_episodes`` is ignored)."""
+    command line never passes any). ``prev_action``: wrap the env in POPGym's own ``PreviousAction``
+    (the observation becomes (obs, previous action), one-hot flattened). No evaluation (``eval_episodes`` is
+    ignored)."""
     import gymnasium as gym
     import torch
     from gymnasium import spaces
@@ -167,6 +173,10 @@ def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eva
 
     def make():
         env = gym.make(eid)
+        if prev_action:
+            from popgym.wrappers import PreviousAction
+
+            env = PreviousAction(env.unwrapped)  # POPGym's wrappers take the bare POPGymEnv
         sp = env.observation_space
         if not (isinstance(sp, spaces.Box) and len(sp.shape) == 1):
             env = gym.wrappers.FlattenObservation(env)
@@ -205,9 +215,11 @@ def worker(a) -> int:
     base = os.path.join(d, f"{a.task}__seed{a.seed}")
     w = _CurveWriter(base + ".csv")
     sets = parse_sets(a.set)
-    fn = run_mamba if a.worker == "mamba" else run_sb3
     t0 = time.time()
-    extra = fn(a.task, a.seed, a.total, sets, w, a.eval_episodes)
+    if a.worker == "mamba":
+        extra = run_mamba(a.task, a.seed, a.total, sets, w, a.eval_episodes)
+    else:
+        extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.variant == "prev")
     w.close()
     res = {"task": a.task, "env_id": env_id(a.task), "method": a.worker, "variant": a.variant, "seed": a.seed,
            "total": a.total, "steps": w.curve[-1][0] if w.curve else 0, "mmer": mmer(w.curve),
@@ -329,6 +341,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variant", default=None, help="name of the mamba configuration given by --set")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="a PPOConfig field of the mamba runs (repeatable; needs --variant; sb3 always runs its defaults)")
+    ap.add_argument("--sb3-prev-action", action="store_true",
+                    help="sb3 observes (obs, previous action) through POPGym's PreviousAction wrapper (folder sb3__prev)")
     ap.add_argument("--eval-episodes", type=int, default=0, help="deterministic episodes of the final mamba policy")
     ap.add_argument("--nice", type=int, default=0, help="niceness of the runs")
     ap.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
@@ -349,7 +363,7 @@ def main(argv=None) -> int:
     jobs = []
     if not a.summarise_only:
         for method in a.methods:
-            variant = a.variant if method == "mamba" else None
+            variant = a.variant if method == "mamba" else ("prev" if a.sb3_prev_action else None)
             sets = a.set if method == "mamba" else []
             for task in a.tasks:
                 for seed in a.seeds:

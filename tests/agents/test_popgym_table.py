@@ -63,22 +63,29 @@ def test_summary_table_and_plot(pg, tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
-@pytest.mark.parametrize("method", ["mamba", "sb3"])
-def test_one_tiny_run_end_to_end(pg, tmp_path, method):
+@pytest.mark.parametrize("method,extra,folder", [
+    ("mamba", ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"], "mamba__tiny"),
+    ("sb3", [], "sb3"),
+    ("sb3", ["--sb3-prev-action"], "sb3__prev"),
+])
+def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
     pytest.importorskip("popgym")
     if method == "sb3":
         pytest.importorskip("sb3_contrib")
-    rc = pg.main(["--methods", method, "--tasks", "RepeatPreviousEasy", "--seeds", "3", "--total", "1024",
-                  "--jobs", "1", "--out", str(tmp_path)] + (["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"]
-                                                              if method == "mamba" else []))
+    argv = ["--methods", method, "--tasks", "RepeatPreviousEasy", "--seeds", "3", "--total", "1024", "--jobs", "1",
+            "--out", str(tmp_path)] + extra
+    rc = pg.main(argv)
     assert rc == 0, open(tmp_path / "runs.log").read()[-3000:]
-    folder = tmp_path / ("mamba__tiny" if method == "mamba" else "sb3")
+    folder = tmp_path / folder
     r = json.load(open(folder / "RepeatPreviousEasy__seed3.json"))
     assert r["steps"] == 1024 and r["total"] == 1024 and r["method"] == method
     assert math.isfinite(r["mmer"]) and r["versions"]["torch"]
     # a finished run of the same budget is not run again
     mtime = os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json")
-    again = ["--variant", "tiny", "--set", "d_model=16"] if method == "mamba" else []
-    assert pg.main(["--methods", method, "--tasks", "RepeatPreviousEasy", "--seeds", "3", "--total", "1024",
-                    "--out", str(tmp_path)] + again) == 0
+    assert pg.main(argv) == 0
     assert os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json") == mtime
+
+
+def test_set_needs_a_variant(pg, tmp_path):
+    with pytest.raises(SystemExit):
+        pg.main(["--methods", "mamba", "--set", "prev_action=True", "--out", str(tmp_path)])
