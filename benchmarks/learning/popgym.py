@@ -63,6 +63,12 @@ def env_id(task: str) -> str:
     return f"popgym-{task}-v0"
 
 
+def file_name(task: str) -> str:
+    """The task as part of a file name: ``/`` and ``:`` become ``_`` (``mamba_rl/CartPoleNoVel-v1`` ->
+    ``mamba_rl_CartPoleNoVel-v1``)."""
+    return task.replace("/", "_").replace(":", "_")
+
+
 def parse_sets(items: list[str]) -> dict:
     """``["lr=1e-3", "prev_action=True"]`` -> ``{"lr": 0.001, "prev_action": True}`` (Python literals; a value
     that is not one stays a string). Raises ValueError on an item without ``=``."""
@@ -212,7 +218,7 @@ def worker(a) -> int:
     """One run (``--worker``): the CSV curve, then the JSON of its final numbers."""
     d = run_dir(a.out, a.worker, a.variant)
     os.makedirs(d, exist_ok=True)
-    base = os.path.join(d, f"{a.task}__seed{a.seed}")
+    base = os.path.join(d, f"{file_name(a.task)}__seed{a.seed}")
     w = _CurveWriter(base + ".csv")
     sets = parse_sets(a.set)
     t0 = time.time()
@@ -367,7 +373,7 @@ def main(argv=None) -> int:
             sets = a.set if method == "mamba" else []
             for task in a.tasks:
                 for seed in a.seeds:
-                    done = os.path.join(run_dir(a.out, method, variant), f"{task}__seed{seed}.json")
+                    done = os.path.join(run_dir(a.out, method, variant), f"{file_name(task)}__seed{seed}.json")
                     if not a.rerun and os.path.exists(done) and json.load(open(done))["total"] == a.total:
                         continue
                     cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--task", task, "--seed",

@@ -22,6 +22,7 @@ def test_env_id_and_sets(pg):
     assert pg.env_id("AutoencodeEasy") == "popgym-AutoencodeEasy-v0"
     assert pg.env_id("popgym-BattleshipEasy-v0") == "popgym-BattleshipEasy-v0"
     assert pg.env_id("mamba_rl/CartPoleNoVel-v1") == "mamba_rl/CartPoleNoVel-v1"
+    assert pg.file_name("mamba_rl/CartPoleNoVel-v1") == "mamba_rl_CartPoleNoVel-v1"
     assert pg.parse_sets(["prev_action=True", "learning_rate=3e-4", "backend=cpu"]) == {
         "prev_action": True, "learning_rate": 3e-4, "backend": "cpu"}
     with pytest.raises(ValueError, match="NAME=VALUE"):
