@@ -237,9 +237,18 @@ def worker(a) -> int:
     return 0
 
 
-def _read_curve(path: str) -> list[tuple[int, float]]:
+def _read_curve(path: str) -> tuple[list[tuple[int, float]], list[int]]:
+    """(``[(global_step, mean_return_last100)]``, episodes finished by each point) of a run's CSV."""
     with open(path) as f:
-        return [(int(r["global_step"]), float(r["mean_return_last100"])) for r in csv.DictReader(f)]
+        rows = list(csv.DictReader(f))
+    return [(int(r["global_step"]), float(r["mean_return_last100"])) for r in rows], [int(r["episodes"]) for r in rows]
+
+
+def mmer_full_window(curve: list[tuple[int, float]], episodes: list[int], window: int = 100) -> float:
+    """MMER over only the points where at least ``window`` episodes had finished, so the window is full (NaN
+    if none). The plain :func:`mmer` also counts the first points, where the mean is over the first few
+    episodes and its max is mostly noise (on BattleshipEasy the max is often the mean of the first 8)."""
+    return mmer([c for c, n in zip(curve, episodes) if n >= window])
 
 
 def summarise(out: str, tasks: list[str] | None = None) -> dict:
@@ -251,23 +260,29 @@ def summarise(out: str, tasks: list[str] | None = None) -> dict:
         if tasks and r["task"] not in tasks:
             continue
         key = f"{r['task']}|{os.path.basename(os.path.dirname(path))}"
-        r["curve"] = _read_curve(path[:-5] + ".csv")
+        r["curve"], episodes = _read_curve(path[:-5] + ".csv")
+        r["mmer_full"] = mmer_full_window(r["curve"], episodes)
         runs.setdefault(key, {})[str(r["seed"])] = r
     summary = {}
     for key, per in runs.items():
-        vals = [p["mmer"] for p in per.values()]
-        mu = sum(vals) / len(vals)
-        sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
-        summary[key] = {"seeds": sorted(per, key=int), "mmer": {s: per[s]["mmer"] for s in sorted(per, key=int)},
-                        "mean": mu, "std": sd, "spread": max(vals) - min(vals),
-                        "steps": min(p["steps"] for p in per.values()),
-                        "eval": {s: per[s].get("eval") for s in sorted(per, key=int)},
-                        "versions": next(iter(per.values()))["versions"],
-                        "wall_s": [per[s]["wall_s"] for s in sorted(per, key=int)]}
+        seeds = sorted(per, key=int)
+        summary[key] = {"seeds": seeds}
+        for name, suffix in (("mmer", ""), ("mmer_full", "_full")):
+            vals = [per[s][name] for s in seeds]
+            mu = sum(vals) / len(vals)
+            sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+            summary[key].update({name: dict(zip(seeds, vals)), "mean" + suffix: mu, "std" + suffix: sd,
+                                 "spread" + suffix: max(vals) - min(vals)})
+        summary[key].update({"steps": min(p["steps"] for p in per.values()),
+                             "eval": {s: per[s].get("eval") for s in seeds},
+                             "versions": next(iter(per.values()))["versions"],
+                             "wall_s": [per[s]["wall_s"] for s in seeds]})
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table(summary))
+    with open(os.path.join(out, "table_full_window.md"), "w") as f:
+        f.write(table(summary, full_window=True))
     return {"summary": summary, "runs": runs}
 
 
@@ -276,11 +291,13 @@ def _fmt(v: float) -> str:
         f"{v:.0f}" if abs(v) >= 10 else f"{v:.3f}")
 
 
-def table(summary: dict) -> str:
-    """Markdown: one row per task, one MMER column per method (mean +- std (n)), per-seed values, and the
-    difference of each method to sb3 where both exist."""
+def table(summary: dict, full_window: bool = False) -> str:
+    """Markdown: one row per task, one MMER column per method (mean +- std (n seeds, steps)), per-seed values,
+    and the difference of each method to sb3 where both exist. ``full_window``: the MMER of
+    :func:`mmer_full_window` instead (only points with 100 finished episodes)."""
+    sfx = "_full" if full_window else ""
     tasks = sorted({k.split("|")[0] for k in summary}, key=lambda t: (TASKS.index(t) if t in TASKS else 99, t))
-    methods = sorted({k.split("|")[1] for k in summary}, key=lambda m: (m != "mamba", m != "sb3", m))
+    methods = sorted({k.split("|")[1] for k in summary}, key=lambda m: (m.startswith("sb3"), m != "mamba", m))
     lines = ["| task | " + " | ".join(f"{m} MMER" for m in methods) + " | per seed | "
              + " | ".join(f"{m} - sb3" for m in methods if m != "sb3" and "sb3" in methods) + " |"]
     lines.append("|---" * (2 + len(methods) + sum(1 for m in methods if m != "sb3" and "sb3" in methods)) + "|")
@@ -292,10 +309,10 @@ def table(summary: dict) -> str:
             if s is None:
                 cells.append("-")
                 continue
-            cells.append(f"{_fmt(s['mean'])} ± {_fmt(s['std'])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
-            seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer"].values()))
+            cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
+            seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer" + sfx].values()))
             if m != "sb3" and "sb3" in methods:
-                diffs.append(f"{s['mean'] - ref['mean']:+.3f}" if ref else "-")
+                diffs.append(f"{s['mean' + sfx] - ref['mean' + sfx]:+.3f}" if ref else "-")
         lines.append(f"| {t} | " + " | ".join(cells) + " | " + "; ".join(seeds) + " | " + " | ".join(diffs)
                      + (" |" if diffs else "|"))
     return "\n".join(lines) + "\n"
@@ -322,9 +339,10 @@ def plot(runs: dict, path: str) -> None:
             if not steps:
                 continue
             ys = np.array([[c[s] for s in steps] for c in curves], dtype=float)
-            mu = np.nanmean(ys, axis=0)
-            (line,) = ax.plot(steps, mu, label=f"{m} ({len(curves)} seeds)")
-            ax.fill_between(steps, np.nanmin(ys, axis=0), np.nanmax(ys, axis=0), alpha=0.2, color=line.get_color())
+            keep = ~np.isnan(ys).any(axis=0)  # before the first finished episode there is no mean
+            x, ys = np.asarray(steps)[keep], ys[:, keep]
+            (line,) = ax.plot(x, ys.mean(axis=0), label=f"{m} ({len(curves)} seeds)")
+            ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), alpha=0.2, color=line.get_color())
         ax.set_title(t, fontsize=9)
         ax.set_xlabel("env steps")
         ax.set_ylabel("mean return, last 100 episodes")
@@ -402,7 +420,7 @@ def main(argv=None) -> int:
                     failed += 1
                     print(f"popgym: run failed (rc {rc}): {' '.join(p.args)}", file=sys.stderr)
             running = still
-    res = summarise(a.out, a.tasks)
+    res = summarise(a.out)  # every finished run in the folder, not only this call's
     if res["runs"]:
         plot(res["runs"], os.path.join(a.out, "curves.png"))
     print(table(res["summary"]), end="")

@@ -32,6 +32,9 @@ def test_env_id_and_sets(pg):
 def test_mmer_is_the_max_over_finite_points(pg):
     assert pg.mmer([(1024, math.nan), (2048, -0.5), (3072, 0.25), (4096, 0.1)]) == 0.25
     assert math.isnan(pg.mmer([(1024, math.nan)]))
+    curve = [(1024, 0.9), (2048, 0.2), (3072, 0.3)]
+    assert pg.mmer_full_window(curve, [8, 100, 150]) == 0.3  # the 0.9 is the mean of the first 8 episodes
+    assert math.isnan(pg.mmer_full_window(curve, [8, 16, 24]))
 
 
 def _fake_run(out, method, task, seed, values):
@@ -41,7 +44,7 @@ def _fake_run(out, method, task, seed, values):
     with open(base + ".csv", "w") as f:
         f.write("global_step,episodes,mean_return_last100,wall_s\n")
         for i, v in enumerate(values):
-            f.write(f"{1024 * (i + 1)},{i},{v},{i}\n")
+            f.write(f"{1024 * (i + 1)},{100 * i},{v},{i}\n")
     json.dump({"task": task, "method": method, "seed": seed, "total": 1024 * len(values), "steps": 1024 * len(values),
                "mmer": max(values), "final": values[-1], "wall_s": 1.0, "versions": {"torch": "x"}, "eval": math.nan},
               open(base + ".json", "w"))
@@ -57,6 +60,9 @@ def test_summary_table_and_plot(pg, tmp_path):
     assert s["mmer"] == {"0": -0.3, "1": -0.1}
     assert s["mean"] == pytest.approx(-0.2) and s["std"] == pytest.approx(math.sqrt(0.02))
     assert s["spread"] == pytest.approx(0.2)
+    assert s["mmer_full"] == {"0": -0.3, "1": -0.1}  # the first point (0 episodes) never counts
+    full = open(tmp_path / "table_full_window.md").read()
+    assert "-0.200 ± 0.141 (2, 3k)" in full
     md = open(tmp_path / "table.md").read()
     row = next(line for line in md.splitlines() if line.startswith("| BattleshipEasy"))
     assert "-0.200 ± 0.141 (2, 3k)" in row and "-0.400 ± 0.000 (1, 3k)" in row and "+0.200" in row
