@@ -308,6 +308,8 @@ def table(summary: dict, full_window: bool = False) -> str:
             s = summary.get(f"{t}|{m}")
             if s is None:
                 cells.append("-")
+                if m != "sb3" and "sb3" in methods:
+                    diffs.append("-")
                 continue
             cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
             seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer" + sfx].values()))

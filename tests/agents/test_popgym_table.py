@@ -61,6 +61,11 @@ def test_summary_table_and_plot(pg, tmp_path):
     assert s["mean"] == pytest.approx(-0.2) and s["std"] == pytest.approx(math.sqrt(0.02))
     assert s["spread"] == pytest.approx(0.2)
     assert s["mmer_full"] == {"0": -0.3, "1": -0.1}  # the first point (0 episodes) never counts
+    _fake_run(out, "mamba__x", "AutoencodeEasy", 0, [-0.5, -0.4])  # a row without sb3 and without plain mamba
+    pg.summarise(out)
+    md = open(tmp_path / "table.md").read()
+    lines = [line for line in md.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1, md  # every row has every column
     full = open(tmp_path / "table_full_window.md").read()
     assert "-0.200 ± 0.141 (2, 3k)" in full
     md = open(tmp_path / "table.md").read()
