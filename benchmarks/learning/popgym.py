@@ -1,0 +1,434 @@
+"""POPGym memory tasks x seeds x methods, many runs in parallel, a table of MMER and one PNG of curves.
+
+Methods:
+* ``mamba``: :class:`mamba_rl.agents.RecurrentPPO` with its defaults (8 envs x 128 steps) plus any
+  ``--set name=value`` overrides (a named configuration: ``--variant``).
+* ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
+  (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
+  batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
+  not a 1-D Box are one-hot flattened (gymnasium's ``FlattenObservation``), as the mamba agent does.
+  ``--sb3-prev-action``: the observation is (obs, previous action) through POPGym's ``PreviousAction``
+  wrapper (POPGym marks Battleship, Concentration and MultiarmedBandit ``obs_requires_prev_action``);
+  its runs go to ``sb3__prev``.
+
+Metric: MMER (POPGym, Morad et al. 2023), the maximum over training of the mean return of the last 100
+finished episodes (all envs together), read after every rollout (every 1024 env steps for both methods).
+
+Each run is one process with one torch thread (``OMP_NUM_THREADS=1``); ``--jobs`` of them run at once.
+A run writes ``{out}/{method}[__{variant}]/{task}__seed{seed}.csv`` (columns ``global_step, episodes,
+mean_return_last100, wall_s``; one row per rollout) and, when it finished, ``...seed{seed}.json``
+(final numbers, versions). A run whose JSON exists for the same budget is not run again (``--rerun`` forces
+it), so sb3's slow side is run once and its committed results are reused until a version changes.
+Then ``summary.json``, ``table.md`` (MMER mean +- std per task and method, per-seed values) and
+``curves.png`` (env steps on x, one panel per task, mean over seeds with a min..max band) are written.
+
+Usage (from the repo root):
+    python benchmarks/learning/popgym.py --methods mamba sb3 --seeds 0 1 2 --total 200000 --jobs 8 \\
+        --out benchmarks/learning/popgym
+    python benchmarks/learning/popgym.py --methods mamba --variant prev --set prev_action=True \\
+        --set prev_reward=True --tasks AutoencodeEasy BattleshipEasy --seeds 0 1 2 --out /tmp/abl
+    python benchmarks/learning/popgym.py --summarise-only --out benchmarks/learning/popgym
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import glob
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections import deque
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# run as a script, this folder is sys.path[0], and this file would shadow the popgym package
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+TASKS = ("RepeatPreviousEasy", "AutoencodeEasy", "PositionOnlyCartPoleEasy", "NoisyPositionOnlyCartPoleEasy",
+         "MultiarmedBanditEasy", "BattleshipEasy", "ConcentrationEasy", "PositionOnlyPendulumEasy")
+METHODS = ("mamba", "sb3")
+ROLLOUT = (8, 128)  # envs, steps per env per rollout: the same for both methods
+
+
+def env_id(task: str) -> str:
+    """``"AutoencodeEasy"`` -> ``"popgym-AutoencodeEasy-v0"``; a full id (``popgym-...`` or one with a
+    ``/`` or ``:``, e.g. ``mamba_rl/CartPoleNoVel-v1``) is returned as given."""
+    if task.startswith("popgym-") or "/" in task or ":" in task or task.endswith(("-v0", "-v1")):
+        return task
+    return f"popgym-{task}-v0"
+
+
+def file_name(task: str) -> str:
+    """The task as part of a file name: ``/`` and ``:`` become ``_`` (``mamba_rl/CartPoleNoVel-v1`` ->
+    ``mamba_rl_CartPoleNoVel-v1``)."""
+    return task.replace("/", "_").replace(":", "_")
+
+
+def parse_sets(items: list[str]) -> dict:
+    """``["lr=1e-3", "prev_action=True"]`` -> ``{"lr": 0.001, "prev_action": True}`` (Python literals; a value
+    that is not one stays a string). Raises ValueError on an item without ``=``."""
+    out = {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set expects NAME=VALUE, got {item!r}")
+        try:
+            out[key] = ast.literal_eval(val)
+        except (ValueError, SyntaxError):
+            out[key] = val
+    return out
+
+
+def mmer(curve: list[tuple[int, float]]) -> float:
+    """MMER of a curve of ``(global_step, mean_return_last100)``: the max over its finite values (NaN if
+    there are none)."""
+    vals = [v for _, v in curve if not math.isnan(v)]
+    return max(vals) if vals else math.nan
+
+
+def _versions(method: str) -> dict:
+    import gymnasium
+    import numpy
+    import torch
+
+    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+         "gymnasium": gymnasium.__version__}
+    try:
+        import popgym  # noqa: F401
+        from importlib.metadata import version
+
+        v["popgym"] = version("popgym")
+        if method == "sb3":
+            v["stable_baselines3"] = version("stable_baselines3")
+            v["sb3_contrib"] = version("sb3_contrib")
+    except Exception:  # noqa: BLE001 (a version we cannot read is left out, not fatal)
+        pass
+    return v
+
+
+class _CurveWriter:
+    """One CSV row per rollout: global_step, episodes finished so far, mean of the last 100, wall s."""
+
+    def __init__(self, path: str):
+        self.f = open(path, "w", newline="")
+        self.w = csv.writer(self.f)
+        self.w.writerow(["global_step", "episodes", "mean_return_last100", "wall_s"])
+        self.t0 = time.time()
+        self.curve: list[tuple[int, float]] = []
+
+    def row(self, step: int, episodes: int, m100: float) -> None:
+        self.curve.append((step, m100))
+        self.w.writerow([step, episodes, f"{m100:.5f}", f"{time.time() - self.t0:.1f}"])
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
+    """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
+    import tempfile
+
+    from mamba_rl.agents import RecurrentPPO
+
+    tmp = tempfile.mkdtemp(prefix="mamba_rl_popgym_")
+    kw = dict(seed=seed, total_timesteps=total, num_envs=ROLLOUT[0], num_steps=ROLLOUT[1], device="cpu",
+              threads=1, track=False, checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp)
+    kw.update(sets)
+    agent = RecurrentPPO(env_id(task), **kw)
+    last = deque(maxlen=100)
+    n = [0]
+
+    def callback(agent, metrics):
+        rets = [r for _, r, _ in agent.last_episodes]
+        last.extend(rets)
+        n[0] += len(rets)
+        out.row(int(metrics["global_step"]), n[0], sum(last) / len(last) if last else math.nan)
+
+    agent.learn(callback=callback)
+    ev = math.nan
+    if eval_episodes:
+        ev = float(agent.evaluate(num_episodes=eval_episodes, deterministic=True).mean)
+    agent.close()
+    return {"eval": ev, "config": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else repr(v))
+                                   for k, v in sets.items()}}
+
+
+def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int,
+            prev_action: bool = False) -> dict:
+    """Train sb3-contrib's RecurrentPPO (LSTM 128, 8 envs, n_steps 128; ``sets`` override its kwargs; the
+    command line never passes any). ``prev_action``: wrap the env in POPGym's own ``PreviousAction``
+    (the observation becomes (obs, previous action), one-hot flattened). No evaluation (``eval_episodes`` is
+    ignored)."""
+    import gymnasium as gym
+    import torch
+    from gymnasium import spaces
+    from sb3_contrib import RecurrentPPO as SB3RecurrentPPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+
+    from mamba_rl.envs.registry import check_env_id  # registers mamba_rl/* ids; imports popgym for popgym-*
+
+    torch.set_num_threads(1)
+    eid = check_env_id(env_id(task))
+
+    def make():
+        env = gym.make(eid)
+        if prev_action:
+            from popgym.wrappers import PreviousAction
+
+            env = PreviousAction(env.unwrapped)  # POPGym's wrappers take the bare POPGymEnv
+        sp = env.observation_space
+        if not (isinstance(sp, spaces.Box) and len(sp.shape) == 1):
+            env = gym.wrappers.FlattenObservation(env)
+        return env
+
+    venv = make_vec_env(make, n_envs=ROLLOUT[0], seed=seed)
+    kw = dict(n_steps=ROLLOUT[1], seed=seed, device="cpu", verbose=0, policy_kwargs={"lstm_hidden_size": 128})
+    kw.update(sets)
+    model = SB3RecurrentPPO("MlpLstmPolicy", venv, **kw)
+    seen = [0]
+
+    class Curve(BaseCallback):
+        def _on_step(self) -> bool:
+            for info in self.locals.get("infos", ()):
+                if "episode" in info:
+                    seen[0] += 1
+            return True
+
+        def _on_rollout_end(self) -> None:
+            buf = [e["r"] for e in self.model.ep_info_buffer]  # sb3 keeps the last 100 finished episodes
+            out.row(int(self.model.num_timesteps), seen[0], sum(buf) / len(buf) if buf else math.nan)
+
+    model.learn(total_timesteps=total, callback=Curve())
+    venv.close()
+    return {"eval": math.nan, "config": {k: repr(v) for k, v in kw.items() if k not in ("seed", "device", "verbose")}}
+
+
+def run_dir(out: str, method: str, variant: str | None) -> str:
+    return os.path.join(out, method + (f"__{variant}" if variant else ""))
+
+
+def worker(a) -> int:
+    """One run (``--worker``): the CSV curve, then the JSON of its final numbers."""
+    d = run_dir(a.out, a.worker, a.variant)
+    os.makedirs(d, exist_ok=True)
+    base = os.path.join(d, f"{file_name(a.task)}__seed{a.seed}")
+    w = _CurveWriter(base + ".csv")
+    sets = parse_sets(a.set)
+    t0 = time.time()
+    if a.worker == "mamba":
+        extra = run_mamba(a.task, a.seed, a.total, sets, w, a.eval_episodes)
+    else:
+        extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.variant == "prev")
+    w.close()
+    res = {"task": a.task, "env_id": env_id(a.task), "method": a.worker, "variant": a.variant, "seed": a.seed,
+           "total": a.total, "steps": w.curve[-1][0] if w.curve else 0, "mmer": mmer(w.curve),
+           "final": w.curve[-1][1] if w.curve else math.nan, "wall_s": round(time.time() - t0, 1),
+           "versions": _versions(a.worker), "date": time.strftime("%Y-%m-%d"), **extra}
+    with open(base + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"{base}: MMER {res['mmer']:.3f} in {res['wall_s']:.0f} s", file=sys.stderr)
+    return 0
+
+
+def _read_curve(path: str) -> tuple[list[tuple[int, float]], list[int]]:
+    """(``[(global_step, mean_return_last100)]``, episodes finished by each point) of a run's CSV."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    return [(int(r["global_step"]), float(r["mean_return_last100"])) for r in rows], [int(r["episodes"]) for r in rows]
+
+
+def mmer_full_window(curve: list[tuple[int, float]], episodes: list[int], window: int = 100) -> float:
+    """MMER over only the points where at least ``window`` episodes had finished, so the window is full (NaN
+    if none). The plain :func:`mmer` also counts the first points, where the mean is over the first few
+    episodes and its max is mostly noise (on BattleshipEasy the max is often the mean of the first 8)."""
+    return mmer([c for c, n in zip(curve, episodes) if n >= window])
+
+
+def summarise(out: str, tasks: list[str] | None = None) -> dict:
+    """Collect every finished run under ``out`` into ``{(task, method[__variant]): {seed: result}}`` as a
+    JSON-able dict keyed ``"task|method"``; writes ``summary.json`` and ``table.md``; returns the dict."""
+    runs: dict[str, dict[str, dict]] = {}
+    for path in sorted(glob.glob(os.path.join(out, "*", "*__seed*.json"))):
+        r = json.load(open(path))
+        if tasks and r["task"] not in tasks:
+            continue
+        key = f"{r['task']}|{os.path.basename(os.path.dirname(path))}"
+        r["curve"], episodes = _read_curve(path[:-5] + ".csv")
+        r["mmer_full"] = mmer_full_window(r["curve"], episodes)
+        runs.setdefault(key, {})[str(r["seed"])] = r
+    summary = {}
+    for key, per in runs.items():
+        seeds = sorted(per, key=int)
+        summary[key] = {"seeds": seeds}
+        for name, suffix in (("mmer", ""), ("mmer_full", "_full")):
+            vals = [per[s][name] for s in seeds]
+            mu = sum(vals) / len(vals)
+            sd = math.sqrt(sum((v - mu) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
+            summary[key].update({name: dict(zip(seeds, vals)), "mean" + suffix: mu, "std" + suffix: sd,
+                                 "spread" + suffix: max(vals) - min(vals)})
+        summary[key].update({"steps": min(p["steps"] for p in per.values()),
+                             "eval": {s: per[s].get("eval") for s in seeds},
+                             "versions": next(iter(per.values()))["versions"],
+                             "wall_s": [per[s]["wall_s"] for s in seeds]})
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table(summary))
+    with open(os.path.join(out, "table_full_window.md"), "w") as f:
+        f.write(table(summary, full_window=True))
+    return {"summary": summary, "runs": runs}
+
+
+def _fmt(v: float) -> str:
+    return "nan" if v is None or (isinstance(v, float) and math.isnan(v)) else (
+        f"{v:.0f}" if abs(v) >= 10 else f"{v:.3f}")
+
+
+def table(summary: dict, full_window: bool = False) -> str:
+    """Markdown: one row per task, one MMER column per method (mean +- std (n seeds, steps)), per-seed values,
+    and the difference of each method to sb3 where both exist. ``full_window``: the MMER of
+    :func:`mmer_full_window` instead (only points with 100 finished episodes)."""
+    sfx = "_full" if full_window else ""
+    tasks = sorted({k.split("|")[0] for k in summary}, key=lambda t: (TASKS.index(t) if t in TASKS else 99, t))
+    methods = sorted({k.split("|")[1] for k in summary}, key=lambda m: (m.startswith("sb3"), m != "mamba", m))
+    lines = ["| task | " + " | ".join(f"{m} MMER" for m in methods) + " | per seed | "
+             + " | ".join(f"{m} - sb3" for m in methods if m != "sb3" and "sb3" in methods) + " |"]
+    lines.append("|---" * (2 + len(methods) + sum(1 for m in methods if m != "sb3" and "sb3" in methods)) + "|")
+    for t in tasks:
+        cells, seeds, diffs = [], [], []
+        ref = summary.get(f"{t}|sb3")
+        for m in methods:
+            s = summary.get(f"{t}|{m}")
+            if s is None:
+                cells.append("-")
+                if m != "sb3" and "sb3" in methods:
+                    diffs.append("-")
+                continue
+            cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
+            seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer" + sfx].values()))
+            if m != "sb3" and "sb3" in methods:
+                diffs.append(f"{s['mean' + sfx] - ref['mean' + sfx]:+.3f}" if ref else "-")
+        lines.append(f"| {t} | " + " | ".join(cells) + " | " + "; ".join(seeds) + " | " + " | ".join(diffs)
+                     + (" |" if diffs else "|"))
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: dict, path: str) -> None:
+    """One PNG: a panel per task, env steps on x, mean over seeds of the last-100 mean return with a
+    min..max band, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tasks = sorted({k.split("|")[0] for k in runs}, key=lambda t: (TASKS.index(t) if t in TASKS else 99, t))
+    cols = min(4, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.2 * rows), squeeze=False)
+    for ax, t in zip(axes.flat, tasks):
+        for key in sorted(k for k in runs if k.split("|")[0] == t):
+            m = key.split("|")[1]
+            curves = [dict(r["curve"]) for r in runs[key].values()]
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            if not steps:
+                continue
+            ys = np.array([[c[s] for s in steps] for c in curves], dtype=float)
+            keep = ~np.isnan(ys).any(axis=0)  # before the first finished episode there is no mean
+            x, ys = np.asarray(steps)[keep], ys[:, keep]
+            (line,) = ax.plot(x, ys.mean(axis=0), label=f"{m} ({len(curves)} seeds)")
+            ax.fill_between(x, ys.min(axis=0), ys.max(axis=0), alpha=0.2, color=line.get_color())
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("env steps")
+        ax.set_ylabel("mean return, last 100 episodes")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), help="POPGym names (AutoencodeEasy) or full env ids")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--methods", nargs="+", default=["mamba", "sb3"], choices=METHODS)
+    ap.add_argument("--total", type=int, default=200_000, help="env steps per run")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once (one process each)")
+    ap.add_argument("--variant", default=None, help="name of the mamba configuration given by --set")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="a PPOConfig field of the mamba runs (repeatable; needs --variant; sb3 always runs its defaults)")
+    ap.add_argument("--sb3-prev-action", action="store_true",
+                    help="sb3 observes (obs, previous action) through POPGym's PreviousAction wrapper (folder sb3__prev)")
+    ap.add_argument("--eval-episodes", type=int, default=0, help="deterministic episodes of the final mamba policy")
+    ap.add_argument("--nice", type=int, default=0, help="niceness of the runs")
+    ap.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
+    ap.add_argument("--summarise-only", action="store_true")
+    ap.add_argument("--out", default=os.path.join(HERE, "popgym"))
+    ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    ap.add_argument("--task", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    parse_sets(a.set)  # a malformed --set fails here, before any run starts
+    if a.set and not a.variant and not a.worker:
+        ap.error("--set needs --variant NAME (the folder mamba__NAME keeps that configuration's runs apart)")
+    if a.worker:
+        return worker(a)
+    if a.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {a.jobs}")
+    os.makedirs(a.out, exist_ok=True)
+    jobs = []
+    if not a.summarise_only:
+        for method in a.methods:
+            variant = a.variant if method == "mamba" else ("prev" if a.sb3_prev_action else None)
+            sets = a.set if method == "mamba" else []
+            for task in a.tasks:
+                for seed in a.seeds:
+                    done = os.path.join(run_dir(a.out, method, variant), f"{file_name(task)}__seed{seed}.json")
+                    if not a.rerun and os.path.exists(done) and json.load(open(done))["total"] == a.total:
+                        continue
+                    cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--task", task, "--seed",
+                           str(seed), "--total", str(a.total), "--out", a.out, "--eval-episodes",
+                           str(a.eval_episodes)]
+                    if variant:
+                        cmd += ["--variant", variant]
+                    for kv in sets:
+                        cmd += ["--set", kv]
+                    if a.nice:
+                        cmd = ["nice", "-n", str(a.nice)] + cmd
+                    jobs.append(cmd)
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    running, t0, failed = [], time.time(), 0
+    with open(os.path.join(a.out, "runs.log"), "a") as log:
+        while jobs or running:
+            while jobs and len(running) < a.jobs:
+                running.append(subprocess.Popen(jobs.pop(0), env=env, stdout=log, stderr=log, cwd=ROOT))
+            time.sleep(0.5)
+            still = []
+            for p in running:
+                rc = p.poll()
+                if rc is None:
+                    still.append(p)
+                elif rc != 0:
+                    failed += 1
+                    print(f"popgym: run failed (rc {rc}): {' '.join(p.args)}", file=sys.stderr)
+            running = still
+    res = summarise(a.out)  # every finished run in the folder, not only this call's
+    if res["runs"]:
+        plot(res["runs"], os.path.join(a.out, "curves.png"))
+    print(table(res["summary"]), end="")
+    print(f"popgym: {time.time() - t0:.0f} s, {failed} failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

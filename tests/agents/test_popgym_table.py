@@ -1,0 +1,103 @@
+"""benchmarks/learning/popgym.py: parsing, MMER, the table, and one tiny run of each method end to end (CPU)."""
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATH = os.path.join(ROOT, "benchmarks", "learning", "popgym.py")
+
+
+@pytest.fixture(scope="module")
+def pg():
+    spec = importlib.util.spec_from_file_location("popgym_table", PATH)  # not "popgym": that is the env package
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_env_id_and_sets(pg):
+    assert pg.env_id("AutoencodeEasy") == "popgym-AutoencodeEasy-v0"
+    assert pg.env_id("popgym-BattleshipEasy-v0") == "popgym-BattleshipEasy-v0"
+    assert pg.env_id("mamba_rl/CartPoleNoVel-v1") == "mamba_rl/CartPoleNoVel-v1"
+    assert pg.file_name("mamba_rl/CartPoleNoVel-v1") == "mamba_rl_CartPoleNoVel-v1"
+    assert pg.parse_sets(["prev_action=True", "learning_rate=3e-4", "backend=cpu"]) == {
+        "prev_action": True, "learning_rate": 3e-4, "backend": "cpu"}
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        pg.parse_sets(["prev_action"])
+
+
+def test_mmer_is_the_max_over_finite_points(pg):
+    assert pg.mmer([(1024, math.nan), (2048, -0.5), (3072, 0.25), (4096, 0.1)]) == 0.25
+    assert math.isnan(pg.mmer([(1024, math.nan)]))
+    curve = [(1024, 0.9), (2048, 0.2), (3072, 0.3)]
+    assert pg.mmer_full_window(curve, [8, 100, 150]) == 0.3  # the 0.9 is the mean of the first 8 episodes
+    assert math.isnan(pg.mmer_full_window(curve, [8, 16, 24]))
+
+
+def _fake_run(out, method, task, seed, values):
+    d = os.path.join(out, method)
+    os.makedirs(d, exist_ok=True)
+    base = os.path.join(d, f"{task}__seed{seed}")
+    with open(base + ".csv", "w") as f:
+        f.write("global_step,episodes,mean_return_last100,wall_s\n")
+        for i, v in enumerate(values):
+            f.write(f"{1024 * (i + 1)},{100 * i},{v},{i}\n")
+    json.dump({"task": task, "method": method, "seed": seed, "total": 1024 * len(values), "steps": 1024 * len(values),
+               "mmer": max(values), "final": values[-1], "wall_s": 1.0, "versions": {"torch": "x"}, "eval": math.nan},
+              open(base + ".json", "w"))
+
+
+def test_summary_table_and_plot(pg, tmp_path):
+    out = str(tmp_path)
+    _fake_run(out, "mamba", "BattleshipEasy", 0, [-0.5, -0.3, -0.35])
+    _fake_run(out, "mamba", "BattleshipEasy", 1, [-0.5, -0.1, -0.2])
+    _fake_run(out, "sb3", "BattleshipEasy", 0, [-0.5, -0.4, -0.42])
+    res = pg.summarise(out)
+    s = res["summary"]["BattleshipEasy|mamba"]
+    assert s["mmer"] == {"0": -0.3, "1": -0.1}
+    assert s["mean"] == pytest.approx(-0.2) and s["std"] == pytest.approx(math.sqrt(0.02))
+    assert s["spread"] == pytest.approx(0.2)
+    assert s["mmer_full"] == {"0": -0.3, "1": -0.1}  # the first point (0 episodes) never counts
+    _fake_run(out, "mamba__x", "AutoencodeEasy", 0, [-0.5, -0.4])  # a row without sb3 and without plain mamba
+    pg.summarise(out)
+    md = open(tmp_path / "table.md").read()
+    lines = [line for line in md.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1, md  # every row has every column
+    full = open(tmp_path / "table_full_window.md").read()
+    assert "-0.200 ± 0.141 (2, 3k)" in full
+    md = open(tmp_path / "table.md").read()
+    row = next(line for line in md.splitlines() if line.startswith("| BattleshipEasy"))
+    assert "-0.200 ± 0.141 (2, 3k)" in row and "-0.400 ± 0.000 (1, 3k)" in row and "+0.200" in row
+    pg.plot(res["runs"], str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("method,extra,folder", [
+    ("mamba", ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"], "mamba__tiny"),
+    ("sb3", [], "sb3"),
+    ("sb3", ["--sb3-prev-action"], "sb3__prev"),
+])
+def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
+    pytest.importorskip("popgym")
+    if method == "sb3":
+        pytest.importorskip("sb3_contrib")
+    argv = ["--methods", method, "--tasks", "RepeatPreviousEasy", "--seeds", "3", "--total", "1024", "--jobs", "1",
+            "--out", str(tmp_path)] + extra
+    rc = pg.main(argv)
+    assert rc == 0, open(tmp_path / "runs.log").read()[-3000:]
+    folder = tmp_path / folder
+    r = json.load(open(folder / "RepeatPreviousEasy__seed3.json"))
+    assert r["steps"] == 1024 and r["total"] == 1024 and r["method"] == method
+    assert math.isfinite(r["mmer"]) and r["versions"]["torch"]
+    # a finished run of the same budget is not run again
+    mtime = os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json")
+    assert pg.main(argv) == 0
+    assert os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json") == mtime
+
+
+def test_set_needs_a_variant(pg, tmp_path):
+    with pytest.raises(SystemExit):
+        pg.main(["--methods", "mamba", "--set", "prev_action=True", "--out", str(tmp_path)])
