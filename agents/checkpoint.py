@@ -230,7 +230,9 @@ def _extra_tensors(policy: Policy, head_optimizer: torch.optim.Optimizer, rngs: 
     t: dict[str, torch.Tensor] = {f"heads/{k}": v for k, v in policy.heads.state_dict().items()}
     for idx, st in head_optimizer.state_dict()["state"].items():
         for key, v in st.items():
-            t[f"head_optimizer/{idx}/{key}"] = torch.as_tensor(v)
+            # a copy: a FlatHeadAdam's per-parameter states are views of its arenas (one shared step count),
+            # which safetensors refuses to write as several tensors
+            t[f"head_optimizer/{idx}/{key}"] = torch.as_tensor(v).clone()
     t["rng/sample_generator"] = rngs.sample.get_state()
     t["rng/torch"] = torch.get_rng_state()
     if policy.device.type == "cuda":  # the graph-captured rollout samples with the device's generator

@@ -121,9 +121,9 @@ class RecurrentPPO:
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                                  prev_action=config.prev_action, prev_reward=config.prev_reward,
                                  memoryless=config.memoryless)
-        # CUDA: the heads' Adam runs on a flat device arena inside the update graph (no sync per step)
-        adam = FlatHeadAdam if self.device.type == "cuda" else torch.optim.Adam
-        self.head_optimizer = adam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
+        # the heads' Adam over one flat arena: on CUDA a device step inside the update graph (no sync per step),
+        # on the CPU one host-side step of torch.optim.Adam's arithmetic over the whole arena (bit for bit)
+        self.head_optimizer = FlatHeadAdam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
         self.trainer = MambaTrainer(p.net, batch=config.envs_per_minibatch, seq_len=config.num_steps,
                                     dtype=config.dtype, lr=config.learning_rate, betas=(0.9, 0.999),
                                     eps=config.adam_eps, weight_decay=config.weight_decay,

@@ -14,9 +14,10 @@ ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
 3. step (:meth:`PPOUpdate._mb_step`): ``trainer.optimizer_body()``: one global clip over heads + backbone
    (the heads' squared norm goes in ``extra_sq_buf``), AdamW, the f16 scaler; the head optimizer with the
    same clip factor, skipped exactly when the backbone step was skipped (a NaN / inf gradient: an f16
-   overflow, or a non-finite loss in any dtype): :class:`~mamba_rl.agents.head_optim.FlatHeadAdam` on
-   CUDA (no sync), ``torch.optim.Adam`` on the CPU (where reading the flag costs nothing); the step's
-   metrics go to row ``k`` of a device table; ``mb_index += 1``.
+   overflow, or a non-finite loss in any dtype): :class:`~mamba_rl.agents.head_optim.FlatHeadAdam`'s
+   device step on CUDA (no sync), its host step on the CPU (where reading the flag costs nothing; a
+   ``torch.optim.Adam`` over the heads works too); the step's metrics go to row ``k`` of a device table
+   (eagerly, the rollout parity only in an update's first minibatch, the only one read); ``mb_index += 1``.
 
 The host reads the table once per update (one sync), plus once per epoch only when ``target_kl`` is set.
 
@@ -34,6 +35,7 @@ table is summed over ranks once per update; explained variance stays per rank (r
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable
 
@@ -95,6 +97,9 @@ class PPOUpdate:
                  capture: bool = False):
         c, p = config, policy
         self.flat_heads = isinstance(head_optimizer, FlatHeadAdam)
+        # the heads step on the device (FlatHeadAdam.flat_step: no sync, capturable) on CUDA; on the CPU a
+        # FlatHeadAdam steps with host-side bias corrections (host_step: torch.optim.Adam's arithmetic)
+        self.device_heads = self.flat_heads and bool(head_optimizer.defaults["capturable"])
         self.device = dev = policy.device
         if capture and (dev.type != "cuda" or not self.flat_heads):
             raise ValueError(f"PPOUpdate: capture needs a CUDA policy and a FlatHeadAdam, got device {dev} and "
@@ -123,6 +128,7 @@ class PPOUpdate:
         self.stat_buf = torch.zeros(3, dtype=torch.float64, device=dev) if dp is not None else None
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
         self._capture = capture
+        self._parity_row = True  # compute the rollout parity in this minibatch (always, in a captured body)
         self._captured_loss: tuple | None = None  # the loss fields of the config the graph was captured with
         self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
         if capture:
@@ -193,7 +199,7 @@ class PPOUpdate:
         tr.d_buf.copy_(grads[0])
         flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
         if dp is None:
-            if self.flat_heads:
+            if self.device_heads:
                 tr.extra_sq_buf.copy_(flat.square().sum())
             else:
                 tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
@@ -217,13 +223,21 @@ class PPOUpdate:
             arena.copy_(self.comm[:nb])
             flat = self.comm[nb:]
             tr.extra_sq_buf.copy_(flat.square().sum())
-        _flag_nonfinite_heads(arena, tr.extra_sq_buf)
+        if self.device.type == "cpu":  # reading the squared norm is free here: flag only a non-finite one
+            if not math.isfinite(tr.extra_sq_buf.item()):
+                arena[:1].add_(float("nan"))
+        else:
+            _flag_nonfinite_heads(arena, tr.extra_sq_buf)
         tr.optimizer_body()
         s = tr.scalars
         skip = s[FOUND_INF] > 0  # the trainer skipped its step (the agent makes it skip every non-finite one)
-        if self.flat_heads:
+        if self.device_heads:
             self.head_optimizer.flat_step(flat, self.head_optimizer.lr_t, s[CLIP_COEF], skip)
-        elif not bool(skip):  # CPU: reading the flag is free; a skipped step skips the heads too
+        elif bool(skip):  # CPU: reading the flag is free; a skipped step skips the heads too
+            pass
+        elif self.flat_heads:  # one host-side Adam step over the heads' flat arena
+            self.head_optimizer.host_step(flat, s[CLIP_COEF].to(flat.dtype) if c.max_grad_norm is not None else None)
+        else:
             if flat is not None:  # the summed gradient, back into per-parameter views
                 head_grads = torch.split(flat, [p.numel() for p in self.head_params])
             for p, g in zip(self.head_params, head_grads):
@@ -232,7 +246,11 @@ class PPOUpdate:
             self.head_optimizer.step()
         mask = mb.mask
         with torch.no_grad():
-            parity = torch.maximum((st["logratio"].abs() * mask).max(), ((newvalue - mb.values).abs() * mask).max())
+            if self._parity_row:
+                parity = torch.maximum((st["logratio"].abs() * mask).max(),
+                                       ((newvalue - mb.values).abs() * mask).max())
+            else:  # run() reads the parity of an update's first minibatch only
+                parity = st["v"].new_zeros(())
             row = torch.stack([st["v"], st["pg"], st["ent"], st["kl"], st["old_kl"], st["clipfrac"],
                                s[GRAD_NORM].float(), skip.float(), parity])
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
@@ -348,7 +366,11 @@ class PPOUpdate:
             self.perm[epoch * m:(epoch + 1) * m].copy_(self._perm_host[epoch * m:(epoch + 1) * m], non_blocking=True)
             for _ in range(m):
                 if not self._replay_minibatch():
-                    self._minibatch()
+                    self._parity_row = done == 0  # eager: only the first minibatch's parity is read
+                    try:
+                        self._minibatch()
+                    finally:
+                        self._parity_row = True
                 done += 1
             if c.target_kl is not None and self._kl(done - 1) > c.target_kl:
                 break
