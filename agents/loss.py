@@ -13,7 +13,7 @@ import torch
 from .config import PPOConfig
 from .heads import ActionDist
 
-__all__ = ["Minibatch", "ppo_loss", "explained_variance", "masked_mean"]
+__all__ = ["Minibatch", "ppo_loss", "explained_variance", "masked_mean", "categorical_ppo_grads", "HeadGrads"]
 
 
 @dataclass(frozen=True)
@@ -97,3 +97,139 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor, valid: torch
     diff = returns - values
     var_d = masked_mean((diff - masked_mean(diff, mask, count)).pow(2), mask, count)
     return torch.where(var_y == 0, torch.full_like(var_y, float("nan")), 1 - var_d / var_y)
+
+
+class HeadGrads:
+    """What :func:`categorical_ppo_grads` returns: the PPO loss's gradients and statistics of one minibatch.
+
+    Attributes:
+        d_features: [rows * T, d_model] float32, dLoss/dfeatures (written into the caller's ``out`` when given).
+        head_grads: the gradients of (actor weight [A, d], actor bias [A], critic weight [1, d], critic bias
+            [1]), float32, in that order.
+        stats: detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``, ``logratio`` as
+            :func:`ppo_loss` gives them. newvalue: [rows, T] float32 critic values (detached).
+    """
+
+    __slots__ = ("d_features", "head_grads", "stats", "newvalue")
+
+    def __init__(self, d_features, head_grads, stats, newvalue):
+        self.d_features, self.head_grads, self.stats, self.newvalue = d_features, head_grads, stats, newvalue
+
+
+def _max_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """autograd's backward of ``torch.max(a, b)`` (aten ``max.other``): ties split the gradient in halves."""
+    tie = torch.where(a == b, grad / 2, grad)
+    return tie.masked_fill(a < b, 0), tie.masked_fill_(a > b, 0)
+
+
+def _clamp_backward(grad: torch.Tensor, x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """autograd's backward of ``x.clamp(lo, hi)``: the gradient where lo <= x <= hi, else 0."""
+    return torch.where((x >= lo).logical_and_(x <= hi), grad, torch.zeros((), dtype=grad.dtype))
+
+
+@torch.no_grad()
+def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.Linear, critic: torch.nn.Linear,
+                          mb: Minibatch, count: torch.Tensor, adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          out: torch.Tensor | None = None) -> HeadGrads:
+    """:func:`ppo_loss` of a categorical actor and the critic on ``features``, with its gradients written out
+    by hand instead of by autograd: the same forward ops as ``actor(features)``, ``critic(features)`` and
+    :func:`ppo_loss`, and, in the order autograd's engine runs them, the very backward formulas of its nodes
+    (addmm, log_softmax, gather, exp, clamp, max with halved gradients at ties, pow, the masked means), so
+    every gradient is bit for bit what ``torch.autograd.grad(loss, [features, *head params])`` gives
+    (``tests/agents/test_host_path.py`` compares them over random minibatches with ties and clipped
+    ratios). It builds no autograd graph: about half the ops of the forward + backward and none of the
+    engine's per-node work, the host cost of a CPU minibatch.
+
+    Args:
+        c: the config (clip_coef, norm_adv, clip_vloss, ent_coef, vf_coef).
+        features: [rows, T, d_model] float32, contiguous (the backbone's output).
+        actor: the actor head's Linear (d_model -> number of actions). critic: the critic's Linear (-> 1).
+        mb: the minibatch (actions [rows, T, 1] as whole numbers). count, adv_norm: as :func:`ppo_loss`.
+        out: optional float32 [rows * T, d_model] buffer the feature gradient is written into.
+
+    Returns:
+        :class:`HeadGrads`.
+
+    Raises:
+        ValueError: features that are not a contiguous float32 [rows, T, d_model] of the heads' width, or a
+            minibatch of another shape.
+    """
+    if features.dim() != 3 or features.dtype != torch.float32 or not features.is_contiguous() \
+            or features.shape[2] != actor.in_features or critic.out_features != 1:
+        raise ValueError(f"categorical_ppo_grads: features must be contiguous float32 [rows, T, "
+                         f"{actor.in_features}] and the critic one output, got {features.dtype} "
+                         f"{list(features.shape)} (contiguous={features.is_contiguous()}), critic out "
+                         f"{critic.out_features}")
+    rows, t_len, d = features.shape
+    if mb.mask.shape != (rows, t_len) or mb.actions.shape[:2] != (rows, t_len):
+        raise ValueError(f"categorical_ppo_grads: the minibatch must be [{rows}, {t_len}] like the features, got "
+                         f"mask {list(mb.mask.shape)}, actions {list(mb.actions.shape)}")
+    n_act = actor.out_features
+    wa, ba, wc, bc = actor.weight, actor.bias, critic.weight, critic.bias
+    mask = mb.mask
+    cc = c.clip_coef
+    # ---- forward: F.linear on a contiguous 3-D input is addmm over the rows, viewed back
+    y2 = features.view(rows * t_len, d)
+    logits = torch.addmm(ba, y2, wa.t()).view(rows, t_len, n_act)
+    newvalue = torch.addmm(bc, y2, wc.t()).view(rows, t_len, 1).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
+    index = mb.actions[..., 0:1].long()
+    newlogprob = logp.gather(-1, index).squeeze(-1)
+    p = logp.exp()
+    entropy = torch.rsub((p * logp).sum(-1), 0)  # ActionDist.entropy: 0 - sum(p log p)
+    logratio = newlogprob - mb.logprobs
+    ratio = logratio.exp()
+    old_approx_kl = masked_mean(-logratio, mask, count)
+    approx_kl = masked_mean((ratio - 1) - logratio, mask, count)
+    clipfrac = masked_mean(((ratio - 1.0).abs() > cc).float(), mask, count)
+    mb_adv = mb.advantages
+    if c.norm_adv and adv_norm is not None:
+        mb_adv = (mb_adv - adv_norm[0]) / (adv_norm[1] + 1e-8)
+    elif c.norm_adv:
+        mean = masked_mean(mb_adv, mask, count)
+        var = ((mb_adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
+        mb_adv = (mb_adv - mean) / (var.sqrt() + 1e-8)
+    neg_adv = -mb_adv
+    ratio_c = ratio.clamp(1 - cc, 1 + cc)
+    pg_a, pg_b = neg_adv * ratio, neg_adv * ratio_c
+    pg_loss = masked_mean(torch.max(pg_a, pg_b), mask, count)
+    d_u = newvalue - mb.returns
+    v_unclipped = d_u.pow(2)
+    if c.clip_vloss:
+        q_in = newvalue - mb.values
+        e = mb.values + q_in.clamp(-cc, cc) - mb.returns
+        v_clipped = e.pow(2)
+        v_loss = 0.5 * masked_mean(torch.max(v_unclipped, v_clipped), mask, count)
+    else:
+        v_loss = 0.5 * masked_mean(v_unclipped, mask, count)
+    entropy_loss = masked_mean(entropy, mask, count)
+    # ---- backward, node by node (loss = pg - ent_coef * ent + vf_coef * v; d loss = 1)
+    one = torch.ones((), dtype=torch.float32)
+    g_pg = one
+    g_ent = -one * c.ent_coef
+    g_vmean = one * c.vf_coef * 0.5
+    g_pgm = (g_pg / count).expand(rows, t_len) * mask
+    g_a, g_b = _max_backward(g_pgm, pg_a, pg_b)
+    g_ratio = g_a * neg_adv + _clamp_backward(g_b * neg_adv, ratio, 1 - cc, 1 + cc)
+    g_newlogprob = g_ratio * ratio
+    g_pl = torch.neg((g_ent / count).expand(rows, t_len) * mask).unsqueeze(-1).expand(rows, t_len, n_act)
+    g_p = g_pl * logp
+    # logp's three gradients arrive as autograd's engine runs their nodes: p * logp (its logp side), exp, gather
+    g_logp = g_pl * p + g_p * p + logp.new_zeros(logp.shape).scatter_add_(-1, index, g_newlogprob.unsqueeze(-1))
+    g_logits = torch._log_softmax_backward_data(g_logp, logp, -1, torch.float32).view(rows * t_len, n_act)
+    g_vm = (g_vmean / count).expand(rows, t_len) * mask
+    if c.clip_vloss:
+        g_u, g_c = _max_backward(g_vm, v_unclipped, v_clipped)
+        g_value = g_u * (d_u * 2.0) + _clamp_backward(g_c * (e * 2.0), q_in, -cc, cc)
+    else:
+        g_value = g_vm * (d_u * 2.0)
+    g_value = g_value.unsqueeze(-1).view(rows * t_len, 1)
+    head_grads = (g_logits.t().mm(y2), g_logits.sum(0, keepdim=True).view(n_act),
+                  g_value.t().mm(y2), g_value.sum(0, keepdim=True).view(1))
+    if out is None:
+        d_features = torch.add(g_logits.mm(wa), g_value.mm(wc))
+    else:
+        d_features = torch.add(g_logits.mm(wa), g_value.mm(wc), out=out)
+    stats = dict(pg=pg_loss, v=v_loss, ent=entropy_loss, kl=approx_kl, old_kl=old_approx_kl, clipfrac=clipfrac,
+                 logratio=logratio)
+    return HeadGrads(d_features, head_grads, stats, newvalue)

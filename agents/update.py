@@ -48,7 +48,7 @@ from mamba_rl.ops.optim import CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE
 from .config import PPOConfig
 from .distributed import DataParallel
 from .head_optim import FlatHeadAdam
-from .loss import Minibatch, explained_variance, ppo_loss
+from .loss import Minibatch, categorical_ppo_grads, explained_variance, ppo_loss
 from .policy import Policy
 from .rollout import RolloutBuffer
 from .tags import UPDATE_METRICS
@@ -108,6 +108,11 @@ class PPOUpdate:
         self.trainer, self.head_optimizer, self.buffer, self.dp = trainer, head_optimizer, buffer, dp
         self.actor, self.critic = p.actor, p.critic
         self.head_params = list(p.heads.parameters())
+        # eager CPU minibatches of a categorical actor take the heads' gradients from categorical_ppo_grads
+        # (exactly autograd's); CUDA keeps autograd, inside the captured body or not
+        lin = (self.actor.linear.weight, self.actor.linear.bias, self.critic.linear.weight, self.critic.linear.bias)
+        self._hand_grads = dev.type == "cpu" and self.actor.kind == "categorical" and len(self.head_params) == 4 \
+            and all(q is r for q, r in zip(self.head_params, lin))
         n, t = c.num_envs, c.num_steps
         self.action_dim = a = p.action_dim
         # packed per-step columns: actions (a) | logprob | value | advantage | return | valid
@@ -190,13 +195,25 @@ class PPOUpdate:
             adv_norm = (mean, std)
         else:
             count, adv_norm = mb.mask.sum().clamp_min(1.0), None
-        y = tr.forward_body().detach().float().requires_grad_()
-        dist = self.actor(y)
-        newvalue = self.critic(y)
-        loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm)
-        grads = torch.autograd.grad(loss, [y] + self.head_params)
-        head_grads = grads[1:]
-        tr.d_buf.copy_(grads[0])
+        feat = tr.forward_body()
+        if self._hand_grads and feat.dtype == torch.float32 and feat.is_contiguous() and \
+                all(q._backward_hooks is None for q in self.head_params):
+            # the CPU: the heads' loss and its gradients by hand, bit for bit autograd's (no graph, half the ops)
+            d_out = tr.d_buf.view(-1, tr.d_buf.shape[-1]) if tr.d_buf.dtype == torch.float32 and \
+                tr.d_buf.is_contiguous() else None
+            hg = categorical_ppo_grads(c, feat.detach(), self.actor.linear, self.critic.linear, mb, count, adv_norm,
+                                       out=d_out)
+            if d_out is None:
+                tr.d_buf.copy_(hg.d_features.view_as(tr.d_buf))
+            head_grads, st, newvalue = hg.head_grads, hg.stats, hg.newvalue
+        else:
+            y = feat.detach().float().requires_grad_()
+            dist = self.actor(y)
+            newvalue = self.critic(y)
+            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm)
+            grads = torch.autograd.grad(loss, [y] + self.head_params)
+            head_grads = grads[1:]
+            tr.d_buf.copy_(grads[0])
         flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
         if dp is None:
             if self.device_heads:

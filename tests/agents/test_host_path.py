@@ -2,6 +2,8 @@
 
 - FlatHeadAdam's host step equals torch.optim.Adam's CPU step bit for bit (any head shapes, a changing lr,
   a clip factor), and its checkpoint format is torch.optim.Adam's;
+- categorical_ppo_grads (heads + PPO loss, backward by hand) equals ppo_loss + torch.autograd.grad bit for bit,
+  ties of both maxima and clipped ratios / values included;
 """
 
 from __future__ import annotations
@@ -9,7 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gymnasium import spaces
+
+from mamba_rl.agents import PPOConfig
 from mamba_rl.agents.head_optim import FlatHeadAdam
+from mamba_rl.agents.heads import ActorHead, CriticHead
+from mamba_rl.agents.loss import Minibatch, categorical_ppo_grads, ppo_loss
 
 
 @pytest.mark.parametrize("shapes", [[(2, 128), (2,), (1, 128), (1,)], [(7, 33), (7,), (1, 33), (1,)],
@@ -52,3 +59,62 @@ def test_flat_head_adam_host_step_checks_its_gradient():
         flat.host_step(torch.zeros(11))
     with pytest.raises(ValueError, match="got torch.float64"):
         flat.host_step(torch.zeros(12, dtype=torch.float64))
+
+
+def _minibatch(actor, critic, y, g, n_act):
+    """A minibatch around the heads' own outputs: a third of the stored log-probs / values equal to the new ones
+    (ratio 1, ties of both maxima), a third far off (clipped), the rest near; some steps masked out."""
+    rows, t_len, _ = y.shape
+    with torch.no_grad():
+        actions = torch.randint(0, n_act, (rows, t_len, 1), generator=g).float()
+        logp = torch.log_softmax(actor.linear(y), -1).gather(-1, actions.long()).squeeze(-1)
+        value = critic(y)
+        kind = torch.randint(0, 3, (rows, t_len), generator=g)
+        off = torch.where(kind == 0, 0.0, torch.where(kind == 1, 0.7, 0.05)) * torch.sign(torch.randn(rows, t_len, generator=g))
+        return Minibatch(actions=actions, logprobs=logp + off, values=value - off,
+                         advantages=torch.randn(rows, t_len, generator=g), returns=value + torch.randn(rows, t_len, generator=g),
+                         mask=(torch.rand(rows, t_len, generator=g) > 0.2).float())
+
+
+@pytest.mark.parametrize("norm_adv,clip_vloss,dp,n_act,d", [(True, True, False, 2, 128), (False, True, False, 5, 16),
+                                                           (True, False, False, 3, 32), (True, True, True, 2, 64)])
+def test_categorical_ppo_grads_are_autograd_bit_for_bit(norm_adv, clip_vloss, dp, n_act, d):
+    g = torch.Generator().manual_seed(n_act * 100 + d)
+    c = PPOConfig(norm_adv=norm_adv, clip_vloss=clip_vloss, ent_coef=0.03, vf_coef=0.7, clip_coef=0.2)
+    actor, critic = ActorHead(d, spaces.Discrete(n_act), g), CriticHead(d, g)
+    with torch.no_grad():  # non-trivial heads (the orthogonal init's actor gain is 0.01)
+        actor.linear.weight.mul_(30.0)
+        actor.linear.bias.normal_(generator=g)
+        critic.linear.bias.normal_(generator=g)
+    params = [actor.linear.weight, actor.linear.bias, critic.linear.weight, critic.linear.bias]
+    for trial in range(4):
+        rows, t_len = 2, 64
+        y = torch.randn(rows, t_len, d, generator=g)
+        mb = _minibatch(actor, critic, y, g, n_act)
+        count = mb.mask.sum().clamp_min(1.0)
+        adv_norm = (torch.tensor(0.3), torch.tensor(1.7)) if dp else None
+        yg = y.clone().requires_grad_()
+        loss, st = ppo_loss(c, actor(yg), critic(yg), mb, count, adv_norm)
+        ref = torch.autograd.grad(loss, [yg] + params)
+        out = torch.empty(rows * t_len, d)
+        got = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, out=out)
+        assert got.d_features is out
+        assert torch.equal(out.view_as(y), ref[0]), trial
+        for name, a, b in zip(("actor.w", "actor.b", "critic.w", "critic.b"), got.head_grads, ref[1:]):
+            assert torch.equal(a, b), (trial, name)
+        for k, v in st.items():
+            assert torch.equal(got.stats[k], v.detach()), (trial, k)
+        assert torch.equal(got.newvalue, critic(y).detach())
+        assert torch.equal(categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm).d_features, out)
+
+
+def test_categorical_ppo_grads_checks_its_inputs():
+    actor, critic = ActorHead(8, spaces.Discrete(2)), CriticHead(8)
+    y = torch.randn(2, 4, 8)
+    mb = Minibatch(*(torch.zeros(2, 4, 1) if i == 0 else torch.zeros(2, 4) for i in range(6)))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        categorical_ppo_grads(PPOConfig(), y.transpose(0, 1), actor.linear, critic.linear, mb, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        categorical_ppo_grads(PPOConfig(), y.double(), actor.linear, critic.linear, mb, torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"the minibatch must be \[2, 5\] like the features, got mask \[2, 4\]"):
+        categorical_ppo_grads(PPOConfig(), torch.randn(2, 5, 8), actor.linear, critic.linear, mb, torch.tensor(1.0))
