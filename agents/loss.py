@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .config import PPOConfig
@@ -130,7 +131,7 @@ def _clamp_backward(grad: torch.Tensor, x: torch.Tensor, lo: float, hi: float) -
 @torch.no_grad()
 def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.Linear, critic: torch.nn.Linear,
                           mb: Minibatch, count: torch.Tensor, adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          out: torch.Tensor | None = None) -> HeadGrads:
+                          out: torch.Tensor | None = None, losses: bool = True) -> HeadGrads:
     """:func:`ppo_loss` of a categorical actor and the critic on ``features``, with its gradients written out
     by hand instead of by autograd: the same forward ops as ``actor(features)``, ``critic(features)`` and
     :func:`ppo_loss`, and, in the order autograd's engine runs them, the very backward formulas of its nodes
@@ -146,6 +147,9 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
         actor: the actor head's Linear (d_model -> number of actions). critic: the critic's Linear (-> 1).
         mb: the minibatch (actions [rows, T, 1] as whole numbers). count, adv_norm: as :func:`ppo_loss`.
         out: optional float32 [rows * T, d_model] buffer the feature gradient is written into.
+        losses: compute the loss values and KL estimates for the statistics (``pg``, ``v``, ``ent``, ``kl``,
+            ``old_kl``); False leaves them out of ``stats`` (the gradients need none of them; an update reads
+            them from some minibatches only). ``clipfrac`` and ``logratio`` are always there.
 
     Returns:
         :class:`HeadGrads`.
@@ -179,9 +183,10 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     entropy = torch.rsub((p * logp).sum(-1), 0)  # ActionDist.entropy: 0 - sum(p log p)
     logratio = newlogprob - mb.logprobs
     ratio = logratio.exp()
-    old_approx_kl = masked_mean(-logratio, mask, count)
-    approx_kl = masked_mean((ratio - 1) - logratio, mask, count)
     clipfrac = masked_mean(((ratio - 1.0).abs() > cc).float(), mask, count)
+    stats = dict(clipfrac=clipfrac, logratio=logratio)
+    if losses:
+        stats.update(old_kl=masked_mean(-logratio, mask, count), kl=masked_mean((ratio - 1) - logratio, mask, count))
     mb_adv = mb.advantages
     if c.norm_adv and adv_norm is not None:
         mb_adv = (mb_adv - adv_norm[0]) / (adv_norm[1] + 1e-8)
@@ -192,32 +197,32 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     neg_adv = -mb_adv
     ratio_c = ratio.clamp(1 - cc, 1 + cc)
     pg_a, pg_b = neg_adv * ratio, neg_adv * ratio_c
-    pg_loss = masked_mean(torch.max(pg_a, pg_b), mask, count)
     d_u = newvalue - mb.returns
     v_unclipped = d_u.pow(2)
     if c.clip_vloss:
         q_in = newvalue - mb.values
         e = mb.values + q_in.clamp(-cc, cc) - mb.returns
         v_clipped = e.pow(2)
-        v_loss = 0.5 * masked_mean(torch.max(v_unclipped, v_clipped), mask, count)
-    else:
-        v_loss = 0.5 * masked_mean(v_unclipped, mask, count)
-    entropy_loss = masked_mean(entropy, mask, count)
-    # ---- backward, node by node (loss = pg - ent_coef * ent + vf_coef * v; d loss = 1)
-    one = torch.ones((), dtype=torch.float32)
-    g_pg = one
-    g_ent = -one * c.ent_coef
-    g_vmean = one * c.vf_coef * 0.5
-    g_pgm = (g_pg / count).expand(rows, t_len) * mask
+    if losses:
+        stats["pg"] = masked_mean(torch.max(pg_a, pg_b), mask, count)
+        stats["v"] = 0.5 * masked_mean(torch.max(v_unclipped, v_clipped) if c.clip_vloss else v_unclipped, mask, count)
+        stats["ent"] = masked_mean(entropy, mask, count)
+    # ---- backward, node by node (loss = pg - ent_coef * ent + vf_coef * v; d loss = 1). The 0-d factors in
+    # float32 numpy scalars (IEEE single, as torch's 0-d float32 ops round them), applied as python floats
+    # (exact float32 values, so mask * s rounds as mask * a float32 tensor of s would)
+    one, cnt = np.float32(1.0), np.float32(count.item())
+    g_pgm = mask * float(one / cnt)
     g_a, g_b = _max_backward(g_pgm, pg_a, pg_b)
     g_ratio = g_a * neg_adv + _clamp_backward(g_b * neg_adv, ratio, 1 - cc, 1 + cc)
     g_newlogprob = g_ratio * ratio
-    g_pl = torch.neg((g_ent / count).expand(rows, t_len) * mask).unsqueeze(-1).expand(rows, t_len, n_act)
+    g_ent = -one * np.float32(c.ent_coef)
+    g_pl = torch.neg(mask * float(g_ent / cnt)).unsqueeze(-1).expand(rows, t_len, n_act)
     g_p = g_pl * logp
     # logp's three gradients arrive as autograd's engine runs their nodes: p * logp (its logp side), exp, gather
     g_logp = g_pl * p + g_p * p + logp.new_zeros(logp.shape).scatter_add_(-1, index, g_newlogprob.unsqueeze(-1))
     g_logits = torch._log_softmax_backward_data(g_logp, logp, -1, torch.float32).view(rows * t_len, n_act)
-    g_vm = (g_vmean / count).expand(rows, t_len) * mask
+    g_vmean = one * np.float32(c.vf_coef) * np.float32(0.5)
+    g_vm = mask * float(g_vmean / cnt)
     if c.clip_vloss:
         g_u, g_c = _max_backward(g_vm, v_unclipped, v_clipped)
         g_value = g_u * (d_u * 2.0) + _clamp_backward(g_c * (e * 2.0), q_in, -cc, cc)
@@ -230,6 +235,4 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
         d_features = torch.add(g_logits.mm(wa), g_value.mm(wc))
     else:
         d_features = torch.add(g_logits.mm(wa), g_value.mm(wc), out=out)
-    stats = dict(pg=pg_loss, v=v_loss, ent=entropy_loss, kl=approx_kl, old_kl=old_approx_kl, clipfrac=clipfrac,
-                 logratio=logratio)
     return HeadGrads(d_features, head_grads, stats, newvalue)

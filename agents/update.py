@@ -133,7 +133,9 @@ class PPOUpdate:
         self.stat_buf = torch.zeros(3, dtype=torch.float64, device=dev) if dp is not None else None
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
         self._capture = capture
-        self._parity_row = True  # compute the rollout parity in this minibatch (always, in a captured body)
+        # the eager CPU body computes what run() reads of a minibatch's metrics row only: the rollout parity in
+        # an update's first minibatch, the losses and KL estimates in an epoch's last one (always, when captured)
+        self._parity_row = self._loss_row = True
         self._captured_loss: tuple | None = None  # the loss fields of the config the graph was captured with
         self.capture_error: str | None = None  # why a data-parallel capture fell back to eager minibatches
         if capture:
@@ -202,7 +204,7 @@ class PPOUpdate:
             d_out = tr.d_buf.view(-1, tr.d_buf.shape[-1]) if tr.d_buf.dtype == torch.float32 and \
                 tr.d_buf.is_contiguous() else None
             hg = categorical_ppo_grads(c, feat.detach(), self.actor.linear, self.critic.linear, mb, count, adv_norm,
-                                       out=d_out)
+                                       out=d_out, losses=self._loss_row)
             if d_out is None:
                 tr.d_buf.copy_(hg.d_features.view_as(tr.d_buf))
             head_grads, st, newvalue = hg.head_grads, hg.stats, hg.newvalue
@@ -267,9 +269,10 @@ class PPOUpdate:
                 parity = torch.maximum((st["logratio"].abs() * mask).max(),
                                        ((newvalue - mb.values).abs() * mask).max())
             else:  # run() reads the parity of an update's first minibatch only
-                parity = st["v"].new_zeros(())
-            row = torch.stack([st["v"], st["pg"], st["ent"], st["kl"], st["old_kl"], st["clipfrac"],
-                               s[GRAD_NORM].float(), skip.float(), parity])
+                parity = st["clipfrac"].new_zeros(())
+            zero = st["clipfrac"].new_zeros(())  # losses not computed in this (eager) minibatch: not read
+            row = torch.stack([st.get(k, zero) for k in ("v", "pg", "ent", "kl", "old_kl")] +
+                              [st["clipfrac"], s[GRAD_NORM].float(), skip.float(), parity])
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
             self.mb_index.add_(1)
 
@@ -383,11 +386,12 @@ class PPOUpdate:
             self.perm[epoch * m:(epoch + 1) * m].copy_(self._perm_host[epoch * m:(epoch + 1) * m], non_blocking=True)
             for _ in range(m):
                 if not self._replay_minibatch():
-                    self._parity_row = done == 0  # eager: only the first minibatch's parity is read
+                    # eager: only the first minibatch's parity and each epoch's last losses / KL are read
+                    self._parity_row, self._loss_row = done == 0, done % m == m - 1
                     try:
                         self._minibatch()
                     finally:
-                        self._parity_row = True
+                        self._parity_row = self._loss_row = True
                 done += 1
             if c.target_kl is not None and self._kl(done - 1) > c.target_kl:
                 break

@@ -98,6 +98,8 @@ def test_categorical_ppo_grads_are_autograd_bit_for_bit(norm_adv, clip_vloss, dp
         ref = torch.autograd.grad(loss, [yg] + params)
         out = torch.empty(rows * t_len, d)
         got = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, out=out)
+        lean = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, losses=False)
+        assert sorted(lean.stats) == ["clipfrac", "logratio"] and torch.equal(lean.d_features, out)
         assert got.d_features is out
         assert torch.equal(out.view_as(y), ref[0]), trial
         for name, a, b in zip(("actor.w", "actor.b", "critic.w", "critic.b"), got.head_grads, ref[1:]):
