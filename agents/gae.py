@@ -28,6 +28,7 @@ For a valid step t with done_t = terminated_t or truncated_t and V_T = ``next_va
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix"]
@@ -79,6 +80,14 @@ def compute_gae(
         ValueError: mismatched shapes or dtypes (names the tensor, expected and received).
     """
     _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
+    if all(x.device.type == "cpu" for x in (rewards, values, terminations, truncations, valid, next_value)):
+        return _compute_gae_host(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
+    return _compute_gae_torch(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
+
+
+def _compute_gae_torch(rewards, values, terminations, truncations, valid, next_value, gamma: float,
+                       gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_gae`'s loop over steps in torch ops (any device)."""
     shape = rewards.shape
     n, t_len = shape
     rewards = rewards.float()
@@ -95,6 +104,39 @@ def compute_gae(
         advantages[:, t] = last
     returns = (advantages + values) * validf
     return advantages, returns
+
+
+def _compute_gae_host(rewards, values, terminations, truncations, valid, next_value, gamma: float,
+                      gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_gae`'s loop in numpy on time-major copies, for CPU tensors: the same float32 operations
+    in the same order (torch multiplies a float32 tensor by a python float as by that float rounded to
+    float32, as ``np.float32(gamma)`` does here; + - * round alike), so the results are bit for bit the torch
+    loop's, at a fraction of its per-op cost (8 envs: ~6 numpy ops of 1 us per step instead of torch ops)."""
+    r = rewards.float().numpy().T.copy()
+    v = values.float().numpy().T.copy()
+    not_term = (~terminations).float().numpy().T.copy()
+    not_done = (~(terminations | truncations)).float().numpy().T.copy()
+    validf = valid.float().numpy().T.copy()
+    t_len, n = r.shape
+    g = np.float32(gamma)
+    gl = np.float32(gamma * gae_lambda)  # python's product, then one rounding (torch's scalar cast)
+    adv = np.zeros((t_len, n), dtype=np.float32)
+    last = np.zeros(n, dtype=np.float32)
+    nv = next_value.float().numpy()
+    tmp = np.empty(n, dtype=np.float32)
+    for t in range(t_len - 1, -1, -1):
+        v_next = nv if t == t_len - 1 else v[t + 1]
+        np.multiply(not_term[t], g, out=tmp)
+        np.multiply(tmp, v_next, out=tmp)
+        delta = np.add(r[t], tmp)
+        np.subtract(delta, v[t], out=delta)
+        np.multiply(not_done[t], gl, out=tmp)
+        np.multiply(tmp, last, out=tmp)
+        np.add(delta, tmp, out=delta)
+        np.multiply(delta, validf[t], out=last)
+        adv[t] = last
+    returns = (adv + v) * validf
+    return torch.from_numpy(adv.T.copy()), torch.from_numpy(returns.T.copy())
 
 
 def gae_discount_matrix(num_steps: int, gamma: float, gae_lambda: float, device=None) -> torch.Tensor:

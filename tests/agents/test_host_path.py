@@ -120,3 +120,26 @@ def test_categorical_ppo_grads_checks_its_inputs():
         categorical_ppo_grads(PPOConfig(), y.double(), actor.linear, critic.linear, mb, torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"the minibatch must be \[2, 5\] like the features, got mask \[2, 4\]"):
         categorical_ppo_grads(PPOConfig(), torch.randn(2, 5, 8), actor.linear, critic.linear, mb, torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.9, 1.0), (1.0, 0.0)])
+def test_compute_gae_on_the_host_is_the_torch_loop_bit_for_bit(gamma, lam):
+    from mamba_rl.agents.gae import _compute_gae_host, _compute_gae_torch, compute_gae
+
+    g = torch.Generator().manual_seed(7)
+    n, t_len = 8, 128
+    for dtype in (torch.float32, torch.float64):
+        rewards = torch.randn(n, t_len, generator=g, dtype=dtype) * 3
+        values = torch.randn(n, t_len, generator=g)
+        term = torch.rand(n, t_len, generator=g) < 0.05
+        trunc = (torch.rand(n, t_len, generator=g) < 0.03) & ~term
+        done = term | trunc
+        valid = torch.ones(n, t_len, dtype=torch.bool)
+        valid[:, 1:] = ~done[:, :-1]  # NextStep: the step after a done is the reset step
+        nv = torch.randn(n, generator=g)
+        ref = _compute_gae_torch(rewards, values, term, trunc, valid, nv, gamma, lam)
+        for got in (_compute_gae_host(rewards, values, term, trunc, valid, nv, gamma, lam),
+                    compute_gae(rewards, values, term, trunc, valid, nv, gamma, lam)):
+            for a, b in zip(got, ref):
+                assert a.dtype == torch.float32 and a.shape == (n, t_len) and a.is_contiguous()
+                assert torch.equal(a, b)
