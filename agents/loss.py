@@ -123,9 +123,11 @@ def _max_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple
     return tie.masked_fill(a < b, 0), tie.masked_fill_(a > b, 0)
 
 
-def _clamp_backward(grad: torch.Tensor, x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
-    """autograd's backward of ``x.clamp(lo, hi)``: the gradient where lo <= x <= hi, else 0."""
-    return torch.where((x >= lo).logical_and_(x <= hi), grad, torch.zeros((), dtype=grad.dtype))
+def _clamp_backward(grad: torch.Tensor, x: torch.Tensor, clamped: torch.Tensor) -> torch.Tensor:
+    """autograd's backward of ``clamped = x.clamp(lo, hi)``: the gradient where lo <= x <= hi, else +0.
+    ``clamped == x`` is that very condition (inside the bounds, the bounds included, clamp returns x itself;
+    outside it returns a bound other than x; NaN compares unequal, as it fails lo <= x), one op for three."""
+    return torch.where(clamped == x, grad, 0.0)
 
 
 @torch.no_grad()
@@ -201,7 +203,8 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     v_unclipped = d_u.pow(2)
     if c.clip_vloss:
         q_in = newvalue - mb.values
-        e = mb.values + q_in.clamp(-cc, cc) - mb.returns
+        q = q_in.clamp(-cc, cc)
+        e = mb.values + q - mb.returns
         v_clipped = e.pow(2)
     if losses:
         stats["pg"] = masked_mean(torch.max(pg_a, pg_b), mask, count)
@@ -213,10 +216,10 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     one, cnt = np.float32(1.0), np.float32(count.item())
     g_pgm = mask * float(one / cnt)
     g_a, g_b = _max_backward(g_pgm, pg_a, pg_b)
-    g_ratio = g_a * neg_adv + _clamp_backward(g_b * neg_adv, ratio, 1 - cc, 1 + cc)
+    g_ratio = g_a * neg_adv + _clamp_backward(g_b * neg_adv, ratio, ratio_c)
     g_newlogprob = g_ratio * ratio
     g_ent = -one * np.float32(c.ent_coef)
-    g_pl = torch.neg(mask * float(g_ent / cnt)).unsqueeze(-1).expand(rows, t_len, n_act)
+    g_pl = (mask * float(-(g_ent / cnt))).unsqueeze(-1).expand(rows, t_len, n_act)  # rsub's -grad, folded in
     g_p = g_pl * logp
     # logp's three gradients arrive as autograd's engine runs their nodes: p * logp (its logp side), exp, gather
     g_logp = g_pl * p + g_p * p + logp.new_zeros(logp.shape).scatter_add_(-1, index, g_newlogprob.unsqueeze(-1))
@@ -225,7 +228,7 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     g_vm = mask * float(g_vmean / cnt)
     if c.clip_vloss:
         g_u, g_c = _max_backward(g_vm, v_unclipped, v_clipped)
-        g_value = g_u * (d_u * 2.0) + _clamp_backward(g_c * (e * 2.0), q_in, -cc, cc)
+        g_value = g_u * (d_u * 2.0) + _clamp_backward(g_c * (e * 2.0), q_in, q)
     else:
         g_value = g_vm * (d_u * 2.0)
     g_value = g_value.unsqueeze(-1).view(rows * t_len, 1)
