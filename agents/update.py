@@ -113,6 +113,8 @@ class PPOUpdate:
         lin = (self.actor.linear.weight, self.actor.linear.bias, self.critic.linear.weight, self.critic.linear.bias)
         self._hand_grads = dev.type == "cpu" and self.actor.kind == "categorical" and len(self.head_params) == 4 \
             and all(q is r for q, r in zip(self.head_params, lin))
+        sizes = [q.numel() for q in self.head_params]
+        self._grad_spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         n, t = c.num_envs, c.num_steps
         self.action_dim = a = p.action_dim
         # packed per-step columns: actions (a) | logprob | value | advantage | return | valid
@@ -198,9 +200,9 @@ class PPOUpdate:
         else:
             count, adv_norm = mb.mask.sum().clamp_min(1.0), None
         feat = tr.forward_body()
-        if self._hand_grads and feat.dtype == torch.float32 and feat.is_contiguous() and \
-                all(q._backward_hooks is None for q in self.head_params):
-            # the CPU: the heads' loss and its gradients by hand, bit for bit autograd's (no graph, half the ops)
+        hand = self._hand_grads and feat.dtype == torch.float32 and feat.is_contiguous() and \
+            all(q._backward_hooks is None for q in self.head_params)
+        if hand:  # the CPU: the heads' loss and its gradients by hand, bit for bit autograd's (no graph, half the ops)
             d_out = tr.d_buf.view(-1, tr.d_buf.shape[-1]) if tr.d_buf.dtype == torch.float32 and \
                 tr.d_buf.is_contiguous() else None
             hg = categorical_ppo_grads(c, feat.detach(), self.actor.linear, self.critic.linear, mb, count, adv_norm,
@@ -208,6 +210,10 @@ class PPOUpdate:
             if d_out is None:
                 tr.d_buf.copy_(hg.d_features.view_as(tr.d_buf))
             head_grads, st, newvalue = hg.head_grads, hg.stats, hg.newvalue
+            flat = torch.cat([g.reshape(-1) for g in head_grads])
+            if dp is None:  # the squared norm as below (x * x is pow(x, 2)'s own kernel; a slice sums as its tensor)
+                sq = flat * flat
+                tr.extra_sq_buf.copy_(torch.stack([sq[i:j].sum() for i, j in self._grad_spans]).sum())
         else:
             y = feat.detach().float().requires_grad_()
             dist = self.actor(y)
@@ -216,12 +222,12 @@ class PPOUpdate:
             grads = torch.autograd.grad(loss, [y] + self.head_params)
             head_grads = grads[1:]
             tr.d_buf.copy_(grads[0])
-        flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
-        if dp is None:
-            if self.device_heads:
-                tr.extra_sq_buf.copy_(flat.square().sum())
-            else:
-                tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
+            flat = torch.cat([g.reshape(-1) for g in head_grads]) if self.flat_heads or dp is not None else None
+            if dp is None:
+                if self.device_heads:
+                    tr.extra_sq_buf.copy_(flat.square().sum())
+                else:
+                    tr.extra_sq_buf.copy_(torch.stack([g.pow(2).sum() for g in head_grads]).sum())
         tr.backprop_body()
         if dp is not None:
             nb = tr.net.grad_arena.numel()
