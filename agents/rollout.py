@@ -231,7 +231,7 @@ class EagerActor:
         np.greater(stage[:, d], 0.5, out=b["episode_starts"][:, t])
         b["values"][:, t] = out.numpy()[:, p_dim]
         b["actions"][:, t] = act
-        b["logprobs"][:, t] = dist.log_prob(action).numpy()
+        b["logprobs"][:, t] = dist.log_prob_numpy(act)
         return act
 
     def finish(self) -> None:

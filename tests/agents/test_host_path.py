@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import numpy as np
 from gymnasium import spaces
 
 from mamba_rl.agents import PPOConfig
@@ -179,3 +180,15 @@ def test_cpu_update_is_the_autograd_and_torch_adam_update_bit_for_bit(tmp_path, 
             assert torch.equal(torch.as_tensor(sn[k]), torch.as_tensor(so[k]))
     new.close()
     old.close()
+
+
+@pytest.mark.parametrize("space", [spaces.Discrete(3), spaces.MultiDiscrete([2, 4, 3]), spaces.Box(-1, 1, (2,))])
+def test_log_prob_numpy_is_log_prob(space):
+    g = torch.Generator().manual_seed(3)
+    head = ActorHead(8, space, g)
+    with torch.no_grad():
+        dist = head(torch.randn(64, 8, generator=g) * 30)
+        a = dist.sample(g)
+        got = dist.log_prob_numpy(a.numpy())
+        assert got.dtype == np.float32 and got.shape == (64,)
+        assert np.array_equal(got, dist.log_prob(a).numpy())
