@@ -10,12 +10,12 @@ import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
 from mamba_rl.model.mamba3 import Mamba3State
+from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, rel, starts_for
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 F64 = torch.float64
 IN = 5
-PATTERNS = ("none", "t0", "last", "every", "adjacent", "random")
 
 
 def m3cfg(**kw):
@@ -35,32 +35,6 @@ def nets(cfg, seed=0, jitter=0.3):
         net.arena.copy_(ref.arena)
     net.refresh_compute()
     return net, ref
-
-
-def starts_for(pattern, T, g):
-    s = torch.zeros(1, T, dtype=torch.bool)
-    if pattern == "t0":
-        s[:, 0] = True
-    elif pattern == "last":
-        s[:, T - 1] = True
-    elif pattern == "every":
-        s[:] = True
-    elif pattern == "adjacent":
-        s[:, T // 2: T // 2 + 2] = True
-    elif pattern == "random":
-        s = torch.rand(1, T, generator=g) < 0.1
-    return s
-
-
-def rel(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def angle_err(a, b) -> float:
-    d = a.double().cpu() - b.double().cpu()
-    return (torch.remainder(d + math.pi, 2 * math.pi) - math.pi).abs().max().item()
 
 
 def run(model, x, s0, starts, w, dtype, device):
@@ -87,7 +61,7 @@ def test_cuda_matches_float64_reference(T, compute):
     assert net.kernel_support("sequence"), net.kernel_support("sequence").reason
     B = len(PATTERNS)
     x = torch.randn(B, T, IN, generator=g, dtype=F64)
-    starts = torch.cat([starts_for(p, T, g) for p in PATTERNS])
+    starts = torch.cat([starts_for(p, 1, T, g) for p in PATTERNS])
     s0 = ref.initial_state(B)
     s0 = Mamba3State(torch.randn(s0.conv.shape, generator=g, dtype=F64) * 2,
                      torch.randn(s0.ssm.shape, generator=g, dtype=F64) * 0.5)
