@@ -11,7 +11,11 @@
 // Differences from the CUDA binding: float32 only (activations and weights); any d_state >= 1 and
 // d_conv >= 1 (CUDA: 8/16 and 4); any number of layers in backbone_step; rows_per_block is ignored; the
 // scan checkpoint interval (scan_chunk()) is the CPU kernel's own, so a ckpt tensor is only valid for the
-// backend that produced it.
+// backend that produced it. CUDA only: the small-GEMM kernels (wgrad_grouped, xdt_fwd, xdt_bwd), the scan's
+// segment control (scan_segments, scan_set_segments), backbone_step_prepare, Mamba-3's m3_step, and the
+// optional arguments conv_fwd(final_out), rmsnorm_fwd(x_copy) and adamw_step(zero_grad) (mamba_rl/ops
+// zeroes the gradient after the CPU pass). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in
+// one call (on CUDA it is torch GEMMs around m3_step).
 // This file is argument checking and pybind11 glue: nothing in it is hot. At -O3, GCC spends more time
 // optimising pybind11's template instantiations than parsing the torch headers (~19 s vs ~15 s on a
 // 2-core machine), and this file is the critical path of the one-time build; O1 keeps that under 10 s.
