@@ -25,6 +25,20 @@ def angle_err(a, b) -> float:
     return (torch.remainder(d + math.pi, 2 * math.pi) - math.pi).abs().max().item()
 
 
+def loss_and_grads(model, x, s0, starts, w, dtype, device="cpu"):
+    """Forward and backward of ``sum(y * wy) + sum(final.conv * wc) + sum(final.ssm * ws)``, ``w = (wy, wc,
+    ws)``, with x, the initial state ``s0`` and the weights cast to ``dtype`` on ``device``: the loss reaches
+    the features and both parts of the final state. Returns (y detached, final state, dLoss/dx, a copy of the
+    model's gradient arena)."""
+    wy, wc, ws = (t.to(device=device, dtype=dtype) for t in w)
+    xx = x.detach().to(device=device, dtype=dtype).clone().requires_grad_()
+    y, fin = model(xx, s0.to(device=device, dtype=dtype), starts.to(device))
+    loss = (y * wy).sum() + (fin.conv * wc).sum() + (fin.ssm * ws).sum()
+    model.zero_grad()
+    loss.backward()
+    return y.detach(), fin, xx.grad, model.grad_arena.clone()
+
+
 RESET_PATTERNS = ("none", "t0", "last", "every", "adjacent", "random")
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
-from tests.helpers import RESET_PATTERNS, needs_cpu_kernels, rel, starts_for
+from tests.helpers import RESET_PATTERNS, loss_and_grads, needs_cpu_kernels, rel, starts_for
 
 pytestmark = needs_cpu_kernels()
 
@@ -34,17 +34,9 @@ def test_backbone_matches_float64_reference(T, pattern):
                         torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_state, generator=g) * 0.5)
     wy = torch.randn(B, T, CFG.d_model, generator=g)
     wc, ws = torch.randn_like(s0.conv), torch.randn_like(s0.ssm)
-
-    def run(model, dtype):
-        xx = x.detach().to(dtype).clone().requires_grad_()
-        y, fin = model(xx, s0.to(dtype), starts)
-        loss = (y * wy.to(dtype)).sum() + (fin.conv * wc.to(dtype)).sum() + (fin.ssm * ws.to(dtype)).sum()
-        model.zero_grad()
-        loss.backward()
-        return y.detach(), fin, xx.grad, model.grad_arena.clone()
-
-    y, fin, dx, grads = run(net, torch.float32)
-    ry, rfin, rdx, rgrads = run(ref, torch.float64)
+    w = (wy, wc, ws)
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32)
+    ry, rfin, rdx, rgrads = loss_and_grads(ref, x, s0, starts, w, torch.float64)
     assert rel(y, ry) <= 1e-4
     assert rel(fin.conv, rfin.conv) <= 1e-4 and rel(fin.ssm, rfin.ssm) <= 1e-4
     assert rel(dx, rdx) <= 1e-4

@@ -12,7 +12,7 @@ import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, load_checkpoint, save_checkpoint
 from mamba_rl.model.mamba3 import Mamba3State
-from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, needs_cpu_kernels, rel, starts_for
+from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, loss_and_grads, needs_cpu_kernels, rel, starts_for
 
 pytestmark = needs_cpu_kernels()
 
@@ -56,18 +56,10 @@ def check_against_reference(net, ref, x, s0, starts, tol=1e-4):
     B, T = x.shape[:2]
     wy = torch.randn(B, T, net.cfg.d_model, generator=g, dtype=F64)
     wc, ws = torch.randn(s0.conv.shape, generator=g, dtype=F64), torch.randn(s0.ssm.shape, generator=g, dtype=F64)
-
-    def run(model, dtype):
-        xx = x.detach().to(dtype).clone().requires_grad_()
-        y, fin = model(xx, s0.to(dtype), starts)
-        loss = (y * wy.to(dtype)).sum() + (fin.conv * wc.to(dtype)).sum() + (fin.ssm * ws.to(dtype)).sum()
-        model.zero_grad()
-        loss.backward()
-        return y.detach(), fin, xx.grad, model.grad_arena.clone()
-
-    y, fin, dx, grads = run(net, torch.float32)
+    w = (wy, wc, ws)
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32)
     assert y.grad_fn is None and type(fin) is Mamba3State
-    ry, rfin, rdx, rgrads = run(ref, F64)
+    ry, rfin, rdx, rgrads = loss_and_grads(ref, x, s0, starts, w, F64)
     assert rel(y, ry) <= tol
     assert rel(fin.ssm, rfin.ssm) <= tol and rel(fin.k, rfin.k) <= tol and rel(fin.v, rfin.v) <= tol
     assert angle_err(fin.angle, rfin.angle) <= 1e3 * tol

@@ -10,7 +10,7 @@ import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
 from mamba_rl.model.mamba3 import Mamba3State
-from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, rel, starts_for
+from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, loss_and_grads, rel, starts_for
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
@@ -37,16 +37,6 @@ def nets(cfg, seed=0, jitter=0.3):
     return net, ref
 
 
-def run(model, x, s0, starts, w, dtype, device):
-    wy, wc, ws = (t.to(device=device, dtype=dtype) for t in w)
-    xx = x.detach().to(device=device, dtype=dtype).clone().requires_grad_()
-    y, fin = model(xx, s0.to(device=device, dtype=dtype), starts.to(device))
-    loss = (y * wy).sum() + (fin.conv * wc).sum() + (fin.ssm * ws).sum()
-    model.zero_grad()
-    loss.backward()
-    return y.detach(), fin, xx.grad, model.grad_arena.clone()
-
-
 _REF: dict = {}
 
 
@@ -67,10 +57,10 @@ def test_cuda_matches_float64_reference(T, compute):
                      torch.randn(s0.ssm.shape, generator=g, dtype=F64) * 0.5)
     w = (torch.randn(B, T, cfg.d_model, generator=g, dtype=F64), torch.randn(s0.conv.shape, generator=g, dtype=F64),
          torch.randn(s0.ssm.shape, generator=g, dtype=F64))
-    y, fin, dx, grads = run(net, x, s0, starts, w, torch.float32, "cuda")
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32, "cuda")
     assert type(fin) is Mamba3State
     if T not in _REF:  # the float64 run is the same for both compute dtypes
-        _REF[T] = run(ref, x, s0, starts, w, F64, "cpu")
+        _REF[T] = loss_and_grads(ref, x, s0, starts, w, F64, "cpu")
     ry, rfin, rdx, rgrads = _REF[T]
     errs = dict(y=rel(y, ry), ssm=rel(fin.ssm, rfin.ssm), k=rel(fin.k, rfin.k), v=rel(fin.v, rfin.v),
                 angle=angle_err(fin.angle, rfin.angle), dx=rel(dx, rdx), grads=rel(grads, rgrads))
@@ -110,8 +100,8 @@ def test_cuda_variants_match_the_cpu_kernels(kw):
                                                                                      dtype=F64) * 0.5)
     w = (torch.randn(B, T, cfg.d_model, generator=g, dtype=F64), torch.randn(s0.conv.shape, generator=g, dtype=F64),
          torch.randn(s0.ssm.shape, generator=g, dtype=F64))
-    y, fin, dx, grads = run(net, x, s0, starts, w, torch.float32, "cuda")
-    cy, cfin, cdx, cgrads = run(cpu, x, s0, starts, w, torch.float32, "cpu")
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32, "cuda")
+    cy, cfin, cdx, cgrads = loss_and_grads(cpu, x, s0, starts, w, torch.float32, "cpu")
     errs = dict(y=rel(y, cy), ssm=rel(fin.ssm, cfin.ssm), dx=rel(dx, cdx), grads=rel(grads, cgrads))
     print(f"\nm3 cuda vs cpu {kw}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     assert all(v <= 1e-4 for v in errs.values()), errs
