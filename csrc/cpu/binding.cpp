@@ -459,6 +459,9 @@ int scan_chunk() { return mrl_cpu::kScanChunk; }
 
 // ---------------- Mamba-3 SISO mixer core and one-token step (mamba3.cpp, mamba3_step.cpp) ----------------
 struct M3Shapes { int64_t B, T, Dp, H, P, N, R, di; };
+// The largest d_state of the Mamba-3 core: a head's B and C sit in stack buffers of this size (kMaxState of
+// mamba3.cpp; mamba_rl.ops.capability.M3_MAX_STATE says the same to the dispatch).
+constexpr int64_t kM3MaxState = 256;
 
 // Validates the core's inputs; the sizes come from dt_bias (H), B_norm_w (N), headdim (P) and the row width.
 M3Shapes m3_check(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
@@ -472,8 +475,8 @@ M3Shapes m3_check(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, co
   MRL_CHECK(dt_bias.dim() == 1 && dt_bias.size(0) >= 1, "mamba3: dt_bias: expected shape [nheads], got ",
             shape_str(dt_bias));
   check_cpu(B_w, "mamba3: B_norm.weight");
-  MRL_CHECK(B_w.dim() == 1 && B_w.size(0) >= 2 && B_w.size(0) <= 256, "mamba3: B_norm.weight: expected shape "
-            "[d_state] with 2 <= d_state <= 256, got ", shape_str(B_w));
+  MRL_CHECK(B_w.dim() == 1 && B_w.size(0) >= 2 && B_w.size(0) <= kM3MaxState, "mamba3: B_norm.weight: expected "
+            "shape [d_state] with 2 <= d_state <= ", kM3MaxState, ", got ", shape_str(B_w));
   M3Shapes s{zxbc.size(0), zxbc.size(1), zxbc.size(2), dt_bias.size(0), headdim, B_w.size(0), 0, 0};
   s.di = s.H * s.P;
   s.R = s.Dp - 2 * s.di - 2 * s.N - 3 * s.H;
@@ -599,8 +602,9 @@ Tensor m3_backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_
             "m3_backbone_step: carry: expected shape [", L, ", ", B, ", nheads, R + d_state + headdim], got ",
             shape_str(carry));
   const int64_t H = carry.size(2), di = H * headdim;
-  MRL_CHECK(ssm.dim() == 4 && ssm.size(3) >= 2 && ssm.size(3) <= 256, "m3_backbone_step: ssm_state: expected "
-            "shape [", L, ", ", B, ", ", di, ", d_state] with 2 <= d_state <= 256, got ", shape_str(ssm));
+  MRL_CHECK(ssm.dim() == 4 && ssm.size(3) >= 2 && ssm.size(3) <= kM3MaxState, "m3_backbone_step: ssm_state: "
+            "expected shape [", L, ", ", B, ", ", di, ", d_state] with 2 <= d_state <= ", kM3MaxState, ", got ",
+            shape_str(ssm));
   const int64_t N = ssm.size(3), R = carry.size(3) - N - headdim;
   MRL_CHECK(R >= 1 && 2 * R <= N, "m3_backbone_step: carry: expected a last dim of R + d_state + headdim = R + ",
             N + headdim, " with 1 <= R <= ", N / 2, ", got ", carry.size(3));

@@ -154,6 +154,10 @@ def test_core_refuses_bad_shapes_naming_expected_and_received(cpu_ext):
         cpu_ext.m3_fwd(torch.zeros(2, 4, Dp), c.headdim, *prm, None, torch.zeros(2, 4, 13), None, None, **kw)
     with pytest.raises(ValueError, match=r"zxbc: expected dtype float32.*Double"):
         cpu_ext.m3_fwd(torch.zeros(2, 4, Dp, dtype=F64), c.headdim, *prm, None, None, None, None, **kw)
+    big = [*prm[:3], torch.ones(257), *prm[4:]]  # past the core's stack buffers for B and C
+    with pytest.raises(ValueError, match=re.escape("B_norm.weight: expected shape [d_state] with 2 <= d_state <= 256, "
+                                                   "got [257]")):
+        cpu_ext.m3_fwd(torch.zeros(2, 4, Dp), c.headdim, *big, None, None, None, None, **kw)
 
 
 def test_one_token_step_refuses_bad_inputs_naming_expected_and_received(cpu_ext):
