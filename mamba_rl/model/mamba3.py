@@ -77,7 +77,7 @@ from ..ops.extension import extension, fallback_message
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
 from .backbone import MambaBackbone
-from .fused_m3 import fused_m3_backbone, m3_core_params
+from .fused_m3 import fused_m3_backbone, m3_core_kw, m3_core_params
 from .state import RecurrentState
 
 __all__ = ["Mamba3Backbone", "Mamba3Block", "Mamba3State", "m3_param_layout", "m3_is_no_decay", "m3_init_values",
@@ -381,7 +381,7 @@ class Mamba3Backbone(MambaBackbone):
         ext, cdt = self.kernels, self.compute_dtype
         w = self.step_weights()
         starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
-        kw = dict(eps=float(c.rms_norm_eps), A_floor=float(c.A_floor), heavy_tail=c.A_activation == "heavy_tail")
+        kw = m3_core_kw(c)
         h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).float()
         for i in range(c.n_layers):
             p = f"layers.{i}."
