@@ -3,7 +3,7 @@
 Times (median µs per call, CUDA events around every call, graph replays, TF32 off):
   * the training step (fwd over [B, T] + bwd with a given d_temporal + AdamW) of mamba_rl's MambaTrainer
     in f32 and bf16 (3 layers, d_state 16, expand 2), as graph replay and through the public
-    ``trainer.step`` call, for every (d_model, B, T) row of issue 18's table;
+    ``trainer.step`` call, for every (d_model, B, T) row of ``ROWS``;
   * the same step of cuDNN GRU-1L, LSTM-1L and LSTM-3L (nn.GRU / nn.LSTM of hidden d_model behind an input
     Linear, fused capturable AdamW, graph replay: the method of the project's peer script) at every row;
   * the one-token step of the graph-captured Stepper (replay and ``stepper.step``) at the default model,
@@ -35,7 +35,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 OBS, DM, L = 32, 128, 3
-# (d_model, B, T): issue 18's table
+# (d_model, B, T): the shapes benchmarks/README.md reports (short and long T, wide models)
 ROWS = [(128, 16, 64), (128, 64, 128), (128, 256, 32), (128, 16, 512), (128, 16, 2048), (128, 64, 1024),
         (128, 4, 4096), (256, 64, 128), (512, 64, 128), (512, 16, 512), (1024, 64, 128)]
 INFER_B = [1, 16, 256]

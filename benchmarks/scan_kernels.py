@@ -1,5 +1,5 @@
 """The selective-scan kernels alone on the GPU: ext.scan_fwd and ext.scan_bwd at the d_model-128 shapes of
-issue 18's table (d_inner 256, d_state 16, dt_rank 8; B / C / z as the fused node passes them: strided views),
+bench.py's ``ROWS`` (d_inner 256, d_state 16, dt_rank 8; B / C / z as the fused node passes them: strided views),
 each call captured in a CUDA graph and timed as the median of replays (CUDA events), f32 and bf16.
 With ``--tree PATH`` the package (and so the kernel sources and their build) is imported from PATH, so two
 builds (e.g. before / after a kernel change) can be timed by two processes on the same machine.

@@ -31,7 +31,7 @@ For each env backend (``--env-backend``: gymnasium, plus envpool when installed)
 
 Rows run in the order of ``--env-backend`` (backends outer, env counts inner), then the ``--bf16-envs``
 EnvPool rows (``dtype`` bf16); the JSON is rewritten after every row, so a run cut short keeps its rows.
-``must_show`` reads issue 25's targets off the rows (:func:`must_show`).
+``must_show`` reads the throughput targets (``targets`` in the JSON) off the rows (:func:`must_show`).
 
 Ratios: ``agent_fraction_of_raw`` = agent_sps / raw_env_sps (target >= 0.5; EnvPool: agent_sps /
 bare_env_sps >= 0.6 is ``agent_fraction_of_bare``), ``agent_vs_sb3`` = agent_sps / sb3_sps (target >= 30).
@@ -41,7 +41,7 @@ Usage:
     python benchmarks/sps.py --device cpu --envs 8 --updates 4 --d-model 64 --n-layers 2 --no-sb3   # CPU check
     python benchmarks/sps.py --env-only --envs 16 64 256 1024     # the env rates and profiles only
     python benchmarks/sps.py --envs 16 64 256 1024 4096 --env-backend envpool gymnasium --profile-backend envpool \
-        --raw-steps 30000 --env-rounds 3 --min-iters 10 --bf16-envs 1024 4096 --out $OUT/sps.json   # issue 25, H200
+        --raw-steps 30000 --env-rounds 3 --min-iters 10 --bf16-envs 1024 4096 --out $OUT/sps.json   # the full H200 run
     python benchmarks/sps.py --nproc 2 --envs 64 --no-sb3 --out $OUT/sps_ddp.json   # 2 GPUs vs 1 (sps_ddp.py)
 Writes JSON to ``--out`` (and ``$OUT/sps.json`` when OUT is set); prints a table and the JSON.
 """
@@ -496,7 +496,7 @@ def _report(a: argparse.Namespace, device: str, results: list[dict]) -> dict:
         "numpy": np.__version__, "gymnasium": _version("gymnasium"), "envpool": _version("envpool"),
         "sb3_contrib": _version("sb3_contrib"),
         "model": {"d_model": a.d_model, "n_layers": a.n_layers, "d_state": 16},
-        "targets": {"raw_over_bare": "gymnasium: >= 0.8 at 64 envs and above (issue 25)",
+        "targets": {"raw_over_bare": "gymnasium: >= 0.8 at 64 envs and above",
                     "agent_sps": "envpool: >= 300,000 at its best env count, >= 0.6 of EnvPool's own rate (bare_env_sps)",
                     "agent_fraction_of_raw": ">= 0.5 at 16 and 64 envs", "agent_vs_sb3": ">= 30 at 16 and 64 envs",
                     "host_overhead_us": "<= 100 at 16 envs", "update_ms_per_2048": "<= 15"},
@@ -539,7 +539,7 @@ def _row(a: argparse.Namespace, backend: str, n: int, device: str, dtype: str) -
 
 
 def must_show(results: list[dict]) -> dict:
-    """Issue 25's targets read off the rows: the gymnasium path's ours / bare from 64 envs on (>= 0.8), the
+    """The throughput targets read off the rows: the gymnasium path's ours / bare from 64 envs on (>= 0.8), the
     EnvPool path's best agent SPS (>= 300,000) and its agent / bare there (>= 0.6), and agent / sb3-contrib."""
     out: dict = {}
     gym_rows = [r for r in results if r["env_backend"] == "gymnasium" and r["num_envs"] >= 64]

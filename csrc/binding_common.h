@@ -6,7 +6,7 @@
 // - shape_str, the NaN poisoning of fresh outputs (tests), optional-tensor pointers.
 // Header-only; each binding includes it once.
 //
-// No std::ostream formatting of numbers anywhere in a binding (issue 18): in the CUDA extension as built on
+// No std::ostream formatting of numbers anywhere in a binding: in the CUDA extension as built on
 // the H200 host, `ostream << long` (what TORCH_CHECK's c10::str and `o << t.sizes()` do) runs the
 // extension's own hidden instantiation of libstdc++'s num_put, whose locale facet id was never registered,
 // and dereferences garbage: every failed argument check ended the process with SIGSEGV instead of raising

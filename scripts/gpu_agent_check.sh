@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (<= 9 minutes on an H200) for the GPU agent loop (issue #9): install the provided wheels
+# One device call (<= 9 minutes on an H200) for the GPU agent loop: install the provided wheels
 # and the package, build the extension, run the agent's CUDA tests, then the end-to-end SPS benchmark.
 # Usage on the device: scripts/gpu_agent_check.sh ; logs and JSON go to $OUT (or ./gpu_out).
 # Env knobs: SPS_ARGS (extra benchmarks/sps.py arguments), TEST_TIMEOUT (s, default 180),

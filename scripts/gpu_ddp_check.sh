@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (<= 6 minutes on 2 H200s) for data-parallel PPO (issue #12): install the provided wheels and
+# One device call (<= 6 minutes on 2 H200s) for data-parallel PPO: install the provided wheels and
 # the package, build the CUDA extension, run the data-parallel tests (NCCL 2-GPU identity + gloo resume), then
 # the SPS of 2 ranks x 64 envs against 1 GPU x 64 envs.
 # Usage on the 2-GPU device: scripts/gpu_ddp_check.sh ; logs and JSON go to $OUT (or ./gpu_out).

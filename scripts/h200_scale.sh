@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200, ~4 minutes) for issue 25: the main job at scale on one GPU.
+# One device call (H200, ~4 minutes): the main job at scale on one GPU.
 # 1. install the carried wheels (.whl: gymnasium, EnvPool trimmed by benchmarks/envpool_lite.py and its needs,
 #    stable-baselines3 + sb3-contrib) and the package, build the CUDA kernels;
 # 2. benchmarks/sps.py in one process: CartPole-v1, EnvPool and gymnasium rows at 16-4096 envs (bare library env,

@@ -10,13 +10,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/m3_out}; mkdir -p "$OUT"
 export MAMBA_RL_BUILD_DIR=${MAMBA_RL_BUILD_DIR:-/tmp/mbuild-m3}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-for w in ../../.whl .whl; do
-  if ls $w/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $w/*.whl \
-      && export PYTHONPATH=$PYTHONPATH:/tmp/site
-    break
-  fi
-done
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/pip.log" 2>&1 || echo "editable install failed (see pip.log)"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch;print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"

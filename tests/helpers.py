@@ -1,5 +1,7 @@
-"""Shared helpers of the core tests: tiny float64-capable reference models and an oracle that runs each
-episode on its own."""
+"""Shared helpers of the core tests: tiny float64-capable reference models, an oracle that runs each
+episode on its own, the reset patterns and the error measures the parity tests share."""
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -10,10 +12,56 @@ F64 = torch.float64
 
 
 def rel(a, b) -> float:
-    """||a - b|| / ||b|| in float64; a must be finite (a NaN never passes a tolerance by accident)."""
-    a, b = a.double(), b.double()
+    """||a - b|| / ||b|| in float64 on the CPU (a and b may sit on different devices); a must be finite (a NaN
+    never passes a tolerance by accident)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     assert torch.isfinite(a).all()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def angle_err(a, b) -> float:
+    """Largest circular difference of two angle tensors (the wrap at 2 pi may fall differently in f32)."""
+    d = a.detach().double().cpu() - b.detach().double().cpu()
+    return (torch.remainder(d + math.pi, 2 * math.pi) - math.pi).abs().max().item()
+
+
+def loss_and_grads(model, x, s0, starts, w, dtype, device="cpu"):
+    """Forward and backward of ``sum(y * wy) + sum(final.conv * wc) + sum(final.ssm * ws)``, ``w = (wy, wc,
+    ws)``, with x, the initial state ``s0`` and the weights cast to ``dtype`` on ``device``: the loss reaches
+    the features and both parts of the final state. Returns (y detached, final state, dLoss/dx, a copy of the
+    model's gradient arena)."""
+    wy, wc, ws = (t.to(device=device, dtype=dtype) for t in w)
+    xx = x.detach().to(device=device, dtype=dtype).clone().requires_grad_()
+    y, fin = model(xx, s0.to(device=device, dtype=dtype), starts.to(device))
+    loss = (y * wy).sum() + (fin.conv * wc).sum() + (fin.ssm * ws).sum()
+    model.zero_grad()
+    loss.backward()
+    return y.detach(), fin, xx.grad, model.grad_arena.clone()
+
+
+RESET_PATTERNS = ("none", "t0", "last", "every", "adjacent", "random")
+
+
+def starts_for(pattern, B, T, g, clean_row: bool = False):
+    """episode_starts [B, T] bool for one of :data:`RESET_PATTERNS`: no start, a start at t = 0, at T - 1, at
+    every step, at two adjacent steps in the middle, or each step with probability 0.1 (drawn from ``g``);
+    ``clean_row`` keeps the last row of the random pattern free of starts."""
+    s = torch.zeros(B, T, dtype=torch.bool)
+    if pattern == "t0":
+        s[:, 0] = True
+    elif pattern == "last":
+        s[:, T - 1] = True
+    elif pattern == "every":
+        s[:] = True
+    elif pattern == "adjacent":
+        s[:, T // 2: T // 2 + 2] = True
+    elif pattern == "random":
+        s = torch.rand(B, T, generator=g) < 0.1
+        if clean_row:
+            s[-1] = False
+    elif pattern != "none":
+        raise ValueError(f"starts_for: pattern must be one of {RESET_PATTERNS}, got {pattern!r}")
+    return s
 
 
 def needs_cpu_kernels():

@@ -11,7 +11,11 @@
 // Differences from the CUDA binding: float32 only (activations and weights); any d_state >= 1 and
 // d_conv >= 1 (CUDA: 8/16 and 4); any number of layers in backbone_step; rows_per_block is ignored; the
 // scan checkpoint interval (scan_chunk()) is the CPU kernel's own, so a ckpt tensor is only valid for the
-// backend that produced it.
+// backend that produced it. CUDA only: the small-GEMM kernels (wgrad_grouped, xdt_fwd, xdt_bwd), the scan's
+// segment control (scan_segments, scan_set_segments), backbone_step_prepare, Mamba-3's m3_step, and the
+// optional arguments conv_fwd(final_out), rmsnorm_fwd(x_copy) and adamw_step(zero_grad) (mamba_rl/ops
+// zeroes the gradient after the CPU pass). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in
+// one call (on CUDA it is torch GEMMs around m3_step).
 // This file is argument checking and pybind11 glue: nothing in it is hot. At -O3, GCC spends more time
 // optimising pybind11's template instantiations than parsing the torch headers (~19 s vs ~15 s on a
 // 2-core machine), and this file is the critical path of the one-time build; O1 keeps that under 10 s.
@@ -27,6 +31,7 @@
 
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "../binding_common.h"
@@ -314,24 +319,43 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
 }
 
 // ---------------- one-token backbone step ----------------
+struct StepIO { int64_t B, dm, L; };
+
+// The checks the one-token steps of both layer kinds share (backbone_step, m3_backbone_step): x_t
+// [B, input_dim], input_proj.{weight [d_model, input_dim], bias [d_model]}, norm_f.weight [d_model], at least
+// one layer and the optional [B] bool episode_starts. `fn` names the function in every message.
+StepIO step_io_check(const std::string& fn, const Tensor& x, const Tensor& inp_w, const Tensor& inp_b,
+                     const Tensor& normf_w, size_t n_layers, const OptT& starts) {
+  const std::string x_name = fn + ": x_t", w_name = fn + ": input_proj.weight";
+  check_cpu(x, x_name.c_str());
+  MRL_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, x_name, ": expected shape [B, input_dim], got ",
+            shape_str(x));
+  const int64_t B = x.size(0), in_dim = x.size(1);
+  check_f32(x, x_name.c_str(), {B, in_dim});
+  check_cpu(inp_w, w_name.c_str());
+  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, w_name, ": expected shape [d_model, ", in_dim, "], got ",
+            shape_str(inp_w));
+  const int64_t dm = inp_w.size(0);
+  check_f32(inp_w, w_name.c_str(), {dm, in_dim});
+  check_f32(inp_b, (fn + ": input_proj.bias").c_str(), {dm});
+  check_f32(normf_w, (fn + ": norm_f.weight").c_str(), {dm});
+  const int64_t L = (int64_t)n_layers;
+  MRL_CHECK(L >= 1, fn, ": layers: expected at least 1 layer, got ", L);
+  if (starts) {
+    check_cpu(*starts, (fn + ": episode_starts").c_str());
+    MRL_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(), fn,
+              ": episode_starts: expected a contiguous [", B, "] bool tensor, got shape ", shape_str(*starts),
+              " dtype ", starts->scalar_type());
+  }
+  return {B, dm, L};
+}
+
 Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                      const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
                      const OptT& starts, double eps, int64_t rows_per_block) {
   (void)rows_per_block;  // a CUDA launch-shape knob; nothing to choose on the CPU
-  check_cpu(x, "backbone_step: x_t");
-  MRL_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "backbone_step: x_t: expected shape "
-                    "[B, input_dim], got ", shape_str(x));
-  const int64_t B = x.size(0), in_dim = x.size(1);
-  check_f32(x, "backbone_step: x_t", {B, in_dim});
-  check_cpu(inp_w, "backbone_step: input_proj.weight");
-  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "backbone_step: input_proj.weight: expected shape "
-                    "[d_model, ", in_dim, "], got ", shape_str(inp_w));
-  const int64_t dm = inp_w.size(0);
-  check_f32(inp_w, "backbone_step: input_proj.weight", {dm, in_dim});
-  check_f32(inp_b, "backbone_step: input_proj.bias", {dm});
-  check_f32(normf_w, "backbone_step: norm_f.weight", {dm});
-  const int64_t L = (int64_t)layers.size();
-  MRL_CHECK(L >= 1, "backbone_step: layers: expected at least 1 layer, got ", L);
+  const auto io = step_io_check("backbone_step", x, inp_w, inp_b, normf_w, layers.size(), starts);
+  const int64_t B = io.B, dm = io.dm, L = io.L;
   check_cpu(conv_state, "backbone_step: conv_state");
   MRL_CHECK(conv_state.dim() == 4 && conv_state.size(0) == L && conv_state.size(1) == B &&
                     conv_state.size(2) >= 1, "backbone_step: conv_state: expected shape [", L, ", ", B,
@@ -343,12 +367,6 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
                     L, ", ", B, ", ", D, ", d_state], got ", shape_str(ssm_state));
   const int64_t N = ssm_state.size(3);
   check_f32(ssm_state, "backbone_step: ssm_state", {L, B, D, N});
-  if (starts) {
-    check_cpu(*starts, "backbone_step: episode_starts");
-    MRL_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
-                      "backbone_step: episode_starts: expected a contiguous [", B, "] bool tensor, got shape ",
-                      shape_str(*starts), " dtype ", starts->scalar_type());
-  }
   int64_t rank = -1;
   for (int64_t l = 0; l < L; ++l) {
     const auto& t = layers[l];
@@ -441,6 +459,9 @@ int scan_chunk() { return mrl_cpu::kScanChunk; }
 
 // ---------------- Mamba-3 SISO mixer core and one-token step (mamba3.cpp, mamba3_step.cpp) ----------------
 struct M3Shapes { int64_t B, T, Dp, H, P, N, R, di; };
+// The largest d_state of the Mamba-3 core: a head's B and C sit in stack buffers of this size (kMaxState of
+// mamba3.cpp; mamba_rl.ops.capability.M3_MAX_STATE says the same to the dispatch).
+constexpr int64_t kM3MaxState = 256;
 
 // Validates the core's inputs; the sizes come from dt_bias (H), B_norm_w (N), headdim (P) and the row width.
 M3Shapes m3_check(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, const Tensor& B_bias,
@@ -454,8 +475,8 @@ M3Shapes m3_check(const Tensor& zxbc, int64_t headdim, const Tensor& dt_bias, co
   MRL_CHECK(dt_bias.dim() == 1 && dt_bias.size(0) >= 1, "mamba3: dt_bias: expected shape [nheads], got ",
             shape_str(dt_bias));
   check_cpu(B_w, "mamba3: B_norm.weight");
-  MRL_CHECK(B_w.dim() == 1 && B_w.size(0) >= 2 && B_w.size(0) <= 256, "mamba3: B_norm.weight: expected shape "
-            "[d_state] with 2 <= d_state <= 256, got ", shape_str(B_w));
+  MRL_CHECK(B_w.dim() == 1 && B_w.size(0) >= 2 && B_w.size(0) <= kM3MaxState, "mamba3: B_norm.weight: expected "
+            "shape [d_state] with 2 <= d_state <= ", kM3MaxState, ", got ", shape_str(B_w));
   M3Shapes s{zxbc.size(0), zxbc.size(1), zxbc.size(2), dt_bias.size(0), headdim, B_w.size(0), 0, 0};
   s.di = s.H * s.P;
   s.R = s.Dp - 2 * s.di - 2 * s.N - 3 * s.H;
@@ -572,20 +593,8 @@ std::vector<Tensor> m3_bwd(const Tensor& zxbc, int64_t headdim, const Tensor& dt
 Tensor m3_backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                         const std::vector<std::vector<Tensor>>& layers, Tensor& carry, Tensor& ssm,
                         const OptT& starts, double eps, int64_t headdim, double A_floor, bool heavy_tail) {
-  check_cpu(x, "m3_backbone_step: x_t");
-  MRL_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) >= 1, "m3_backbone_step: x_t: expected shape "
-            "[B, input_dim], got ", shape_str(x));
-  const int64_t B = x.size(0), in_dim = x.size(1);
-  check_f32(x, "m3_backbone_step: x_t", {B, in_dim});
-  check_cpu(inp_w, "m3_backbone_step: input_proj.weight");
-  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == in_dim, "m3_backbone_step: input_proj.weight: expected shape "
-            "[d_model, ", in_dim, "], got ", shape_str(inp_w));
-  const int64_t dm = inp_w.size(0);
-  check_f32(inp_w, "m3_backbone_step: input_proj.weight", {dm, in_dim});
-  check_f32(inp_b, "m3_backbone_step: input_proj.bias", {dm});
-  check_f32(normf_w, "m3_backbone_step: norm_f.weight", {dm});
-  const int64_t L = (int64_t)layers.size();
-  MRL_CHECK(L >= 1, "m3_backbone_step: layers: expected at least 1 layer, got ", L);
+  const auto io = step_io_check("m3_backbone_step", x, inp_w, inp_b, normf_w, layers.size(), starts);
+  const int64_t B = io.B, dm = io.dm, L = io.L;
   MRL_CHECK(headdim >= 1, "m3_backbone_step: headdim: expected an int >= 1, got ", headdim);
   check_cpu(carry, "m3_backbone_step: carry");
   check_cpu(ssm, "m3_backbone_step: ssm_state");
@@ -593,19 +602,14 @@ Tensor m3_backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_
             "m3_backbone_step: carry: expected shape [", L, ", ", B, ", nheads, R + d_state + headdim], got ",
             shape_str(carry));
   const int64_t H = carry.size(2), di = H * headdim;
-  MRL_CHECK(ssm.dim() == 4 && ssm.size(3) >= 2 && ssm.size(3) <= 256, "m3_backbone_step: ssm_state: expected "
-            "shape [", L, ", ", B, ", ", di, ", d_state] with 2 <= d_state <= 256, got ", shape_str(ssm));
+  MRL_CHECK(ssm.dim() == 4 && ssm.size(3) >= 2 && ssm.size(3) <= kM3MaxState, "m3_backbone_step: ssm_state: "
+            "expected shape [", L, ", ", B, ", ", di, ", d_state] with 2 <= d_state <= ", kM3MaxState, ", got ",
+            shape_str(ssm));
   const int64_t N = ssm.size(3), R = carry.size(3) - N - headdim;
   MRL_CHECK(R >= 1 && 2 * R <= N, "m3_backbone_step: carry: expected a last dim of R + d_state + headdim = R + ",
             N + headdim, " with 1 <= R <= ", N / 2, ", got ", carry.size(3));
   check_f32(carry, "m3_backbone_step: carry", {L, B, H, R + N + headdim});
   check_f32(ssm, "m3_backbone_step: ssm_state", {L, B, di, N});
-  if (starts) {
-    check_cpu(*starts, "m3_backbone_step: episode_starts");
-    MRL_CHECK(starts->scalar_type() == at::kBool && starts->numel() == B && starts->is_contiguous(),
-              "m3_backbone_step: episode_starts: expected a contiguous [", B, "] bool tensor, got shape ",
-              shape_str(*starts), " dtype ", starts->scalar_type());
-  }
   const int64_t Dp = 2 * di + 2 * N + 3 * H + R;
   const size_t nt = layers[0].size();
   for (int64_t l = 0; l < L; ++l) {

@@ -33,6 +33,9 @@ namespace {
 
 constexpr float kPi = 3.14159265358979323846f;
 constexpr float kTwoPi = 6.28318530717958647692f;
+// The largest d_state: a head's normalised B and C live in stack buffers of this size (the binding's
+// kM3MaxState refuses a larger one).
+constexpr int kMaxState = 256;
 
 // Per-step values the backward keeps for one head (pointers into the chunk cache).
 struct StepCache {
@@ -106,7 +109,7 @@ void head_step(const M3Args& a, int h, const float* row, bool reset, float* __re
   const float alpha = std::exp(A * dt);
   const float lam = sigmoid_s(hs[2 * H + h]);
   const float cprev = (1.0f - lam) * dt * alpha, ccur = lam * dt;
-  float kb[64 * 4], qb[64 * 4];  // N <= 256 (checked by the binding)
+  float kb[kMaxState], qb[kMaxState];
   norm_n(Bp, a.B_w, N, a.eps, kb);
   norm_n(Cp, a.C_w, N, a.eps, qb);
   const float* bb = a.B_bias + (int64_t)h * N;

@@ -319,7 +319,12 @@ class MambaBackbone(ArenaModule):
             return False
         return initial_state is None or not (initial_state.conv.requires_grad or initial_state.ssm.requires_grad)
 
+    # the whole-backbone node of this layer kind: (net, x, conv0, ssm0, starts) -> (features, conv_f, ssm_f)
+    _fused_node = staticmethod(fused_backbone)
+
     def _forward_fused(self, x, initial_state, episode_starts):
+        """forward on the kernel backends' whole-backbone node (:attr:`_fused_node`): float32 contiguous
+        initial state (zeros for None) and starts (all False for None) -> (features, the layer kind's state)."""
         B, T = x.shape[:2]
         if initial_state is None:
             initial_state = self.initial_state(B)
@@ -327,10 +332,11 @@ class MambaBackbone(ArenaModule):
         ssm0 = initial_state.ssm.to(torch.float32).contiguous()
         if episode_starts is None:
             episode_starts = torch.zeros(B, T, dtype=torch.bool, device=x.device)
-        feat, conv_f, ssm_f = fused_backbone(self, x, conv0, ssm0, episode_starts.contiguous())
+        feat, conv_f, ssm_f = self._fused_node(self, x, conv0, ssm0, episode_starts.contiguous())
         if feat.grad_fn is not None:
             _guard_fused_backward(self, feat.grad_fn)
-        return feat, RecurrentState(conv_f, ssm_f)
+        state_cls = self._state_layout(B)[0]
+        return feat, state_cls(conv_f, ssm_f)
 
     @torch.no_grad()
     def step(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None = None):

@@ -19,7 +19,7 @@ import torch
 
 from .fused import _acc_mm, _norm_bwd, _norm_flags, _norm_fwd, _residual_mm, _views
 
-__all__ = ["fused_m3_backbone", "m3_core_params"]
+__all__ = ["fused_m3_backbone", "m3_core_kw", "m3_core_params"]
 
 CORE_KEYS = ("mixer.dt_bias", "mixer.B_bias", "mixer.C_bias", "mixer.B_norm.weight", "mixer.C_norm.weight",
              "mixer.D")
@@ -38,7 +38,9 @@ def m3_core_params(views: dict, i: int, cfg) -> list:
     return out
 
 
-def _core_kw(cfg) -> dict:
+def m3_core_kw(cfg) -> dict:
+    """The core's scalar keyword arguments (``eps``, ``A_floor``, ``heavy_tail``) for ``cfg``, as every
+    ``m3_fwd`` / ``m3_bwd`` / ``m3_step`` call takes them."""
     return dict(eps=float(cfg.rms_norm_eps), A_floor=float(cfg.A_floor), heavy_tail=cfg.A_activation == "heavy_tail")
 
 
@@ -54,7 +56,7 @@ class _M3Backbone(torch.autograd.Function):
         W = net.arena if net.compute_arena is None else net.compute_arena
         vw, vm = _views(net, W), _views(net, net.arena)
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
-        kw = _core_kw(c)
+        kw = m3_core_kw(c)
         need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]  # a backward can run: keep checkpoints
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(vw["input_proj.bias"], x2, vw["input_proj.weight"].t()).float()
@@ -94,7 +96,7 @@ class _M3Backbone(torch.autograd.Function):
         W = net.arena if net.compute_arena is None else net.compute_arena
         vw, vm, vg = _views(net, W), _views(net, net.arena), _views(net, net.grad_arena)
         nb_ok = ctx.norm_bwd_ok
-        kw = _core_kw(c)
+        kw = m3_core_kw(c)
         f32 = torch.float32
         dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
                              vm["norm_f.weight"], vg["norm_f.weight"], None, cdt)

@@ -73,11 +73,11 @@ import torch.nn.functional as F
 
 from ..config import MambaConfig
 from ..ops.capability import Support, kernel_support
-from ..ops.extension import extension, extension_error, fallback_message
+from ..ops.extension import extension, fallback_message
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
-from .backbone import MambaBackbone, _guard_fused_backward
-from .fused_m3 import fused_m3_backbone, m3_core_params
+from .backbone import MambaBackbone
+from .fused_m3 import fused_m3_backbone, m3_core_kw, m3_core_params
 from .state import RecurrentState
 
 __all__ = ["Mamba3Backbone", "Mamba3Block", "Mamba3State", "m3_param_layout", "m3_is_no_decay", "m3_init_values",
@@ -332,30 +332,14 @@ class Mamba3Backbone(MambaBackbone):
         self.backend = self._resolve_backend(backend)
 
     def _resolve_backend(self, backend: str) -> str:
+        if backend != "auto":  # the device, dtype and load checks of every layer kind
+            resolved = super()._resolve_backend(backend)
+            if resolved != "reference" and not hasattr(extension(resolved), "m3_fwd"):
+                raise RuntimeError(f"MambaBackbone: the loaded {resolved} extension has no Mamba-3 kernels (m3_fwd); "
+                                   f"rebuild it with `python -m mamba_rl.build --kind {resolved}`")
+            return resolved
         dev, dt = self.arena.device, self.arena.dtype
-        if backend == "reference":
-            return "reference"
-        if backend == "cuda":
-            if dev.type != "cuda":
-                raise ValueError(f"MambaBackbone: backend='cuda' needs a CUDA device, got {dev}")
-            if dt != torch.float32:
-                raise ValueError(f"MambaBackbone: backend='cuda' needs float32 masters, got {dt}")
-            ext = extension("cuda")
-            if ext is None:
-                raise RuntimeError(f"MambaBackbone: the cuda kernels could not load: {extension_error('cuda')!r}")
-            if not hasattr(ext, "m3_fwd"):
-                raise RuntimeError("MambaBackbone: the loaded cuda extension has no Mamba-3 kernels (m3_fwd); rebuild "
-                                   "it with `python -m mamba_rl.build --kind cuda`")
-            return "cuda"
-        if backend == "cpu":
-            if dev.type != "cpu":
-                raise ValueError(f"MambaBackbone: backend='cpu' needs a CPU device, got {dev}")
-            if dt != torch.float32:
-                raise ValueError(f"MambaBackbone: backend='cpu' needs float32 masters, got {dt}")
-            if extension("cpu") is None:
-                raise RuntimeError(f"MambaBackbone: the cpu kernels could not load: {extension_error('cpu')!r}")
-            return "cpu"
-        if dt == torch.float32:  # auto
+        if dt == torch.float32:
             if dev.type == "cpu":
                 if extension("cpu") is not None:
                     return "cpu"
@@ -388,18 +372,7 @@ class Mamba3Backbone(MambaBackbone):
                               d_model=c.d_model, d_state=c.d_state, n_layers=c.n_layers, dtype=self.compute_dtype,
                               device=self.device, headdim=c.headdim)
 
-    def _forward_fused(self, x, initial_state, episode_starts):
-        B, T = x.shape[:2]
-        if initial_state is None:
-            initial_state = self.initial_state(B)
-        carry0 = initial_state.conv.to(torch.float32).contiguous()
-        ssm0 = initial_state.ssm.to(torch.float32).contiguous()
-        if episode_starts is None:
-            episode_starts = torch.zeros(B, T, dtype=torch.bool, device=x.device)
-        feat, carry_f, ssm_f = fused_m3_backbone(self, x, carry0, ssm0, episode_starts.contiguous())
-        if feat.grad_fn is not None:
-            _guard_fused_backward(self, feat.grad_fn)
-        return feat, Mamba3State(carry_f, ssm_f)
+    _fused_node = staticmethod(fused_m3_backbone)  # MambaBackbone._forward_fused runs it (carry in the conv slot)
 
     def _step_cuda(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None):
         """The one-token step on the CUDA backend: per layer the RMSNorm and GEMMs in torch (compute dtype) and
@@ -408,7 +381,7 @@ class Mamba3Backbone(MambaBackbone):
         ext, cdt = self.kernels, self.compute_dtype
         w = self.step_weights()
         starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
-        kw = dict(eps=float(c.rms_norm_eps), A_floor=float(c.A_floor), heavy_tail=c.A_activation == "heavy_tail")
+        kw = m3_core_kw(c)
         h = F.linear(x_t.to(cdt), w["input_proj.weight"], w["input_proj.bias"]).float()
         for i in range(c.n_layers):
             p = f"layers.{i}."

@@ -22,7 +22,8 @@ WGRAD_MAX_JOBS = 24  # csrc/ops.h
 
 
 def wgrad_grouped_ref(jobs) -> None:
-    """Reference of :func:`wgrad_grouped`: ``c += (a^T b)`` in float64, rounded into c (float32)."""
+    """Reference of :func:`wgrad_grouped` on the same ``jobs`` (any device): per job ``c += a^T b`` (``b``
+    None: ``c += a.sum(0)``), in place: the product in float64, rounded to ``c``'s dtype, then added."""
     for a, b, c in jobs:
         a64 = a.double()
         if b is None:
@@ -35,7 +36,7 @@ def wgrad_grouped(ext, jobs) -> None:
     """``c += a^T b`` for every job, in one CUDA launch.
 
     Args:
-        ext: the CUDA extension.
+        ext: the CUDA extension (``mamba_rl.ops.extension.extension("cuda")``).
         jobs: 1..:data:`WGRAD_MAX_JOBS` tuples ``(a, b, c)``: ``a`` [K, M] and ``b`` [K, N] (float32, bfloat16 or
             float16, any row stride, unit column stride, the same K per job), ``c`` [M, N] float32 with unit
             column stride (e.g. a view into the gradient arena). ``b`` None: ``c`` [M] or [M, 1] gets the
@@ -47,7 +48,9 @@ def wgrad_grouped(ext, jobs) -> None:
 
 
 def xdt_fwd_ref(xc, wx, wdt):
-    """(dbc, dt) in float64 arithmetic, rounded to xc's dtype: dbc = xc @ wx^T, dt = round(dbc)[:, :R] @ wdt^T."""
+    """Reference of :func:`xdt_fwd` (same arguments and returns, any device): ``dbc = xc @ wx^T`` and
+    ``dt = dbc[:, :dt_rank] @ wdt^T`` in float64, each rounded to xc's dtype (dt from the rounded dbc, as the
+    kernel does)."""
     R = wdt.shape[1]
     dbc = (xc.double() @ wx.double().t()).to(xc.dtype)
     dt = (dbc[:, :R].double() @ wdt.double().t()).to(xc.dtype)
@@ -58,6 +61,7 @@ def xdt_fwd(ext, xc, wx, wdt):
     """x_proj and dt_proj of one layer in one launch.
 
     Args:
+        ext: the CUDA extension.
         xc: [rows, d_inner] (the conv output), float32 / bfloat16 / float16, contiguous.
         wx: x_proj.weight [dt_rank + 2 d_state, d_inner], wdt: dt_proj.weight [d_inner, dt_rank], xc's dtype.
     Returns:
@@ -70,7 +74,9 @@ def xdt_fwd(ext, xc, wx, wdt):
 
 
 def xdt_bwd_ref(ddt, dB, dC, wx, wdt, dxc):
-    """(ddbc, dxc_new) in float64 arithmetic, rounded to ddt's dtype (dxc_new = dxc + round(ddbc) @ wx)."""
+    """Reference of :func:`xdt_bwd` (same arguments, any device), out of place: (ddbc [rows, dt_rank + 2 d_state],
+    dxc_new [rows, d_inner]) with ``ddbc = [ddt @ wdt, dB, dC]`` and ``dxc_new = dxc + ddbc @ wx``, in float64,
+    each rounded to ddt's dtype (dxc_new from the rounded ddbc); ``dxc`` is left unchanged."""
     ddbc = torch.cat([(ddt.double() @ wdt.double()).to(ddt.dtype), dB, dC], dim=1)
     return ddbc, (dxc.double() + ddbc.double() @ wx.double()).to(ddt.dtype)
 
@@ -79,6 +85,7 @@ def xdt_bwd(ext, ddt, dB, dC, wx, wdt, dxc):
     """Gradient through :func:`xdt_fwd` in one launch: ddbc = [ddt @ wdt, dB, dC]; ``dxc += ddbc @ wx`` in place.
 
     Args:
+        ext: the CUDA extension.
         ddt: [rows, d_inner] (dL/d pre-softplus dt), dB, dC: [rows, d_state], dxc: [rows, d_inner] (the
             scan's dL/dxc, updated in place), all contiguous in one dtype; wx, wdt as in :func:`xdt_fwd`.
     Returns:

@@ -8,7 +8,6 @@ after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -124,9 +123,6 @@ class MambaTrainer:
         self.d_buf = torch.zeros(batch, seq_len, c.d_model, device=dev)
         self.starts_buf = torch.zeros(batch, seq_len, dtype=torch.bool, device=dev)
         self.extra_sq_buf = torch.zeros((), dtype=torch.float32, device=dev)
-        # called after the backbone backward and before the clip + AdamW of an optimizer step (data-parallel
-        # PPO sums grad_arena and sets extra_sq_buf there); no arguments, must not sync in a captured graph
-        self.grad_hook: Callable[[], None] | None = None
         # the carried state (input of the next call) and what the current forward started from (saved by
         # autograd): conv and ssm of each are views of one flat buffer, so the per-step copy is one launch
         self.state, self._state_flat = self._flat_state(batch)
@@ -233,10 +229,8 @@ class MambaTrainer:
         self._feat.backward(g, retain_graph=retain_graph)
 
     def _optimize(self):
-        """grad_hook, the global clip, AdamW and the scaler over the gradient arena; zeroes the arena."""
+        """The global clip, AdamW and the scaler over the gradient arena; zeroes the arena."""
         net = self.net
-        if self.grad_hook is not None:  # e.g. the data-parallel all-reduce, before the clip sees the arena
-            self.grad_hook()
         if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
             net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
         cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
@@ -362,7 +356,7 @@ class MambaTrainer:
         self._feat = None
 
     def optimizer_body(self) -> None:
-        """The second half of :meth:`backward_body`: ``grad_hook`` (if set), the global clip (backbone arena
+        """The second half of :meth:`backward_body`: the global clip (backbone arena
         plus ``extra_sq_buf``), AdamW, the f16 scaler update, and the gradient arena zeroed. No host sync;
         graph-capturable."""
         self._optimize()

@@ -1,4 +1,4 @@
-"""Failures replayed from public bug reports (issue 23): NaN from the env, non-finite updates and
+"""Failures replayed from public bug reports: NaN from the env, non-finite updates and
 checkpoints, killed saves, TensorBoard after a resume, predict() with raw observations, the lr after a
 resume with a larger horizon, checkpoint file modes. CPU, tiny models."""
 

@@ -5,28 +5,12 @@ import pytest
 import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
-from tests.helpers import needs_cpu_kernels, rel
+from tests.helpers import RESET_PATTERNS, loss_and_grads, needs_cpu_kernels, rel, starts_for
 
 pytestmark = needs_cpu_kernels()
 
 CFG = MambaConfig(d_model=16, n_layers=2, d_state=8, d_conv=4, expand=2)
 IN = 5
-
-
-def starts_for(pattern, B, T, g):
-    s = torch.zeros(B, T, dtype=torch.bool)
-    if pattern == "t0":
-        s[:, 0] = True
-    elif pattern == "last":
-        s[:, T - 1] = True
-    elif pattern == "every":
-        s[:] = True
-    elif pattern == "adjacent":
-        s[:, T // 2: T // 2 + 2] = True
-    elif pattern == "random":
-        s = torch.rand(B, T, generator=g) < 0.1
-        s[-1] = False  # one row without any start
-    return s
 
 
 def pair(seed=0):
@@ -37,7 +21,7 @@ def pair(seed=0):
 
 
 @pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 1000])
-@pytest.mark.parametrize("pattern", ["none", "t0", "last", "every", "adjacent", "random"])
+@pytest.mark.parametrize("pattern", RESET_PATTERNS)
 def test_backbone_matches_float64_reference(T, pattern):
     if T == 1000 and pattern not in ("random", "none"):
         pytest.skip("long sequences: the random and no-reset patterns cover them")
@@ -45,22 +29,14 @@ def test_backbone_matches_float64_reference(T, pattern):
     B = 3
     net, ref = pair()
     x = torch.randn(B, T, IN, generator=g)
-    starts = starts_for(pattern, B, T, g)
+    starts = starts_for(pattern, B, T, g, clean_row=True)
     s0 = RecurrentState(torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_conv - 1, generator=g) * 0.5,
                         torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_state, generator=g) * 0.5)
     wy = torch.randn(B, T, CFG.d_model, generator=g)
     wc, ws = torch.randn_like(s0.conv), torch.randn_like(s0.ssm)
-
-    def run(model, dtype):
-        xx = x.detach().to(dtype).clone().requires_grad_()
-        y, fin = model(xx, s0.to(dtype), starts)
-        loss = (y * wy.to(dtype)).sum() + (fin.conv * wc.to(dtype)).sum() + (fin.ssm * ws.to(dtype)).sum()
-        model.zero_grad()
-        loss.backward()
-        return y.detach(), fin, xx.grad, model.grad_arena.clone()
-
-    y, fin, dx, grads = run(net, torch.float32)
-    ry, rfin, rdx, rgrads = run(ref, torch.float64)
+    w = (wy, wc, ws)
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32)
+    ry, rfin, rdx, rgrads = loss_and_grads(ref, x, s0, starts, w, torch.float64)
     assert rel(y, ry) <= 1e-4
     assert rel(fin.conv, rfin.conv) <= 1e-4 and rel(fin.ssm, rfin.ssm) <= 1e-4
     assert rel(dx, rdx) <= 1e-4

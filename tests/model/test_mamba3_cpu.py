@@ -4,6 +4,7 @@ and d_input for T in {1, 3, 63, 64, 65, 1000} and every reset pattern; the stepp
 against forward over T = 1000 with resets; the trainer, resume, the backend choice and the AdamW no-decay
 group. Skips only where the CPU kernels cannot be built."""
 import math
+import re
 import warnings
 
 import pytest
@@ -11,13 +12,12 @@ import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, load_checkpoint, save_checkpoint
 from mamba_rl.model.mamba3 import Mamba3State
-from tests.helpers import needs_cpu_kernels, rel
+from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, loss_and_grads, needs_cpu_kernels, rel, starts_for
 
 pytestmark = needs_cpu_kernels()
 
 F64 = torch.float64
 IN = 3
-PATTERNS = ("none", "t0", "last", "every", "adjacent", "random")
 
 
 @pytest.fixture
@@ -49,26 +49,6 @@ def pair(cfg, seed=0, jitter=0.3):
     return net, ref
 
 
-def starts_for(pattern, B, T, g):
-    s = torch.zeros(B, T, dtype=torch.bool)
-    if pattern == "t0":
-        s[:, 0] = True
-    elif pattern == "last":
-        s[:, T - 1] = True
-    elif pattern == "every":
-        s[:] = True
-    elif pattern == "adjacent":
-        s[:, T // 2: T // 2 + 2] = True
-    elif pattern == "random":
-        s = torch.rand(B, T, generator=g) < 0.1
-    return s
-
-
-def angle_err(a, b) -> float:
-    """Largest circular difference of two angle tensors (the wrap at 2 pi may fall differently in f32)."""
-    return (torch.remainder(a.double() - b.double() + math.pi, 2 * math.pi) - math.pi).abs().max().item()
-
-
 def check_against_reference(net, ref, x, s0, starts, tol=1e-4):
     """Run both nets forward and backward (a loss on the features and on every part of the final state) and
     compare features, final state, d_input and each parameter's gradient."""
@@ -76,18 +56,10 @@ def check_against_reference(net, ref, x, s0, starts, tol=1e-4):
     B, T = x.shape[:2]
     wy = torch.randn(B, T, net.cfg.d_model, generator=g, dtype=F64)
     wc, ws = torch.randn(s0.conv.shape, generator=g, dtype=F64), torch.randn(s0.ssm.shape, generator=g, dtype=F64)
-
-    def run(model, dtype):
-        xx = x.detach().to(dtype).clone().requires_grad_()
-        y, fin = model(xx, s0.to(dtype), starts)
-        loss = (y * wy.to(dtype)).sum() + (fin.conv * wc.to(dtype)).sum() + (fin.ssm * ws.to(dtype)).sum()
-        model.zero_grad()
-        loss.backward()
-        return y.detach(), fin, xx.grad, model.grad_arena.clone()
-
-    y, fin, dx, grads = run(net, torch.float32)
+    w = (wy, wc, ws)
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32)
     assert y.grad_fn is None and type(fin) is Mamba3State
-    ry, rfin, rdx, rgrads = run(ref, F64)
+    ry, rfin, rdx, rgrads = loss_and_grads(ref, x, s0, starts, w, F64)
     assert rel(y, ry) <= tol
     assert rel(fin.ssm, rfin.ssm) <= tol and rel(fin.k, rfin.k) <= tol and rel(fin.v, rfin.v) <= tol
     assert angle_err(fin.angle, rfin.angle) <= 1e3 * tol
@@ -182,6 +154,30 @@ def test_core_refuses_bad_shapes_naming_expected_and_received(cpu_ext):
         cpu_ext.m3_fwd(torch.zeros(2, 4, Dp), c.headdim, *prm, None, torch.zeros(2, 4, 13), None, None, **kw)
     with pytest.raises(ValueError, match=r"zxbc: expected dtype float32.*Double"):
         cpu_ext.m3_fwd(torch.zeros(2, 4, Dp, dtype=F64), c.headdim, *prm, None, None, None, None, **kw)
+    big = [*prm[:3], torch.ones(257), *prm[4:]]  # past the core's stack buffers for B and C
+    with pytest.raises(ValueError, match=re.escape("B_norm.weight: expected shape [d_state] with 2 <= d_state <= 256, "
+                                                   "got [257]")):
+        cpu_ext.m3_fwd(torch.zeros(2, 4, Dp), c.headdim, *big, None, None, None, None, **kw)
+
+
+def test_one_token_step_refuses_bad_inputs_naming_expected_and_received(cpu_ext):
+    """m3_backbone_step runs the same input checks as Mamba-1's backbone_step before it touches any state."""
+    net, _ = pair(m3cfg(), seed=0)
+    c = net.cfg
+    inp_w, inp_b, normf, layers = net._packed_step_weights()
+    st = net.initial_state(2)
+    tail = (float(c.rms_norm_eps), c.headdim, float(c.A_floor), True)
+    x = torch.zeros(2, IN)
+    with pytest.raises(ValueError, match=re.escape(f"m3_backbone_step: input_proj.weight: expected shape "
+                                                   f"[d_model, {IN + 1}], got [{c.d_model}, {IN}]")):
+        cpu_ext.m3_backbone_step(torch.zeros(2, IN + 1), inp_w, inp_b, normf, layers, st.conv, st.ssm, None, *tail)
+    with pytest.raises(ValueError, match=re.escape("m3_backbone_step: episode_starts: expected a contiguous [2] "
+                                                   "bool tensor, got shape [3] dtype Bool")):
+        cpu_ext.m3_backbone_step(x, inp_w, inp_b, normf, layers, st.conv, st.ssm, torch.zeros(3, dtype=torch.bool),
+                                 *tail)
+    with pytest.raises(ValueError, match="m3_backbone_step: layers: expected at least 1 layer, got 0"):
+        cpu_ext.m3_backbone_step(x, inp_w, inp_b, normf, [], st.conv, st.ssm, None, *tail)
+    assert not st.conv.any() and not st.ssm.any()
 
 
 def test_stepper_equals_forward_T1000_with_resets():

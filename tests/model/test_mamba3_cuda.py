@@ -10,12 +10,12 @@ import torch
 
 from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
 from mamba_rl.model.mamba3 import Mamba3State
+from tests.helpers import RESET_PATTERNS as PATTERNS, angle_err, loss_and_grads, rel, starts_for
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")]
 
 F64 = torch.float64
 IN = 5
-PATTERNS = ("none", "t0", "last", "every", "adjacent", "random")
 
 
 def m3cfg(**kw):
@@ -37,42 +37,6 @@ def nets(cfg, seed=0, jitter=0.3):
     return net, ref
 
 
-def starts_for(pattern, T, g):
-    s = torch.zeros(1, T, dtype=torch.bool)
-    if pattern == "t0":
-        s[:, 0] = True
-    elif pattern == "last":
-        s[:, T - 1] = True
-    elif pattern == "every":
-        s[:] = True
-    elif pattern == "adjacent":
-        s[:, T // 2: T // 2 + 2] = True
-    elif pattern == "random":
-        s = torch.rand(1, T, generator=g) < 0.1
-    return s
-
-
-def rel(a, b) -> float:
-    a, b = a.double().cpu(), b.double().cpu()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def angle_err(a, b) -> float:
-    d = a.double().cpu() - b.double().cpu()
-    return (torch.remainder(d + math.pi, 2 * math.pi) - math.pi).abs().max().item()
-
-
-def run(model, x, s0, starts, w, dtype, device):
-    wy, wc, ws = (t.to(device=device, dtype=dtype) for t in w)
-    xx = x.detach().to(device=device, dtype=dtype).clone().requires_grad_()
-    y, fin = model(xx, s0.to(device=device, dtype=dtype), starts.to(device))
-    loss = (y * wy).sum() + (fin.conv * wc).sum() + (fin.ssm * ws).sum()
-    model.zero_grad()
-    loss.backward()
-    return y.detach(), fin, xx.grad, model.grad_arena.clone()
-
-
 _REF: dict = {}
 
 
@@ -87,16 +51,16 @@ def test_cuda_matches_float64_reference(T, compute):
     assert net.kernel_support("sequence"), net.kernel_support("sequence").reason
     B = len(PATTERNS)
     x = torch.randn(B, T, IN, generator=g, dtype=F64)
-    starts = torch.cat([starts_for(p, T, g) for p in PATTERNS])
+    starts = torch.cat([starts_for(p, 1, T, g) for p in PATTERNS])
     s0 = ref.initial_state(B)
     s0 = Mamba3State(torch.randn(s0.conv.shape, generator=g, dtype=F64) * 2,
                      torch.randn(s0.ssm.shape, generator=g, dtype=F64) * 0.5)
     w = (torch.randn(B, T, cfg.d_model, generator=g, dtype=F64), torch.randn(s0.conv.shape, generator=g, dtype=F64),
          torch.randn(s0.ssm.shape, generator=g, dtype=F64))
-    y, fin, dx, grads = run(net, x, s0, starts, w, torch.float32, "cuda")
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32, "cuda")
     assert type(fin) is Mamba3State
     if T not in _REF:  # the float64 run is the same for both compute dtypes
-        _REF[T] = run(ref, x, s0, starts, w, F64, "cpu")
+        _REF[T] = loss_and_grads(ref, x, s0, starts, w, F64, "cpu")
     ry, rfin, rdx, rgrads = _REF[T]
     errs = dict(y=rel(y, ry), ssm=rel(fin.ssm, rfin.ssm), k=rel(fin.k, rfin.k), v=rel(fin.v, rfin.v),
                 angle=angle_err(fin.angle, rfin.angle), dx=rel(dx, rdx), grads=rel(grads, rgrads))
@@ -136,8 +100,8 @@ def test_cuda_variants_match_the_cpu_kernels(kw):
                                                                                      dtype=F64) * 0.5)
     w = (torch.randn(B, T, cfg.d_model, generator=g, dtype=F64), torch.randn(s0.conv.shape, generator=g, dtype=F64),
          torch.randn(s0.ssm.shape, generator=g, dtype=F64))
-    y, fin, dx, grads = run(net, x, s0, starts, w, torch.float32, "cuda")
-    cy, cfin, cdx, cgrads = run(cpu, x, s0, starts, w, torch.float32, "cpu")
+    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32, "cuda")
+    cy, cfin, cdx, cgrads = loss_and_grads(cpu, x, s0, starts, w, torch.float32, "cpu")
     errs = dict(y=rel(y, cy), ssm=rel(fin.ssm, cfin.ssm), dx=rel(dx, cdx), grads=rel(grads, cgrads))
     print(f"\nm3 cuda vs cpu {kw}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items()))
     assert all(v <= 1e-4 for v in errs.values()), errs

@@ -1,7 +1,7 @@
 """A bad argument to the CUDA binding raises ValueError naming the expected and received values, as the CPU
-binding does (csrc/binding_common.h), instead of ending the process (issue 18: every failed check of the
-CUDA binding was a SIGSEGV while formatting its message). Each case runs in a subprocess so that a crash
-fails the test instead of the test run."""
+binding does (csrc/binding_common.h), instead of ending the process (formatting a message with iostreams
+inside the CUDA extension was a SIGSEGV; binding_common.h says why). Each case runs in a subprocess so that
+a crash fails the test instead of the test run."""
 import os
 import subprocess
 import sys

@@ -1,4 +1,4 @@
-"""Wide models on the cuda backend (issue 18: d_model >= 640 ended the process with SIGSEGV): each d_model
+"""Wide models on the cuda backend (d_model >= 640 once ended the process with SIGSEGV): each d_model
 trains eagerly and graph-captured in its own subprocess, which must exit 0 after its float64-parity checks
 (tests/train/size_worker.py). Also: a trainer captures after its backbone was used through autograd, and a
 20-layer backbone (above the one-token kernel's 16) steps and trains."""
@@ -40,7 +40,7 @@ def test_capture_after_autograd_use(B, T, dtype):
         y, _ = net(xs[0])
         y.sum().backward()
         nets.append(net)
-        alive.append(y)  # the autograd graph of that use stays alive during the capture (as in issue 18)
+        alive.append(y)  # the autograd graph of that use stays alive during the capture (the case that crashed)
     graph = MambaTrainer(nets[0], B, T, dtype=dtype, lr=1e-3, max_grad_norm=1.0)
     eager = MambaTrainer(nets[1], B, T, dtype=dtype, lr=1e-3, max_grad_norm=1.0)
     graph.capture_graph()
