@@ -306,7 +306,9 @@ class PPOUpdate:
             self.mb_index, self.table)
 
     def capture(self, warmup: int = 3) -> None:
-        """Capture :meth:`_minibatch` as one CUDA graph; every buffer it changes is restored afterwards.
+        """Capture the minibatch as CUDA graphs: one graph of :meth:`_minibatch` on one process; with data
+        parallelism three (gather, backprop, step), the all-reduces running eagerly between their replays.
+        Every buffer the capture changes is restored afterwards.
 
         Raises:
             RuntimeError: not on CUDA, or the head optimizer is not a :class:`FlatHeadAdam`.

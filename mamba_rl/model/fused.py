@@ -55,7 +55,7 @@ def _norm_flags(net, cdt):
     return f
 
 # The small-GEMM kernels of the CUDA backend (mamba_rl/ops/small_gemm.py): "auto" is the measured choice
-# (benchmarks/NOTES.md, issue 18 "fuse"), "on" / "off" force them (the benchmark times both in one process).
+# (benchmarks/NOTES.md, the small-shapes "fuse" section), "on" / "off" force them (the benchmark times both in one process).
 # WGRAD: every weight gradient of the backward in one grouped launch instead of one (f32: two, with cuBLASLt's
 # split-K reduce) per weight. XDT: x_proj + dt_proj (and their backward) as one launch each way per layer.
 WGRAD = "auto"
