@@ -80,7 +80,10 @@ def compute_gae(
         ValueError: mismatched shapes or dtypes (names the tensor, expected and received).
     """
     _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
-    if all(x.device.type == "cpu" for x in (rewards, values, terminations, truncations, valid, next_value)):
+    ts = (rewards, values, terminations, truncations, valid, next_value)
+    # the numpy loop for CPU tensors, unless autograd is to record the computation (numpy() refuses a tensor that
+    # requires grad; the torch loop returns advantages / returns differentiable in values and next_value)
+    if all(x.device.type == "cpu" for x in ts) and not (torch.is_grad_enabled() and any(x.requires_grad for x in ts)):
         return _compute_gae_host(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
     return _compute_gae_torch(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
 

@@ -192,3 +192,28 @@ def test_log_prob_numpy_is_log_prob(space):
         got = dist.log_prob_numpy(a.numpy())
         assert got.dtype == np.float32 and got.shape == (64,)
         assert np.array_equal(got, dist.log_prob(a).numpy())
+
+
+def test_compute_gae_on_cpu_tensors_that_require_grad_stays_differentiable():
+    """The host (numpy) loop cannot take tensors that require grad: compute_gae keeps the torch loop for them,
+    so a caller computing GAE from critic outputs with grad mode on gets differentiable results, as before."""
+    from mamba_rl.agents.gae import _compute_gae_torch, compute_gae
+
+    g = torch.Generator().manual_seed(0)
+    n, t_len = 3, 6
+    rewards = torch.randn(n, t_len, generator=g)
+    values = torch.randn(n, t_len, generator=g).requires_grad_()
+    term = torch.zeros(n, t_len, dtype=torch.bool)
+    term[0, 2] = True
+    valid = torch.ones(n, t_len, dtype=torch.bool)
+    valid[0, 3] = False
+    nv = torch.randn(n, generator=g).requires_grad_()
+    trunc = torch.zeros_like(term)
+    adv, ret = compute_gae(rewards, values, term, trunc, valid, nv, 0.99, 0.95)
+    ref = _compute_gae_torch(rewards, values, term, trunc, valid, nv, 0.99, 0.95)
+    assert adv.grad_fn is not None and torch.equal(adv, ref[0]) and torch.equal(ret, ref[1])
+    adv.sum().backward()
+    assert values.grad is not None and nv.grad is not None
+    with torch.no_grad():  # no graph to record: the host loop, same bits
+        for a, b in zip(compute_gae(rewards, values, term, trunc, valid, nv, 0.99, 0.95), ref):
+            assert torch.equal(a, b)
