@@ -127,18 +127,21 @@ def _compute_gae_host(rewards, values, terminations, truncations, valid, next_va
     last = np.zeros(n, dtype=np.float32)
     nv = next_value.float().numpy()
     tmp = np.empty(n, dtype=np.float32)
-    for t in range(t_len - 1, -1, -1):
-        v_next = nv if t == t_len - 1 else v[t + 1]
-        np.multiply(not_term[t], g, out=tmp)
-        np.multiply(tmp, v_next, out=tmp)
-        delta = np.add(r[t], tmp)
-        np.subtract(delta, v[t], out=delta)
-        np.multiply(not_done[t], gl, out=tmp)
-        np.multiply(tmp, last, out=tmp)
-        np.add(delta, tmp, out=delta)
-        np.multiply(delta, validf[t], out=last)
-        adv[t] = last
-    returns = (adv + v) * validf
+    # inf / NaN as the torch loop gives them (an overflowing return is inf, 0 * inf NaN), without numpy's
+    # floating-point warnings, which torch does not raise (and -W error would turn into exceptions)
+    with np.errstate(all="ignore"):
+        for t in range(t_len - 1, -1, -1):
+            v_next = nv if t == t_len - 1 else v[t + 1]
+            np.multiply(not_term[t], g, out=tmp)
+            np.multiply(tmp, v_next, out=tmp)
+            delta = np.add(r[t], tmp)
+            np.subtract(delta, v[t], out=delta)
+            np.multiply(not_done[t], gl, out=tmp)
+            np.multiply(tmp, last, out=tmp)
+            np.add(delta, tmp, out=delta)
+            np.multiply(delta, validf[t], out=last)
+            adv[t] = last
+        returns = (adv + v) * validf
     return torch.from_numpy(adv.T.copy()), torch.from_numpy(returns.T.copy())
 
 

@@ -217,3 +217,28 @@ def test_compute_gae_on_cpu_tensors_that_require_grad_stays_differentiable():
     with torch.no_grad():  # no graph to record: the host loop, same bits
         for a, b in zip(compute_gae(rewards, values, term, trunc, valid, nv, 0.99, 0.95), ref):
             assert torch.equal(a, b)
+
+
+def test_compute_gae_on_the_host_overflows_like_the_torch_loop_without_numpy_warnings():
+    """Rewards near float32's max overflow the returns to inf (and 0 * inf to NaN) in both loops; the host loop
+    must not emit numpy's RuntimeWarnings for it (the torch loop is silent; under -W error they are exceptions)."""
+    import warnings
+
+    from mamba_rl.agents.gae import _compute_gae_torch, compute_gae
+
+    n, t_len = 2, 6
+    rewards = torch.full((n, t_len), 3e38)
+    values = torch.zeros(n, t_len)
+    term = torch.zeros(n, t_len, dtype=torch.bool)
+    term[0, 3] = True
+    valid = torch.ones(n, t_len, dtype=torch.bool)
+    valid[0, 4] = False
+    nv = torch.full((n,), float("inf"))
+    ref = _compute_gae_torch(rewards, values, term, term.clone().zero_(), valid, nv, 0.99, 0.95)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = compute_gae(rewards, values, term, term.clone().zero_(), valid, nv, 0.99, 0.95)
+    assert not torch.isfinite(ref[0]).all()
+    for a, b in zip(got, ref):
+        assert torch.equal(a.nan_to_num(0.0, 1.0, -1.0), b.nan_to_num(0.0, 1.0, -1.0))
+        assert torch.equal(a.isnan(), b.isnan())
