@@ -242,3 +242,22 @@ def test_compute_gae_on_the_host_overflows_like_the_torch_loop_without_numpy_war
     for a, b in zip(got, ref):
         assert torch.equal(a.nan_to_num(0.0, 1.0, -1.0), b.nan_to_num(0.0, 1.0, -1.0))
         assert torch.equal(a.isnan(), b.isnan())
+
+
+def test_cpu_update_with_a_frozen_head_parameter_is_the_autograd_update(tmp_path):
+    """A head parameter with requires_grad False: the hand-written path must not step it behind autograd's back
+    (it computed and applied every head gradient); the update takes the autograd path, whose error says why."""
+    from mamba_rl.agents import RecurrentPPO
+
+    a = RecurrentPPO(env_id="CartPole-v1", num_envs=4, num_steps=16, num_minibatches=2, update_epochs=1, d_model=16,
+                     n_layers=1, d_state=4, device="cpu", track=False, checkpoint_every=0,
+                     checkpoint_dir=str(tmp_path))
+    assert a.updater._hand_grads
+    bias = a.policy.critic.linear.bias
+    bias.requires_grad_(False)
+    before = bias.detach().clone()
+    a.collect_rollout()
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        a.update_policy()
+    assert torch.equal(bias, before)
+    a.close()
