@@ -102,12 +102,13 @@ class ActionDist:
         them): float32 [S]. Categoricals index their log-softmax in numpy (the same floats as ``gather``, without
         four torch ops per rollout step); a Gaussian runs :meth:`log_prob`."""
         if self.kind == "gaussian" or self.params[0].device.type != "cpu":
-            return self.log_prob(torch.as_tensor(actions, device=self.params[0].device)).cpu().numpy()
+            lp = self.log_prob(torch.as_tensor(actions, device=self.params[0].device))
+            return (lp.detach() if lp.requires_grad else lp).cpu().numpy()
         logps = self._logps()
         rows = np.arange(actions.shape[0])
         out = None
         for i, logp in enumerate(logps):
-            lp = logp.numpy()[rows, actions[:, i]]
+            lp = (logp.detach() if logp.requires_grad else logp).numpy()[rows, actions[:, i]]  # no op in a rollout
             out = lp if out is None else out + lp
         return out
 

@@ -261,3 +261,16 @@ def test_cpu_update_with_a_frozen_head_parameter_is_the_autograd_update(tmp_path
         a.update_policy()
     assert torch.equal(bias, before)
     a.close()
+
+
+@pytest.mark.parametrize("space", [spaces.Discrete(3), spaces.MultiDiscrete([2, 4, 3]), spaces.Box(-1, 1, (2,))])
+def test_log_prob_numpy_of_a_distribution_with_grad(space):
+    """A distribution built with grad mode on (its parameters require grad): log_prob_numpy gives the values of
+    log_prob, as numpy arrays always are, detached (numpy() refused a tensor that requires grad)."""
+    g = torch.Generator().manual_seed(4)
+    head = ActorHead(8, space, g)
+    dist = head(torch.randn(16, 8, generator=g))
+    with torch.no_grad():
+        a = head(torch.randn(16, 8, generator=g)).sample(g)
+    got = dist.log_prob_numpy(a.numpy())
+    assert np.array_equal(got, dist.log_prob(a).detach().numpy())
