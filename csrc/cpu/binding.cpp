@@ -12,10 +12,11 @@
 // d_conv >= 1 (CUDA: 8/16 and 4); any number of layers in backbone_step; rows_per_block is ignored; the
 // scan checkpoint interval (scan_chunk()) is the CPU kernel's own, so a ckpt tensor is only valid for the
 // backend that produced it. CUDA only: the small-GEMM kernels (wgrad_grouped, xdt_fwd, xdt_bwd), the scan's
-// segment control (scan_segments, scan_set_segments), backbone_step_prepare, Mamba-3's m3_step, and the
-// optional arguments conv_fwd(final_out), rmsnorm_fwd(x_copy) and adamw_step(zero_grad) (mamba_rl/ops
-// zeroes the gradient after the CPU pass). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in
-// one call (on CUDA it is torch GEMMs around m3_step).
+// segment control (scan_segments, scan_set_segments), Mamba-3's m3_step, and the optional arguments
+// conv_fwd(final_out), rmsnorm_fwd(x_copy) and adamw_step(zero_grad) (mamba_rl/ops zeroes the gradient after
+// the CPU pass). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in one call (on CUDA it is torch
+// GEMMs around m3_step). Both have backbone_step_prepare; its PreparedStep.launch writes into a given output
+// on CUDA (the captured graph's buffer) and returns a new tensor here (x, starts -> features or None).
 // This file is argument checking and pybind11 glue: nothing in it is hot. At -O3, GCC spends more time
 // optimising pybind11's template instantiations than parsing the torch headers (~19 s vs ~15 s on a
 // 2-core machine), and this file is the critical path of the one-time build; O1 keeps that under 10 s.
@@ -392,6 +393,41 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
                                 (float)eps, nthreads());
 }
 
+// The one-token step with every argument checked once (backbone_step_prepare, the CPU twin of the CUDA
+// binding's PreparedStep): a call then checks only x_t and starts and runs the step, without the ~35 weight
+// and state checks and the conversion of the nested weight lists of a full call (~8 of its ~11 us fixed cost
+// at B = 1). It holds the weights and states it was given (their storage cannot be freed under it); the
+// caller re-prepares when one of them is replaced (Stepper: the packed-weights cache or a state moved).
+struct PreparedStep {
+  Tensor inp_w, inp_b, normf_w, conv_state, ssm_state;
+  std::vector<std::vector<Tensor>> layers;
+  float eps;
+  int64_t B, in_dim;
+
+  // x [B, in_dim] float32 contiguous CPU, starts [B] bool contiguous CPU or None: the features [B, d_model]
+  // (a new tensor), the states advanced in place; None (nothing run) when x or starts does not fit, so the
+  // caller can take the checked path for its error message.
+  std::optional<Tensor> launch(const Tensor& x, const OptT& starts) {
+    if (!x.defined() || !x.device().is_cpu() || x.scalar_type() != at::kFloat || x.dim() != 2 || x.size(0) != B ||
+        x.size(1) != in_dim || !x.is_contiguous())
+      return std::nullopt;
+    if (starts && (!starts->device().is_cpu() || starts->scalar_type() != at::kBool || starts->dim() != 1 ||
+                   starts->size(0) != B || !starts->is_contiguous()))
+      return std::nullopt;
+    return mrl_cpu::backbone_step(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state,
+                                  ptr_or_null<bool>(starts), eps, nthreads());
+  }
+};
+
+PreparedStep backbone_step_prepare(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                                   const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state,
+                                   Tensor& ssm_state, double eps, int64_t rows_per_block) {
+  // one full check of everything (the same as a backbone_step call, on a throwaway copy of the states)
+  Tensor conv_probe = conv_state.clone(), ssm_probe = ssm_state.clone();
+  backbone_step(x, inp_w, inp_b, normf_w, layers, conv_probe, ssm_probe, std::nullopt, eps, rows_per_block);
+  return PreparedStep{inp_w, inp_b, normf_w, conv_state, ssm_state, layers, (float)eps, x.size(0), x.size(1)};
+}
+
 // ---------------- RMSNorm ----------------
 std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at::ScalarType out_dtype) {
   check_cpu(x, "rms_norm: x");
@@ -651,6 +687,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dt"), py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"),
         py::arg("dt_bias"), py::arg("init"), py::arg("starts"), py::arg("ckpt"), py::arg("dout"), py::arg("dfinal"),
         py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
+  py::class_<PreparedStep>(m, "PreparedStep", "one-token step with its weights and states checked and bound once")
+      .def("launch", &PreparedStep::launch, "run on x_t [B, in_dim] f32 (starts [B] bool or None) -> features "
+           "[B, d_model], or None (nothing run) when x_t or starts does not fit", py::arg("x"), py::arg("starts"));
+  m.def("backbone_step_prepare", &backbone_step_prepare, "check and bind the one-token step's weights and states "
+        "once (x gives B and input_dim) -> PreparedStep");
   m.def("backbone_step", &backbone_step, "one token through the whole backbone; conv_state / ssm_state updated in "
         "place -> features [B, d_model] (rows_per_block is ignored on the CPU)");
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> [out (float32), rstd [..., 1]]");

@@ -40,6 +40,7 @@ class Stepper:
         self._starts_zero = False  # starts_buf is known to be all False (skip re-zeroing it)
         self._out = None
         self._fast = None  # after capture_graph: the extension's PreparedStep (the public step's direct launch)
+        self._cpu_prep = None  # (packed weights, conv, ssm, PreparedStep): the CPU kernel step bound once
         self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm))
 
     @property
@@ -87,6 +88,16 @@ class Stepper:
             self._graphs.check()
             if fast.launch(x_t, episode_starts, self._out):
                 return self._out
+        if fast is None and self.device.type == "cpu" and isinstance(x_t, torch.Tensor) and (
+                episode_starts is None or isinstance(episode_starts, torch.Tensor)):
+            # The CPU kernel step bound once to the weights and states (_cpu_prepared): x_t and episode_starts
+            # that fit it (float32, contiguous, the right shapes) run without the per-call checks of the
+            # weights; anything else gets None and the checked path below casts or raises.
+            prep = self._cpu_prepared()
+            if prep is not None:
+                out = prep.launch(x_t, episode_starts)
+                if out is not None:
+                    return out
         check_tensor("Stepper.step: x_t", x_t, shape=(B, D), device=self.device, floating=True)
         if episode_starts is not None:
             check_tensor("Stepper.step: episode_starts", episode_starts, shape=(B,), dtype=torch.bool,
@@ -107,6 +118,29 @@ class Stepper:
         if self.state.ssm.dtype != self.net.arena.dtype:  # the net changed dtype
             self.state = self.state.to(self.net.arena.dtype)
         return self.net.step(x_t, self.state, episode_starts)
+
+    def _cpu_prepared(self):
+        """The CPU extension's PreparedStep bound to the live state and the backbone's current packed weights
+        (re-bound when either was replaced), or None where :meth:`MambaBackbone.step` would not run that one
+        kernel call: another backend or a subclass's own step (Mamba-3), a float64 state or arena, swapped-in
+        parameters (``torch.func.functional_call``), a configuration the kernel does not take."""
+        net = self.net
+        from .backbone import MambaBackbone  # backbone imports this module
+        if (net.backend != "cpu" or type(net).step is not MambaBackbone.step or not net.params_are_arena()
+                or self.state.ssm.dtype != torch.float32 or net.arena.dtype != torch.float32):
+            return None
+        packed = net._packed_step_weights()
+        c = self._cpu_prep
+        if c is not None and c[0] is packed and c[1] is self.state.conv and c[2] is self.state.ssm:
+            return c[3]
+        ext = net.kernels
+        if not net.kernel_support("step") or not hasattr(ext, "backbone_step_prepare"):
+            return None
+        x = torch.zeros(self.batch, net.input_dim)
+        prep = ext.backbone_step_prepare(x, *packed[:3], packed[3], self.state.conv, self.state.ssm,
+                                         float(net.cfg.rms_norm_eps), 0)
+        self._cpu_prep = (packed, self.state.conv, self.state.ssm, prep)
+        return prep
 
     def reset(self, mask: torch.Tensor | None = None):
         """Zero the state of every env, or of the envs where ``mask`` ([B] bool) is True."""

@@ -58,6 +58,39 @@ def test_stepper_equals_forward_T1000_with_resets():
     assert rel(st.state.conv, rfin.conv) <= 1e-4 and rel(st.state.ssm, rfin.ssm) <= 1e-4
 
 
+def test_bound_cpu_step_is_the_checked_step_bit_for_bit_and_follows_weights_and_states():
+    """Stepper.step's bound CPU call (one PreparedStep per packed weights and state) gives the very floats of
+    MambaBackbone.step, sees in-place weight updates, re-binds when the state is replaced, and leaves the
+    stepper's own error messages to the checked path."""
+    g = torch.Generator().manual_seed(11)
+    B, T = 3, 40
+    net, _ = pair(seed=4)
+    x = torch.randn(T, B, IN, generator=g)
+    starts = torch.rand(T, B, generator=g) < 0.2
+    st = net.stepper(batch=B)
+    twin = net.initial_state(B)
+    for t in range(T):
+        out = st.step(x[t], episode_starts=starts[t])
+        ref = net.step(x[t], twin, starts[t])
+        assert torch.equal(out, ref)
+        if t == 10:  # an optimizer-like in-place update of the weights
+            with torch.no_grad():
+                net.arena.mul_(1.01)
+        if t == 20:  # a new state object: the bound call must follow it
+            st.state = st.state.clone()
+    assert st._cpu_prep is not None and st._cpu_prep[1] is st.state.conv
+    assert torch.equal(st.state.ssm, twin.ssm) and torch.equal(st.state.conv, twin.conv)
+    # float64 input: cast by the checked path, the same numbers as a float32 one
+    a = st.get_state()
+    y32 = st.step(x[0]).clone()
+    st.load_state(a)
+    assert torch.equal(st.step(x[0].double()), y32)
+    with pytest.raises(ValueError, match=r"Stepper.step: x_t: expected shape \[3, 5\]"):
+        st.step(torch.randn(B, IN + 1))
+    with pytest.raises(ValueError, match="Stepper.step: episode_starts"):
+        st.step(x[0], episode_starts=torch.zeros(1, B, dtype=torch.bool))
+
+
 def test_trainer_step_on_cpu_backend_matches_reference_trainer():
     g = torch.Generator().manual_seed(9)
     B, T = 2, 33
