@@ -2,7 +2,11 @@
 
 Methods:
 * ``mamba``: :class:`mamba_rl.agents.RecurrentPPO` with its defaults (8 envs x 128 steps) plus any
-  ``--set name=value`` overrides (a named configuration: ``--variant``).
+  ``--set name=value`` overrides (a named configuration: ``--variant``). ``--set ent_coef_end=V`` (and
+  ``clip_coef_end``) is the harness's own schedule, not a PPOConfig field: the coefficient goes linearly from
+  its configured value at the first update to V at the last (set on ``agent.config`` between updates);
+  ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) freezes the observation normaliser's
+  statistics once N env steps are done.
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -53,6 +57,7 @@ TASKS = ("RepeatPreviousEasy", "AutoencodeEasy", "PositionOnlyCartPoleEasy", "No
          "MultiarmedBanditEasy", "BattleshipEasy", "ConcentrationEasy", "PositionOnlyPendulumEasy")
 METHODS = ("mamba", "sb3")
 ROLLOUT = (8, 128)  # envs, steps per env per rollout: the same for both methods
+SCHEDULED = ("ent_coef", "clip_coef")  # --set ent_coef_end=V: linear schedule from ent_coef to V over the run
 
 
 def env_id(task: str) -> str:
@@ -112,18 +117,19 @@ def _versions(method: str) -> dict:
 
 
 class _CurveWriter:
-    """One CSV row per rollout: global_step, episodes finished so far, mean of the last 100, wall s."""
+    """One CSV row per rollout: global_step, episodes finished so far, mean of the last 100, wall s, and the
+    policy entropy of the update (mamba only; NaN for sb3)."""
 
     def __init__(self, path: str):
         self.f = open(path, "w", newline="")
         self.w = csv.writer(self.f)
-        self.w.writerow(["global_step", "episodes", "mean_return_last100", "wall_s"])
+        self.w.writerow(["global_step", "episodes", "mean_return_last100", "wall_s", "entropy"])
         self.t0 = time.time()
         self.curve: list[tuple[int, float]] = []
 
-    def row(self, step: int, episodes: int, m100: float) -> None:
+    def row(self, step: int, episodes: int, m100: float, entropy: float = math.nan) -> None:
         self.curve.append((step, m100))
-        self.w.writerow([step, episodes, f"{m100:.5f}", f"{time.time() - self.t0:.1f}"])
+        self.w.writerow([step, episodes, f"{m100:.5f}", f"{time.time() - self.t0:.1f}", f"{entropy:.4f}"])
         self.f.flush()
 
     def close(self) -> None:
@@ -139,8 +145,18 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
     tmp = tempfile.mkdtemp(prefix="mamba_rl_popgym_")
     kw = dict(seed=seed, total_timesteps=total, num_envs=ROLLOUT[0], num_steps=ROLLOUT[1], device="cpu",
               threads=1, track=False, checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp)
+    given, sets = sets, dict(sets)
+    # harness-level schedules (not PPOConfig fields): FIELD_end = the value FIELD reaches at the last update,
+    # linearly from its configured value at the first (set on agent.config between updates, which the
+    # update reads afresh each time)
+    sched = {f: sets.pop(f + "_end") for f in SCHEDULED if f + "_end" in sets}
+    # obs_norm_freeze_step=N (with normalize_obs=True): stop updating the observation normaliser's running
+    # mean / std once N env steps are done (gymnasium's update_running_mean = False)
+    freeze_at = sets.pop("obs_norm_freeze_step", None)
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
+    start = {f: getattr(agent.config, f) for f in sched}
+    n_up = agent.num_updates
     last = deque(maxlen=100)
     n = [0]
 
@@ -148,7 +164,17 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         rets = [r for _, r, _ in agent.last_episodes]
         last.extend(rets)
         n[0] += len(rets)
-        out.row(int(metrics["global_step"]), n[0], sum(last) / len(last) if last else math.nan)
+        out.row(int(metrics["global_step"]), n[0], sum(last) / len(last) if last else math.nan,
+                float(metrics.get("losses/entropy", math.nan)))
+        if freeze_at is not None and metrics["global_step"] >= freeze_at:
+            env = agent.envs
+            while env is not None:
+                if hasattr(env, "update_running_mean") and hasattr(env, "obs_rms"):
+                    env.update_running_mean = False
+                env = getattr(env, "env", None)
+        if sched:  # the value for the next update (1-based update k: start + (end - start) * (k - 1) / (n - 1))
+            frac = min(int(metrics["update"]) / max(n_up - 1, 1), 1.0)
+            agent.config = agent.config.replace(**{f: start[f] + (e - start[f]) * frac for f, e in sched.items()})
 
     agent.learn(callback=callback)
     ev = math.nan
@@ -156,7 +182,7 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         ev = float(agent.evaluate(num_episodes=eval_episodes, deterministic=True).mean)
     agent.close()
     return {"eval": ev, "config": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else repr(v))
-                                   for k, v in sets.items()}}
+                                   for k, v in given.items()}}
 
 
 def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int,
