@@ -42,6 +42,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tor
     return (x * mask).sum() / count
 
 
+def _minibatch_advantages(mb, mask: torch.Tensor, count: torch.Tensor, c, adv_norm) -> torch.Tensor:
+    """The minibatch's advantages [T, B], normalised when ``c.norm_adv``: by the given global (mean, std)
+    ``adv_norm`` (data-parallel), else by the minibatch's own masked mean and unbiased std (CleanRL's)."""
+    mb_adv = mb.advantages
+    if c.norm_adv and adv_norm is not None:
+        mb_adv = (mb_adv - adv_norm[0]) / (adv_norm[1] + 1e-8)
+    elif c.norm_adv:
+        mean = masked_mean(mb_adv, mask, count)
+        var = ((mb_adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
+        mb_adv = (mb_adv - mean) / (var.sqrt() + 1e-8)
+    return mb_adv
+
+
 def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibatch, count: torch.Tensor,
              adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CleanRL's PPO loss on one minibatch, averaged over its valid steps.
@@ -68,13 +81,7 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
         old_approx_kl = masked_mean(-logratio, mask, count)
         approx_kl = masked_mean((ratio - 1) - logratio, mask, count)
         clipfrac = masked_mean(((ratio - 1.0).abs() > c.clip_coef).float(), mask, count)
-    mb_adv = mb.advantages
-    if c.norm_adv and adv_norm is not None:
-        mb_adv = (mb_adv - adv_norm[0]) / (adv_norm[1] + 1e-8)
-    elif c.norm_adv:
-        mean = masked_mean(mb_adv, mask, count)
-        var = ((mb_adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
-        mb_adv = (mb_adv - mean) / (var.sqrt() + 1e-8)
+    mb_adv = _minibatch_advantages(mb, mask, count, c, adv_norm)
     pg_loss = masked_mean(torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)),
                            mask, count)
     if c.clip_vloss:
@@ -189,13 +196,7 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     stats = dict(clipfrac=clipfrac, logratio=logratio)
     if losses:
         stats.update(old_kl=masked_mean(-logratio, mask, count), kl=masked_mean((ratio - 1) - logratio, mask, count))
-    mb_adv = mb.advantages
-    if c.norm_adv and adv_norm is not None:
-        mb_adv = (mb_adv - adv_norm[0]) / (adv_norm[1] + 1e-8)
-    elif c.norm_adv:
-        mean = masked_mean(mb_adv, mask, count)
-        var = ((mb_adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
-        mb_adv = (mb_adv - mean) / (var.sqrt() + 1e-8)
+    mb_adv = _minibatch_advantages(mb, mask, count, c, adv_norm)
     neg_adv = -mb_adv
     ratio_c = ratio.clamp(1 - cc, 1 + cc)
     pg_a, pg_b = neg_adv * ratio, neg_adv * ratio_c

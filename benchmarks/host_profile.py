@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import hashlib
 import io
+import os
 import pstats
 import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
+from bitident import weights_hash  # noqa: E402  (the same hash as scripts/bitident.py)
 
 
 class _Timer:
@@ -53,18 +56,6 @@ class _Timer:
 
     def remove(self) -> None:
         setattr(self.obj, self.name, self.orig)
-
-
-def weights_hash(agent) -> str:
-    """SHA-256 of the master arena, the head parameters and both optimizers' moments (scripts/bitident.py's)."""
-    h = hashlib.sha256()
-    tensors = [agent.trainer.net.arena, *agent.policy.heads.parameters(), agent.trainer.exp_avg,
-               agent.trainer.exp_avg_sq]
-    for state in agent.head_optimizer.state_dict()["state"].values():
-        tensors += [torch.as_tensor(state[k]) for k in sorted(state)]
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def build(tmp: str, updates: int, **overrides):
