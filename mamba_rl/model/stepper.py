@@ -187,8 +187,9 @@ class Stepper:
         (the torch-op step, an extension without it)."""
         net = self.net
         ext = net.kernels
+        from .backbone import MambaBackbone  # backbone imports this module
         # MambaBackbone.step's kernel branch, exactly (a subclass with its own step, e.g. Mamba-3, is not it)
-        if (getattr(type(net).step, "__qualname__", "") != "MambaBackbone.step" or net.backend != "cuda"
+        if (type(net).step is not MambaBackbone.step or net.backend != "cuda"
                 or self.state.ssm.dtype != torch.float32 or not net.kernel_support("step")
                 or not hasattr(ext, "backbone_step_prepare")):
             return None
