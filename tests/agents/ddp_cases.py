@@ -141,6 +141,10 @@ def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
     except ValueError as e:
         err = str(e)
     torch.save({"err": err}, os.path.join(out, f"mismatch{rank}.pt"))
+    # Both ranks raised after the config exchange; meet once more before the teardown, so neither closes its
+    # gloo pairs while the other is still inside the exchange (seen once under load: SIGABRT, "terminate
+    # called without an active exception", in the rank that exited second).
+    dist.barrier()
     dist.destroy_process_group()
 
 
