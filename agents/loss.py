@@ -43,7 +43,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tor
 
 
 def _minibatch_advantages(mb, mask: torch.Tensor, count: torch.Tensor, c, adv_norm) -> torch.Tensor:
-    """The minibatch's advantages [T, B], normalised when ``c.norm_adv``: by the given global (mean, std)
+    """The minibatch's advantages [rows, T] float32, normalised when ``c.norm_adv``: by the given global (mean, std)
     ``adv_norm`` (data-parallel), else by the minibatch's own masked mean and unbiased std (CleanRL's)."""
     mb_adv = mb.advantages
     if c.norm_adv and adv_norm is not None:
