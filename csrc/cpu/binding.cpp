@@ -351,10 +351,10 @@ StepIO step_io_check(const std::string& fn, const Tensor& x, const Tensor& inp_w
   return {B, dm, L};
 }
 
-Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
-                     const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
-                     const OptT& starts, double eps, int64_t rows_per_block) {
-  (void)rows_per_block;  // a CUDA launch-shape knob; nothing to choose on the CPU
+// Every check of a backbone_step call (shapes, dtypes, devices, contiguity of x_t, the weights and the states).
+void backbone_step_check(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                         const std::vector<std::vector<Tensor>>& layers, const Tensor& conv_state,
+                         const Tensor& ssm_state, const OptT& starts) {
   const auto io = step_io_check("backbone_step", x, inp_w, inp_b, normf_w, layers.size(), starts);
   const int64_t B = io.B, dm = io.dm, L = io.L;
   check_cpu(conv_state, "backbone_step: conv_state");
@@ -389,6 +389,13 @@ Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, 
     check_f32(t[8], "backbone_step: D", {D});
     check_f32(t[9], "backbone_step: out_proj.weight", {dm, D});
   }
+}
+
+Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+                     const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state, Tensor& ssm_state,
+                     const OptT& starts, double eps, int64_t rows_per_block) {
+  (void)rows_per_block;  // a CUDA launch-shape knob; nothing to choose on the CPU
+  backbone_step_check(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, starts);
   return mrl_cpu::backbone_step(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, ptr_or_null<bool>(starts),
                                 (float)eps, nthreads());
 }
@@ -422,9 +429,8 @@ struct PreparedStep {
 PreparedStep backbone_step_prepare(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                                    const std::vector<std::vector<Tensor>>& layers, Tensor& conv_state,
                                    Tensor& ssm_state, double eps, int64_t rows_per_block) {
-  // one full check of everything (the same as a backbone_step call, on a throwaway copy of the states)
-  Tensor conv_probe = conv_state.clone(), ssm_probe = ssm_state.clone();
-  backbone_step(x, inp_w, inp_b, normf_w, layers, conv_probe, ssm_probe, std::nullopt, eps, rows_per_block);
+  (void)rows_per_block;
+  backbone_step_check(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, std::nullopt);
   return PreparedStep{inp_w, inp_b, normf_w, conv_state, ssm_state, layers, (float)eps, x.size(0), x.size(1)};
 }
 

@@ -41,6 +41,7 @@ class Stepper:
         self._out = None
         self._fast = None  # after capture_graph: the extension's PreparedStep (the public step's direct launch)
         self._cpu_prep = None  # (packed weights, conv, ssm, PreparedStep): the CPU kernel step bound once
+        self._cpu_kind = None  # a Mamba-1 backbone on the cpu backend (the bound step applies); set at first use
         self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm))
 
     @property
@@ -125,9 +126,11 @@ class Stepper:
         kernel call: another backend or a subclass's own step (Mamba-3), a float64 state or arena, swapped-in
         parameters (``torch.func.functional_call``), a configuration the kernel does not take."""
         net = self.net
-        from .backbone import MambaBackbone  # backbone imports this module
-        if (net.backend != "cpu" or type(net).step is not MambaBackbone.step or not net.params_are_arena()
-                or self.state.ssm.dtype != torch.float32 or net.arena.dtype != torch.float32):
+        if self._cpu_kind is None:  # the backend and the backbone's class are fixed for its life
+            from .backbone import MambaBackbone  # backbone imports this module
+            self._cpu_kind = net.backend == "cpu" and type(net).step is MambaBackbone.step
+        if (not self._cpu_kind or not net.params_are_arena() or self.state.ssm.dtype != torch.float32
+                or net.arena.dtype != torch.float32):
             return None
         packed = net._packed_step_weights()
         c = self._cpu_prep
