@@ -203,7 +203,7 @@ class PPOUpdate:
         # a hook or a frozen head parameter (requires_grad False) is autograd's to handle: the hand path computes
         # every head gradient and would step a frozen parameter that the autograd path refuses to differentiate
         hand = self._hand_grads and feat.dtype == torch.float32 and feat.is_contiguous() and \
-            all(q._backward_hooks is None and q.requires_grad for q in self.head_params)
+            all(not q._backward_hooks and q.requires_grad for q in self.head_params)
         if hand:  # the CPU: the heads' loss and its gradients by hand, bit for bit autograd's (no graph, half the ops)
             d_out = tr.d_buf.view(-1, tr.d_buf.shape[-1]) if tr.d_buf.dtype == torch.float32 and \
                 tr.d_buf.is_contiguous() else None
