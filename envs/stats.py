@@ -98,12 +98,25 @@ class VecNormalizeReward(NormalizeReward):
     ``gamma``, ``epsilon``, ``update_running_mean``), giving bit-identical rewards and statistics with fewer
     numpy calls per step.
 
+    It follows gymnasium 1.4's semantics whatever gymnasium is installed: the step after a NextStep
+    autoreset leaves the accumulated return alone, and a SameStep reset starts a new return at once.
+    gymnasium 1.2's own wrapper has neither rule (and none of the attributes that carry them), so this class
+    keeps its own ``_autoreset_mode`` and ``_prev_dones``.
+
     Args:
         env: the vector env. gamma: the discount of the accumulated return. epsilon: added to the variance.
     """
 
     def __init__(self, env: VectorEnv, gamma: float = 0.99, epsilon: float = 1e-8):
         super().__init__(env, gamma=gamma, epsilon=epsilon)
+        self._prev_dones = np.zeros((self.num_envs,), dtype=np.float32)
+        self._autoreset_mode = self.env.metadata.get("autoreset_mode", AutoresetMode.NEXT_STEP)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        """Reset the envs and clear the accumulated returns and the previous dones."""
+        self.accumulated_reward[:] = 0
+        self._prev_dones[:] = 0
+        return self.env.reset(seed=seed, options=options)
 
     def step(self, actions: Any):
         """Step the envs and scale the rewards by the running std of the discounted return."""

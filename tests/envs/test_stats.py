@@ -64,6 +64,11 @@ def test_mean_var_is_numpy_mean_and_var_bit_for_bit():
         mean_var(np.arange(3))
 
 
+# gymnasium 1.2's NormalizeReward keeps no previous dones (it accumulates over the NextStep reset step)
+_OLD_GYM_NORMALIZE = not hasattr(gym.wrappers.vector.NormalizeReward(_vec(1, AutoresetMode.NEXT_STEP)), "_prev_dones")
+
+
+@pytest.mark.skipif(_OLD_GYM_NORMALIZE, reason="this gymnasium's NormalizeReward predates the NextStep rule")
 @pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
 @pytest.mark.parametrize("n", [1, 7, 64])
 def test_wrappers_match_gymnasium_step_by_step(mode, n):
@@ -94,6 +99,31 @@ def test_wrappers_match_gymnasium_step_by_step(mode, n):
     assert len(s1.return_queue) == min(buf, finished) and len(s1.time_queue) == len(s2.time_queue)
     assert s1.episode_count == s2.episode_count
     _same(s1.episode_returns, s2.episode_returns), _same(s1.episode_lengths, s2.episode_lengths)
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
+def test_normalize_reward_keeps_its_rules_on_a_gymnasium_without_them(mode, monkeypatch):
+    """gymnasium 1.2's NormalizeReward sets neither ``_prev_dones`` nor ``_autoreset_mode`` (on the H200 host,
+    whose gymnasium is 1.2.2, every normalised-reward run raised AttributeError): ours sets its own, and gives
+    the same rewards as on the gymnasium that has them."""
+    n = 7
+    ref = VecNormalizeReward(_vec(n, mode), gamma=0.97)
+    original_init = gym.wrappers.vector.NormalizeReward.__init__
+
+    def old_init(self, env, gamma=0.99, epsilon=1e-8):
+        original_init(self, env, gamma=gamma, epsilon=epsilon)
+        for attr in ("_prev_dones", "_autoreset_mode"):
+            self.__dict__.pop(attr, None)
+
+    monkeypatch.setattr(gym.wrappers.vector.NormalizeReward, "__init__", old_init)
+    ours = VecNormalizeReward(_vec(n, mode), gamma=0.97)
+    _same(ours.reset(seed=2)[0], ref.reset(seed=2)[0])
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        a = rng.integers(0, 2, n)
+        _same(ours.step(a)[1], ref.step(a)[1])
+    _same(ours.accumulated_reward, ref.accumulated_reward)
+    assert ours.return_rms.count == ref.return_rms.count
 
 
 def test_make_vec_env_uses_them_and_they_are_gymnasiums_types():
