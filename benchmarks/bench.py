@@ -8,7 +8,8 @@ Times (median µs per call, CUDA events around every call, graph replays, TF32 o
     Linear, fused capturable AdamW, graph replay: the method of the project's peer script) at every row;
   * the one-token step of the graph-captured Stepper (replay and ``stepper.step``) at the default model,
     the fused kernel alone at each rows-per-block setting, and the peers' one-token step.
-Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay), with a
+The same training and one-token rows for ``layer="Mamba3"`` (models ``mamba3_<dtype>`` / ``mamba3``; skip them
+with ``--no-mamba3``). Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay), with a
 per-kernel profile and the launch-order kernel list (``kernel_seq``) at the default model. ``--variants`` also
 times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully on
 (models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``). The one-token rows add the bare graph
@@ -116,9 +117,10 @@ def kernel_sequence(fn):
 # (name suffix, fused.WGRAD, fused.XDT): the small-GEMM kernels as chosen ("auto"), forced off (the torch
 # GEMMs of the version before) and forced on, timed in the same process (--variants)
 VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("off", "on"), "_gemmon": ("on", "on")}
+MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer kind
 
 
-def bench_train(dm, B, T, dtype, iters, profile_it=False, variant=""):
+def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1"):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
@@ -126,7 +128,7 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant=""):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    net = MambaBackbone(MambaConfig(d_model=dm, n_layers=L), OBS, device="cuda", seed=0, backend="cuda")
+    net = MambaBackbone(MambaConfig(d_model=dm, n_layers=L, layer=layer), OBS, device="cuda", seed=0, backend="cuda")
     tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
@@ -142,7 +144,7 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant=""):
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     del tr, net, graph
     fused.WGRAD, fused.XDT = VARIANTS[""]
-    r = dict(kind="train", model=f"mamba_rl_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
+    r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:
         r["profile"] = prof
@@ -151,13 +153,13 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant=""):
     return r
 
 
-def bench_infer(B, iters, step_kernels=True):
+def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl.ops.step import backbone_step
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    net = MambaBackbone(MambaConfig(d_model=DM, n_layers=L), OBS, device="cuda", seed=0, backend="cuda")
+    net = MambaBackbone(MambaConfig(d_model=DM, n_layers=L, layer=layer), OBS, device="cuda", seed=0, backend="cuda")
     st = net.stepper(batch=B)
     x = torch.randn(B, OBS, device="cuda")
     st.capture_graph()
@@ -170,10 +172,10 @@ def bench_infer(B, iters, step_kernels=True):
     host_replay = host_us(lambda: st.step(None), iters)
     nk = count_kernels(lambda: st.step(None))
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    rows = [dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True, us=replay, api_us=api,
-                 raw_graph_us=raw, host_api_us=host, host_replay_us=host_replay, fast_launch=st._fast is not None,
-                 kernels=nk, peak_mib=round(peak, 1))]
-    if not step_kernels:
+    rows = [dict(kind="infer", model=MODEL[layer], d_model=DM, B=B, T=1, graph=True, us=replay, api_us=api,
+                 raw_graph_us=raw, host_api_us=host, host_replay_us=host_replay,
+                 fast_launch=getattr(st, "_fast", None) is not None, kernels=nk, peak_mib=round(peak, 1))]
+    if not step_kernels or layer != "Mamba1":
         return rows
     # the fused kernel alone, per rows-per-block setting, captured
     w = net.step_weights()
@@ -289,6 +291,22 @@ def table(rows):
             p = get("infer", n, DM, B, 1)
             cells.append("-" if p is None else f"{p['us']:.1f} ({p['us'] / o['us']:.2f}x)")
         lines.append(f"| {B} | {o['us']:.1f} | {o.get('api_us', float('nan')):.1f} | " + " | ".join(cells) + " |")
+    if any(r["model"].startswith("mamba3") for r in rows):
+        lines += ["", "| d_model | B x T | Mamba-1 best | Mamba-3 f32 | Mamba-3 bf16 | GRU-1L | Mamba-3 best / GRU-1L | "
+                  "kernels f32/bf16 |", "|---|---|---|---|---|---|---|---|"]
+        nan = dict(us=float("nan"))
+        for dm, B, T in keys:
+            m1 = min((get("train", f"mamba_rl_{d}", dm, B, T) or nan)["us"] for d in ("f32", "bf16"))
+            f, b = (get("train", f"mamba3_{d}", dm, B, T) or nan for d in ("f32", "bf16"))
+            gru = (get("train", "gru1", dm, B, T) or nan)["us"]
+            lines.append(f"| {dm} | {B} x {T} | {m1:.0f} | {f['us']:.0f} | {b['us']:.0f} | {gru:.0f} | "
+                         f"{gru / min(f['us'], b['us']):.2f}x | {f.get('kernels', '-')}/{b.get('kernels', '-')} |")
+        lines += ["", "| B | Mamba-3 step replay µs | public stepper.step µs | Mamba-1 replay µs | GRU-1L µs |",
+                  "|---|---|---|---|---|"]
+        for B in INFER_B:
+            o, m1, gru = (get("infer", n, DM, B, 1) or nan for n in ("mamba3", "mamba_rl", "gru1"))
+            lines.append(f"| {B} | {o['us']:.1f} | {o.get('api_us', float('nan')):.1f} | {m1['us']:.1f} | "
+                         f"{gru['us']:.1f} |")
     return "\n".join(lines)
 
 
@@ -301,6 +319,7 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=None, help="only the first N rows of the training table")
     ap.add_argument("--no-step-kernels", action="store_true", help="skip the one-token kernel's R / cluster sweep")
     ap.add_argument("--variants", action="store_true", help="also time the small-GEMM kernels forced off / on")
+    ap.add_argument("--no-mamba3", action="store_true", help="skip the Mamba-3 rows (layer='Mamba3')")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs a GPU")
@@ -330,6 +349,9 @@ def main(argv=None):
             for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants else ()):
                 record(lambda: bench_train(dm, B, T, dt, it, variant=v),
                        dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
+            if not a.no_mamba3:
+                record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
+                       dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))
         if not a.no_peers:
             for n in PEERS:
                 record(lambda: bench_peer_train(n, dm, B, T, it),
@@ -337,6 +359,9 @@ def main(argv=None):
     for B in (INFER_B if a.only != "train" else []):
         record(lambda: bench_infer(B, 200 if not a.quick else 50, not a.no_step_kernels),
                dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True))
+        if not a.no_mamba3:
+            record(lambda: bench_infer(B, 200 if not a.quick else 50, False, layer="Mamba3"),
+                   dict(kind="infer", model="mamba3", d_model=DM, B=B, T=1, graph=True))
         if not a.no_peers:
             for n in PEERS:
                 record(lambda: bench_peer_infer(n, B, 200 if not a.quick else 50),

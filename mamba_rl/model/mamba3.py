@@ -56,9 +56,8 @@ trainer; tested on the CPU, its GPU test is marked ``cuda``) and ``"cpu"``: the 
 ``csrc/cpu/mamba3*.cpp`` (float32) under the one autograd node of :mod:`mamba_rl.model.fused_m3` (hand-written
 backward into the gradient arena) and a one-call one-token step; ``"cuda"``: csrc/mamba3.cu (a float32 core,
 the GEMMs in the compute dtype) under the same node, and a one-token step of torch GEMMs around the core's
-``m3_step`` kernel. ``backend="auto"`` picks "cpu" for float32 masters on the CPU where the kernels built
-(else the reference, with one warning naming the cause) and, for now, the reference on a GPU (one warning;
-``backend="cuda"`` opts in until the CUDA kernels' device parity run is green). The
+``m3_step`` kernel. ``backend="auto"`` picks the kernels of the masters' device ("cpu" or "cuda") for float32
+masters where they built, else the reference, with one warning naming the cause. The
 reference math runs instead of the kernels where they cannot stand in (a bf16/f16 compute copy on the CPU,
 swapped-in or frozen parameters, a gradient into the initial state), as for Mamba-1.
 """
@@ -339,19 +338,17 @@ class Mamba3Backbone(MambaBackbone):
                                    f"rebuild it with `python -m mamba_rl.build --kind {resolved}`")
             return resolved
         dev, dt = self.arena.device, self.arena.dtype
-        if dt == torch.float32:
-            if dev.type == "cpu":
-                if extension("cpu") is not None:
-                    return "cpu"
-                if "cpu" not in _WARNED:
-                    _WARNED.add("cpu")
-                    warnings.warn(fallback_message("cpu") + " (layer='Mamba3')", RuntimeWarning, stacklevel=3)
-            elif "cuda" not in _WARNED:
-                _WARNED.add("cuda")
-                warnings.warn("MambaBackbone: layer='Mamba3' runs the pure-PyTorch reference on a GPU under "
-                              "backend='auto' until its CUDA kernels have passed their device parity run "
-                              "(scripts/m3_check.sh); pass backend='cuda' to run them, or 'reference' to choose "
-                              "the reference explicitly", RuntimeWarning, stacklevel=3)
+        if dev.type in ("cuda", "cpu") and dt == torch.float32:
+            ext = extension(dev.type)
+            if ext is not None and hasattr(ext, "m3_fwd"):
+                return dev.type
+            if dev.type not in _WARNED:
+                _WARNED.add(dev.type)
+                cause = fallback_message(dev.type) if ext is None else (
+                    f"MambaBackbone: the loaded {dev.type} extension has no Mamba-3 kernels (m3_fwd); rebuild it "
+                    f"with `python -m mamba_rl.build --kind {dev.type}`")
+                warnings.warn(cause + " (layer='Mamba3': the pure-PyTorch reference runs)", RuntimeWarning,
+                              stacklevel=3)
         return "reference"
 
     def kernel_support(self, op: str) -> Support:

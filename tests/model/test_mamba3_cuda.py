@@ -40,9 +40,25 @@ def nets(cfg, seed=0, jitter=0.3):
 _REF: dict = {}
 
 
+def _errs(net, ref_out, out):
+    """Relative errors (angle: largest circular difference) of ``out`` = (y, final, dx, grads) against the
+    float64 ``ref_out``, whole and per parameter."""
+    (y, fin, dx, grads), (ry, rfin, rdx, rgrads) = out, ref_out
+    errs = dict(y=rel(y, ry), ssm=rel(fin.ssm, rfin.ssm), k=rel(fin.k, rfin.k), v=rel(fin.v, rfin.v),
+                angle=angle_err(fin.angle, rfin.angle), dx=rel(dx, rdx), grads=rel(grads, rgrads))
+    per = {n: (net.arena_view(grads, n).double().cpu() - net.arena_view(rgrads, n)).norm().item()
+           for n, _ in net._layout}
+    return errs, per
+
+
 @pytest.mark.parametrize("compute", ["f32", "bf16"])
 @pytest.mark.parametrize("T", [1, 3, 63, 64, 65, 1000, 2049])
 def test_cuda_matches_float64_reference(T, compute):
+    """f32: within 2e-4 of float64 everywhere. bf16: the kernels read bf16 GEMM weights and activations, and
+    Mamba-3's cumulative angle and dt amplify those roundings over T (rounding only the master weights to
+    bf16 in a float64 run already moves the final state by 5-9% and the gradients by 10-17% at T = 63..1000),
+    so the bf16 kernels are held to their twin: the reference backend on the same GPU with the same bf16
+    compute copy. Each bf16 error against float64 must be within 2x the twin's (plus 1e-2)."""
     g = torch.Generator().manual_seed(T)
     cfg = m3cfg(d_model=16, d_state=8, headdim=8) if T >= 1000 else m3cfg()
     net, ref = nets(cfg, seed=T % 5)
@@ -57,26 +73,34 @@ def test_cuda_matches_float64_reference(T, compute):
                      torch.randn(s0.ssm.shape, generator=g, dtype=F64) * 0.5)
     w = (torch.randn(B, T, cfg.d_model, generator=g, dtype=F64), torch.randn(s0.conv.shape, generator=g, dtype=F64),
          torch.randn(s0.ssm.shape, generator=g, dtype=F64))
-    y, fin, dx, grads = loss_and_grads(net, x, s0, starts, w, torch.float32, "cuda")
-    assert type(fin) is Mamba3State
+    out = loss_and_grads(net, x, s0, starts, w, torch.float32, "cuda")
+    assert type(out[1]) is Mamba3State
     if T not in _REF:  # the float64 run is the same for both compute dtypes
         _REF[T] = loss_and_grads(ref, x, s0, starts, w, F64, "cpu")
-    ry, rfin, rdx, rgrads = _REF[T]
-    errs = dict(y=rel(y, ry), ssm=rel(fin.ssm, rfin.ssm), k=rel(fin.k, rfin.k), v=rel(fin.v, rfin.v),
-                angle=angle_err(fin.angle, rfin.angle), dx=rel(dx, rdx), grads=rel(grads, rgrads))
-    per = {n: rel(net.arena_view(grads, n), ref.arena_view(rgrads, n)) for n, _ in net._layout}
+    errs, per = _errs(net, _REF[T], out)
+    gn = _REF[T][3].norm().item()
     worst = max(per, key=per.get)
-    print(f"\nm3 cuda {compute} T={T}: " + " ".join(f"{k}={v:.2e}" for k, v in errs.items())
-          + f" worst param {worst}={per[worst]:.2e}")
-    tol = 2e-4 if compute == "f32" else 5e-2
-    for k in ("y", "ssm", "k", "v", "dx", "grads"):
-        assert errs[k] <= tol, (k, errs[k])
-    assert errs["angle"] <= (1e-2 if compute == "f32" else 0.5)
-    floor = 1e-6 if compute == "f32" else 1e-3  # of the whole gradient's norm (see test_mamba3_cpu)
-    gn = rgrads.norm().item()
+    line = " ".join(f"{k}={v:.2e}" for k, v in errs.items()) + f" worst param {worst}={per[worst] / gn:.2e}"
+    if compute == "f32":
+        print(f"\nm3 cuda f32 T={T}: {line}")
+        for k in ("y", "ssm", "k", "v", "dx", "grads"):
+            assert errs[k] <= 2e-4, (k, errs[k])
+        assert errs["angle"] <= 1e-2
+        for n, _ in net._layout:  # each parameter's gradient (floor: 1e-6 of the whole gradient's norm)
+            b = ref.arena_view(_REF[T][3], n).norm().item()
+            assert per[n] <= 4e-4 * b + 1e-6 * gn, (n, per[n])
+        return
+    twin = MambaBackbone(cfg, IN, device="cuda", backend="reference", seed=T % 5)
+    with torch.no_grad():
+        twin.arena.copy_(ref.arena)
+    twin.set_compute_dtype(torch.bfloat16)
+    terrs, tper = _errs(twin, _REF[T], loss_and_grads(twin, x, s0, starts, w, torch.float32, "cuda"))
+    print(f"\nm3 cuda bf16 T={T}: {line}\nm3 twin bf16 T={T}: "
+          + " ".join(f"{k}={v:.2e}" for k, v in terrs.items()))
+    for k in ("y", "ssm", "k", "v", "angle", "dx", "grads"):
+        assert errs[k] <= 2 * terrs[k] + 1e-2, (k, errs[k], terrs[k])
     for n, _ in net._layout:
-        a, b = net.arena_view(grads, n).double().cpu(), ref.arena_view(rgrads, n)
-        assert (a - b).norm().item() <= 2 * tol * b.norm().item() + floor * gn, (n, per[n])
+        assert per[n] <= 2 * tper[n] + 1e-2 * gn, (n, per[n], tper[n])
 
 
 @pytest.mark.parametrize("kw", [dict(is_outproj_norm=True, rope_fraction=1.0), dict(A_activation="softplus",
