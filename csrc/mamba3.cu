@@ -125,9 +125,9 @@ __device__ void head_prep(const M3Params& a, int h, const float* row, bool reset
   }
 }
 
-// Warp 0: the gate of one step: out[p] = y[p] SiLU(z[p]) or RMSNorm_P(y) w SiLU(z)
-__device__ void head_gate(const M3Params& a, int h, const float* z, const float* y, float* out) {
-  const int lane = threadIdx.x, P = a.P;
+// One warp (lane = its lane): the gate of one step: out[p] = y[p] SiLU(z[p]) or RMSNorm_P(y) w SiLU(z)
+__device__ void head_gate(const M3Params& a, int h, int lane, const float* z, const float* y, float* out) {
+  const int P = a.P;
   float r = 1.0f;
   const float* w = a.out_w ? a.out_w + (int64_t)h * P : nullptr;
   if (w) {
@@ -141,64 +141,159 @@ __device__ void head_gate(const M3Params& a, int h, const float* z, const float*
   }
 }
 
-// shared memory of the forward (floats): th R, kp N, vp P, kr N, qr N, kb N, qb N, y P, sc kScal
-__host__ __device__ inline int fwd_smem_floats(int P, int N, int R) { return R + 5 * N + 2 * P + kScal; }
+// The forward walks T in chunks of L steps (L = fwd_chunk_steps: 32 where the shared memory allows). Per
+// chunk: (A) each warp prepares whole steps of the chunk in parallel (dt / alpha / lambda, the normed k / q,
+// pi tanh(ang), x), none of which depends on S; (B) R threads advance the angle through the chunk (a prefix
+// with resets) and (C) the block rotates every step's k / q; (D) every thread runs the recurrence of its S
+// entry through the chunk from shared memory, with no barrier inside (the read-out over n is a segment
+// shuffle); (E) each warp gates whole steps. Five barriers per chunk instead of four per step.
+enum { FS_ALPHA, FS_CPREV, FS_CCUR, FS_RESET, FS_DT, kFS };
+// shared memory of the forward (floats): carries th R, kp N, vp P; per step kr N, qr N, x P, y P, scalars
+// kFS, pi tanh(ang) R, the angle after the step R
+__host__ __device__ inline int fwd_step_floats(int P, int N, int R) { return 2 * N + 2 * P + kFS + 2 * R; }
+__host__ __device__ inline int fwd_smem_floats(int P, int N, int R, int L) {
+  return R + N + P + L * fwd_step_floats(P, N, R);
+}
+inline int fwd_chunk_steps(int P, int N, int R) {
+  int L = 32;
+  while (L > 1 && sizeof(float) * fwd_smem_floats(P, N, R, L) > 48 * 1024) L >>= 1;
+  return L;
+}
 
-__global__ void __launch_bounds__(1024) m3_fwd_kernel(M3Params a) {
+__global__ void __launch_bounds__(1024) m3_fwd_kernel(M3Params a, int L) {
   extern __shared__ float sm[];
   const int H = a.H, P = a.P, N = a.N, R = a.R, T = a.T, di = H * P, CW = R + N + P;
   const int b = blockIdx.x / H, h = blockIdx.x % H, tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
   const int pp = tid / N, nn = tid % N;
   const bool active = tid < P * N;
   const int nC = (T + kChunk - 1) / kChunk, CL = N * P + R + N + P;
-  float* th = sm;
-  float* kp = th + R;
-  float* vp = kp + N;
-  float* kr = vp + P;
-  float* qr = kr + N;
-  float* kb = qr + N;
-  float* qb = kb + N;
-  float* yv = qb + N;
-  float* sc = yv + P;
+  float* cth = sm;
+  float* ckp = cth + R;
+  float* cvp = ckp + N;
+  float* kr = cvp + P;      // [L][N]
+  float* qr = kr + L * N;   // [L][N]
+  float* xs = qr + L * N;   // [L][P]
+  float* ys = xs + L * P;   // [L][P]
+  float* sc = ys + L * P;   // [L][kFS]
+  float* ta = sc + L * kFS; // [L][R]
+  float* tv = ta + L * R;   // [L][R]
   const float* c0 = a.carry0 ? a.carry0 + ((int64_t)b * H + h) * CW : nullptr;
   float S = (active && a.ssm0) ? a.ssm0[((int64_t)b * di + (int64_t)h * P + pp) * N + nn] : 0.0f;
   for (int i = tid; i < CW; i += blockDim.x) {
     const float v = c0 ? c0[i] : 0.0f;
-    if (i < R) th[i] = v; else if (i < R + N) kp[i - R] = v; else vp[i - R - N] = v;
+    if (i < R) cth[i] = v; else if (i < R + N) ckp[i - R] = v; else cvp[i - R - N] = v;
   }
-  __syncthreads();
   const float Dh = a.Dskip[h];
-  for (int t = 0; t < T; ++t) {
-    const float* row = row_ptr(a, b, t);
-    const bool reset = is_start(a, b, t);
-    __syncthreads();  // the previous step's kp / vp update (warp 0) is visible
-    if (a.ckpt && t % kChunk == 0) {
-      float* ck = a.ckpt + (((int64_t)b * nC + t / kChunk) * H + h) * CL;
-      if (active) ck[nn * P + pp] = S;
-      for (int i = tid; i < CW; i += blockDim.x) ck[N * P + i] = i < R ? th[i] : (i < R + N ? kp[i - R] : vp[i - R - N]);
+  for (int t0 = 0; t0 < T; t0 += L) {
+    const int Lc = min(L, T - t0);
+    __syncthreads();  // the previous chunk's carries and gates are done with the step arrays
+    // (A) the steps of the chunk, a warp per step
+    for (int j = warp; j < Lc; j += nw) {
+      const int t = t0 + j;
+      const float* row = row_ptr(a, b, t);
+      const float* Bp = row + 2 * di;
+      const float* Cp = Bp + N;
+      const float* hs = Cp + N;
+      const float* ang = hs + 3 * H;
+      const float bv = lane < N ? Bp[lane] : 0.0f, cv = lane < N ? Cp[lane] : 0.0f;
+      const float rb = rsqrtf(warp_sum(bv * bv) / (float)N + a.eps);
+      const float rc = rsqrtf(warp_sum(cv * cv) / (float)N + a.eps);
+      float dsp;
+      const float dt = softplus_(hs[h] + a.dt_bias[h], &dsp);
+      if (lane == 0) {
+        const float dA = hs[H + h];
+        float f, fp;
+        if (a.heavy_tail) {
+          const float lo = fminf(dA, 0.0f);
+          f = fmaxf(dA, 0.0f) + 1.0f / (1.0f - lo);
+        } else {
+          f = softplus_(dA, &fp);
+        }
+        const float negf = -f, cap = -a.A_floor;
+        const float A = negf > cap ? cap : negf;
+        const float alpha = expf(A * dt);
+        const float lam = sigmoidf_(hs[2 * H + h]);
+        float* s = sc + j * kFS;
+        s[FS_ALPHA] = alpha; s[FS_CPREV] = (1.0f - lam) * dt * alpha; s[FS_CCUR] = lam * dt;
+        s[FS_RESET] = is_start(a, b, t) ? 1.0f : 0.0f; s[FS_DT] = dt;
+      }
+      if (lane < N) {
+        kr[j * N + lane] = bv * rb * a.B_w[lane] + a.B_bias[(int64_t)h * N + lane];
+        qr[j * N + lane] = cv * rc * a.C_w[lane] + a.C_bias[(int64_t)h * N + lane];
+      }
+      if (lane < R) ta[j * R + lane] = kPi * tanhf(ang[lane]);
+      for (int p = lane; p < P; p += 32) xs[j * P + p] = row[di + h * P + p];
     }
     __syncthreads();
-    if (tid < 32) head_prep(a, h, row, reset, sc, kr, qr, th, kp, vp, kb, qb, nullptr, nullptr, nullptr);
-    __syncthreads();
-    const float xp = active ? row[di + h * P + pp] : 0.0f;
-    float prod = 0.0f;
-    if (active) {
-      S = (reset ? 0.0f : sc[SC_ALPHA] * S) + sc[SC_CPREV] * kp[nn] * vp[pp] + sc[SC_CCUR] * kr[nn] * xp;
-      prod = S * qr[nn];
+    // (B) the angle through the chunk: zeroed before a start's step, then advanced by pi tanh(ang) dt mod 2 pi
+    if (tid < R) {
+      float th = cth[tid];
+      for (int j = 0; j < Lc; ++j) {
+        if (sc[j * kFS + FS_RESET] != 0.0f) th = 0.0f;
+        float t = th + ta[j * R + tid] * sc[j * kFS + FS_DT];
+        t = t - kTwoPi * floorf(t / kTwoPi);
+        th = t;
+        tv[j * R + tid] = t;
+      }
     }
-    prod = seg_sum(prod, N);
-    if (active && nn == 0) yv[pp] = prod + Dh * xp;
     __syncthreads();
-    if (tid < 32) {
-      head_gate(a, h, row + h * P, yv, a.y + ((int64_t)b * T + t) * di + (int64_t)h * P);
-      if (tid < N) kp[tid] = kr[tid];
-      for (int p = tid; p < P; p += 32) vp[p] = row[di + h * P + p];
+    // (C) rotate the first 2R entries of every step's k and q by its angle
+    for (int i = tid; i < Lc * R; i += blockDim.x) {
+      const int j = i / R, r = i % R;
+      float s, c;
+      sincosf(tv[i], &s, &c);
+      float* k = kr + j * N + 2 * r;
+      float* q = qr + j * N + 2 * r;
+      const float k0 = k[0], k1 = k[1], q0 = q[0], q1 = q[1];
+      k[0] = k0 * c - k1 * s;
+      k[1] = k0 * s + k1 * c;
+      q[0] = q0 * c - q1 * s;
+      q[1] = q0 * s + q1 * c;
+    }
+    __syncthreads();
+    // (D) the recurrence of S[pp, nn] through the chunk (every thread runs it: the shuffles need full warps)
+    {
+      float kprev = active ? ckp[nn] : 0.0f, vprev = active ? cvp[pp] : 0.0f;
+      for (int j = 0; j < Lc; ++j) {
+        const int t = t0 + j;
+        if (a.ckpt && t % kChunk == 0) {  // the state entering step t
+          float* ck = a.ckpt + (((int64_t)b * nC + t / kChunk) * H + h) * CL;
+          if (active) ck[nn * P + pp] = S;
+          for (int i = tid; i < CW; i += blockDim.x)
+            ck[N * P + i] = i < R ? (j ? tv[(j - 1) * R + i] : cth[i])
+                          : i < R + N ? (j ? kr[(j - 1) * N + i - R] : ckp[i - R])
+                                      : (j ? xs[(j - 1) * P + i - R - N] : cvp[i - R - N]);
+        }
+        const float* s = sc + j * kFS;
+        const bool reset = s[FS_RESET] != 0.0f;
+        float prod = 0.0f, xp = 0.0f;
+        if (active) {
+          const float krn = kr[j * N + nn];
+          xp = xs[j * P + pp];
+          const float kp = reset ? 0.0f : kprev, vp = reset ? 0.0f : vprev;
+          S = (reset ? 0.0f : s[FS_ALPHA] * S) + s[FS_CPREV] * kp * vp + s[FS_CCUR] * krn * xp;
+          prod = S * qr[j * N + nn];
+          kprev = krn;
+          vprev = xp;
+        }
+        prod = seg_sum(prod, N);
+        if (active && nn == 0) ys[j * P + pp] = prod + Dh * xp;
+      }
+    }
+    __syncthreads();
+    // (E) the gates, a warp per step; the carries into the next chunk
+    for (int j = warp; j < Lc; j += nw)
+      head_gate(a, h, lane, row_ptr(a, b, t0 + j) + h * P, ys + j * P, a.y + ((int64_t)b * T + t0 + j) * di + (int64_t)h * P);
+    for (int i = tid; i < CW; i += blockDim.x) {
+      const int j = Lc - 1;
+      if (i < R) cth[i] = tv[j * R + i]; else if (i < R + N) ckp[i - R] = kr[j * N + i - R]; else cvp[i - R - N] = xs[j * P + i - R - N];
     }
   }
   __syncthreads();
   float* cf = a.carry_f + ((int64_t)b * H + h) * CW;
   if (active) a.ssm_f[((int64_t)b * di + (int64_t)h * P + pp) * N + nn] = S;
-  for (int i = tid; i < CW; i += blockDim.x) cf[i] = i < R ? th[i] : (i < R + N ? kp[i - R] : vp[i - R - N]);
+  for (int i = tid; i < CW; i += blockDim.x) cf[i] = i < R ? cth[i] : (i < R + N ? ckp[i - R] : cvp[i - R - N]);
 }
 
 // shared memory of the backward (floats)
@@ -530,8 +625,9 @@ const char* m3_supported(int P, int N, int R) {
 const char* m3_fwd(const M3Params& p, cudaStream_t s) {
   if (const char* e = m3_supported(p.P, p.N, p.R)) return e;
   const int thr = block_threads(p.P, p.N);
-  const size_t smem = sizeof(float) * fwd_smem_floats(p.P, p.N, p.R);
-  m3_fwd_kernel<<<p.B * p.H, thr, smem, s>>>(p);
+  const int L = fwd_chunk_steps(p.P, p.N, p.R);
+  const size_t smem = sizeof(float) * fwd_smem_floats(p.P, p.N, p.R, L);
+  m3_fwd_kernel<<<p.B * p.H, thr, smem, s>>>(p, L);
   return launch_err(cudaGetLastError());
 }
 
