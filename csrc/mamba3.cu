@@ -11,10 +11,13 @@
 //
 // Layout: one block per (row b, head h); thread tid = p * N + n owns the state entry S[p, n] in a register
 // (the block is P N threads rounded up to whole warps; N is a power of two <= 32, so the N entries of a
-// channel p sit in one warp segment and the read-out sum over n is a segment shuffle). Warp 0 does the
-// per-step vector work of the head (B / C norms, rotation, coefficients, gate) in shared memory.
+// channel p sit in one warp segment and the read-out sum over n is a segment shuffle). In the backward warp
+// 0 does the per-step vector work of the head (B / C norms, rotation, coefficients, gate) in shared memory;
+// the forward does it for a chunk of steps at once, a warp per step (see m3_fwd_kernel).
 // Kernels (each a fat pass over the whole sequence):
-//   m3_fwd_kernel    sequence forward; a checkpoint of (S, theta, k~, v) every kChunk steps for the backward;
+//   m3_fwd_kernel    sequence forward in chunks of up to 32 steps: the S-independent work of the chunk in
+//                    parallel, then a barrier-free recurrence per thread; a checkpoint of (S, theta, k~, v)
+//                    every kChunk steps for the backward;
 //   m3_bwd_kernel    per (b, h), chunks last to first: recompute the chunk from its checkpoint (S_t kept per
 //                    thread in a register array), then reverse with G = dL/dS in registers; per-step
 //                    head results go to dzxbc, the heads' shares of the B / C / angle gradients to a
@@ -22,7 +25,7 @@
 //   m3_rows_kernel   per (b, t): the heads' shares summed, RMSNorm / tanh backward, per-row norm partials;
 //   m3_reduce_kernel the parameter gradients summed in a fixed order (no atomics: bit-reproducible, so a
 //                    CUDA graph replays the eager numbers exactly) and added into the caller's tensors.
-// Not chunked over T yet: the sequence is walked by one block per (b, h) (B H blocks of P N threads).
+// Not parallel over T: each (b, h) sequence is walked by one block (B H blocks of P N threads).
 #include "ops.h"
 
 #include <cstdint>
