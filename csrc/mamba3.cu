@@ -62,6 +62,22 @@ __device__ __forceinline__ bool is_start(const M3Params& a, int b, int t) {
   return a.starts && a.starts[(int64_t)b * a.T + t];
 }
 
+// A = min(-f(dA), -A_floor) with f the heavy tail or softplus; *dadd = dA/d(dA) (0 where clamped)
+__device__ __forceinline__ float decay_rate(const M3Params& a, float dA, float* dadd) {
+  float f, fp;
+  if (a.heavy_tail) {
+    const float lo = fminf(dA, 0.0f);
+    f = fmaxf(dA, 0.0f) + 1.0f / (1.0f - lo);
+    fp = (dA >= 0.0f ? 1.0f : 0.0f) + (dA <= 0.0f ? 1.0f / ((1.0f - lo) * (1.0f - lo)) : 0.0f);
+  } else {
+    f = softplus_(dA, &fp);
+  }
+  const float negf = -f, cap = -a.A_floor;
+  const bool clamped = negf > cap;
+  *dadd = clamped ? 0.0f : -fp;
+  return clamped ? cap : negf;
+}
+
 // Warp 0, one step of head h: coefficients into sc[kScal], k~ / q~ into kr / qr [N], the angle th [R]
 // advanced (zeroed first on a reset), and cos / sin / pi tanh(ang) into cs / sn / ta [R] when given.
 // kb / qb [N] are scratch. On a reset kp [N] and vp [P] are zeroed too.
@@ -85,21 +101,11 @@ __device__ void head_prep(const M3Params& a, int h, const float* row, bool reset
     float dsp;
     dt = softplus_(hs[h] + a.dt_bias[h], &dsp);
     if (lane == 0) {
-      const float dA = hs[H + h];
-      float f, fp;
-      if (a.heavy_tail) {
-        const float lo = fminf(dA, 0.0f);
-        f = fmaxf(dA, 0.0f) + 1.0f / (1.0f - lo);
-        fp = (dA >= 0.0f ? 1.0f : 0.0f) + (dA <= 0.0f ? 1.0f / ((1.0f - lo) * (1.0f - lo)) : 0.0f);
-      } else {
-        f = softplus_(dA, &fp);
-      }
-      const float negf = -f, cap = -a.A_floor;
-      const bool clamped = negf > cap;
-      const float A = clamped ? cap : negf;
+      float dadd;
+      const float A = decay_rate(a, hs[H + h], &dadd);
       const float alpha = expf(A * dt);
       const float lam = sigmoidf_(hs[2 * H + h]);
-      sc[SC_DT] = dt; sc[SC_DSP] = dsp; sc[SC_A] = A; sc[SC_DADD] = clamped ? 0.0f : -fp;
+      sc[SC_DT] = dt; sc[SC_DSP] = dsp; sc[SC_A] = A; sc[SC_DADD] = dadd;
       sc[SC_ALPHA] = alpha; sc[SC_LAM] = lam; sc[SC_CPREV] = (1.0f - lam) * dt * alpha; sc[SC_CCUR] = lam * dt;
     }
   }
@@ -205,16 +211,8 @@ __global__ void __launch_bounds__(1024) m3_fwd_kernel(M3Params a, int L) {
       float dsp;
       const float dt = softplus_(hs[h] + a.dt_bias[h], &dsp);
       if (lane == 0) {
-        const float dA = hs[H + h];
-        float f, fp;
-        if (a.heavy_tail) {
-          const float lo = fminf(dA, 0.0f);
-          f = fmaxf(dA, 0.0f) + 1.0f / (1.0f - lo);
-        } else {
-          f = softplus_(dA, &fp);
-        }
-        const float negf = -f, cap = -a.A_floor;
-        const float A = negf > cap ? cap : negf;
+        float dadd;
+        const float A = decay_rate(a, hs[H + h], &dadd);
         const float alpha = expf(A * dt);
         const float lam = sigmoidf_(hs[2 * H + h]);
         float* s = sc + j * kFS;
