@@ -9,6 +9,7 @@ Multi-node: call torchrun yourself with its rendezvous flags (README, "Data-para
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Callable, ContextManager, Sequence
 
 __all__ = ["launch", "train_rank"]
@@ -56,11 +57,14 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
             agent = (RecurrentPPO.load(resume, restore_envs=False, **overrides) if resume
                      else RecurrentPPO(**overrides))
         lead = agent.rank == 0
+        c = agent.config
         if lead:
-            c = agent.config
-            print(f"run {agent.run_name}: {c.env_id}, {agent.world_size} ranks x {c.num_envs} envs, device "
-                  f"{agent.device}, backend {dist.get_backend()}; {agent.num_updates} updates of "
-                  f"{agent.world_size * c.batch_size} env steps", file=sys.stderr)
+            W = agent.world_size
+            print(f"run {agent.run_name}: {c.env_id}, {W} ranks x {c.num_envs} envs, device {agent.device}, dtype "
+                  f"{c.dtype}, backend {agent.policy.net.backend}, process group {dist.get_backend()}; "
+                  f"{agent.num_updates} updates of {W}x{c.num_envs}x{c.num_steps} = "
+                  f"{agent.num_updates * W * c.batch_size:,} env steps", file=sys.stderr)
+        start, start_step = time.perf_counter(), agent.global_step
         try:
             agent.learn(progress=lead and progress)
         except KeyboardInterrupt:
@@ -71,6 +75,12 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
             agent.close()
             return 130
         if lead:
+            recent = list(agent.recent_returns)
+            if recent:
+                print(f"mean return of rank 0's last {len(recent)} episodes: {sum(recent) / len(recent):.2f}",
+                      file=sys.stderr)
+            print(f"done: {agent.global_step:,} env steps ({agent.global_step - start_step:,} in this session, all "
+                  f"ranks) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
             print(f"checkpoint: {agent.checkpoint_root / 'final'}")
         agent.close()
         return 0

@@ -246,3 +246,27 @@ def test_a_bug_mid_training_under_mamba_rl_train_nproc_exits_non_2_with_the_trac
     assert "ValueError: deliberate bug at env step 12" in r.stderr, r.stderr[-3000:]
     assert "mamba-rl train: error: deliberate bug" not in r.stderr
     assert "mamba-rl train: error: a rank failed" in r.stderr
+
+
+def test_mamba_rl_train_nproc_prints_the_run_line_and_the_summary_of_a_single_process_run(tmp_path):
+    """``mamba-rl train --nproc 2`` (torchrun, 2 gloo ranks): rank 0's run line names the total env steps with
+    thousands separators, dtype and backend as the single-process line does, and the run ends with the mean
+    return and the ``done:`` line (a newcomer saw "7 updates of 16384 env steps" and no summary)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    argv = [sys.executable, "-m", "mamba_rl", "train", "--nproc", "2", "--env-id", "CartPole-v1", "--num-envs", "4",
+            "--num-steps", "16", "--num-minibatches", "1", "--update-epochs", "1", "--d-model", "8", "--n-layers",
+            "1", "--d-state", "2", "--device", "cpu", "--total-timesteps", "2000", "--seed", "3", "--no-track",
+            "--no-progress", "--checkpoint-dir", str(tmp_path / "ckpt"), "--runs-dir", str(tmp_path / "runs")]
+    r = subprocess.run(argv, cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    # 2000 steps / (2 ranks x 4 envs x 16 steps = 128 per update) -> 16 updates = 2,048 env steps
+    assert "2 ranks x 4 envs" in r.stderr and "16 updates of 2x4x16 = 2,048 env steps" in r.stderr, r.stderr[-2000:]
+    assert "dtype f32, backend " in r.stderr and "process group gloo" in r.stderr, r.stderr[-2000:]
+    assert "mean return of rank 0's last " in r.stderr, r.stderr[-2000:]
+    assert "done: 2,048 env steps (2,048 in this session, all ranks) in " in r.stderr, r.stderr[-2000:]
+    assert r.stdout.strip().endswith("final"), r.stdout
