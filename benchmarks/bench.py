@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -256,6 +257,13 @@ def bench_peer_infer(name, B, iters):
     return dict(kind="infer", model=name, d_model=DM, B=B, T=1, graph=True, us=timeit(_capture(f), iters))
 
 
+def _best(*us):
+    """The smallest of the timings that are not nan (a failed row's us), nan when all are: ``min`` alone
+    returns nan or not depending on which argument is nan (``min(nan, x)`` is nan, ``min(x, nan)`` is x)."""
+    ok = [u for u in us if not math.isnan(u)]
+    return min(ok) if ok else float("nan")
+
+
 def table(rows):
     """Markdown: one line per (d_model, B, T) with ours and each peer, ratios = peer / ours."""
     def get(kind, model, dm, B, T):
@@ -277,7 +285,7 @@ def table(rows):
             pu = p["us"] if p else float("nan")
             cells.append(f"{pu:.0f} ({pu / fu:.2f}x / {pu / bu:.2f}x)")
         gru = get("train", "gru1", dm, B, T)
-        best = min(fu, bu)
+        best = _best(fu, bu)
         ratio = gru["us"] / best if gru else float("nan")
         lines.append(f"| {dm} | {B} x {T} | {fu:.0f} | {bu:.0f} | " + " | ".join(cells) +
                      f" | {ratio:.2f}x | {f.get('kernels', '-') if f else '-'}/{b.get('kernels', '-') if b else '-'} |")
@@ -296,11 +304,11 @@ def table(rows):
                   "kernels f32/bf16 |", "|---|---|---|---|---|---|---|---|"]
         nan = dict(us=float("nan"))
         for dm, B, T in keys:
-            m1 = min((get("train", f"mamba_rl_{d}", dm, B, T) or nan)["us"] for d in ("f32", "bf16"))
+            m1 = _best(*((get("train", f"mamba_rl_{d}", dm, B, T) or nan)["us"] for d in ("f32", "bf16")))
             f, b = (get("train", f"mamba3_{d}", dm, B, T) or nan for d in ("f32", "bf16"))
             gru = (get("train", "gru1", dm, B, T) or nan)["us"]
             lines.append(f"| {dm} | {B} x {T} | {m1:.0f} | {f['us']:.0f} | {b['us']:.0f} | {gru:.0f} | "
-                         f"{gru / min(f['us'], b['us']):.2f}x | {f.get('kernels', '-')}/{b.get('kernels', '-')} |")
+                         f"{gru / _best(f['us'], b['us']):.2f}x | {f.get('kernels', '-')}/{b.get('kernels', '-')} |")
         lines += ["", "| B | Mamba-3 step replay µs | public stepper.step µs | Mamba-1 replay µs | GRU-1L µs |",
                   "|---|---|---|---|---|"]
         for B in INFER_B:

@@ -309,8 +309,9 @@ class Mamba3Backbone(MambaBackbone):
         cfg: a :class:`MambaConfig` with ``layer="Mamba3"``.
         input_dim, device, seed, dtype: as :class:`MambaBackbone`.
         backend: "reference", "cpu" (the C++ kernels; a CPU device and float32 masters), "cuda" (the CUDA
-            kernels; a CUDA device and float32 masters), or "auto" (module doc: "cpu" where it applies, else
-            the reference with one warning for float32 masters).
+            kernels; a CUDA device and float32 masters), or "auto" (module doc: the kernels of the masters'
+            device, "cpu" or "cuda", where they built and have m3_fwd, for float32 masters; else the reference,
+            with one warning per device kind for float32 masters).
 
     Raises:
         ValueError: bad input_dim, dtype or backend; ``backend="cpu"`` / ``"cuda"`` off its device or with

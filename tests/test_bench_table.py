@@ -1,0 +1,58 @@
+"""benchmarks/bench.py's table(): rows that failed (``err``, us=nan) or are missing (e.g. no Mamba-3 rows)."""
+import importlib.util
+import math
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATH = os.path.join(ROOT, "benchmarks", "bench.py")
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_table", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _train(model, us, **kw):
+    return dict(kind="train", model=model, d_model=128, B=16, T=64, graph=True, us=us, **kw)
+
+
+def _failed(model):
+    return _train(model, NAN, err="RuntimeError('boom')")
+
+
+def _line(table, prefix, header):
+    """The ``| 128 | 16 x 64 |`` line of the section whose header starts with ``header``."""
+    lines = table.splitlines()
+    start = next(i for i, l in enumerate(lines) if l.startswith(header))
+    return next(l for l in lines[start:] if l.startswith(prefix)).split(" | ")
+
+
+def test_best_ignores_a_failed_dtype_whichever_it_is(bench):
+    """A failed f32 row (us=nan) must not turn "best" into nan while its bf16 twin succeeded: Python's
+    min(nan, x) is nan but min(x, nan) is x, so the result used to depend on which dtype failed."""
+    gru = _train("gru1", 300.0)
+    for failed, ok in (("f32", "bf16"), ("bf16", "f32")):
+        rows = [_failed(f"mamba_rl_{failed}"), _train(f"mamba_rl_{ok}", 400.0, kernels=70),
+                _failed(f"mamba3_{failed}"), _train(f"mamba3_{ok}", 2000.0, kernels=60), gru]
+        t = bench.table(rows)
+        m1 = _line(t, "| 128 | 16 x 64 |", "| d_model | B x T | mamba_rl f32")
+        assert m1[-2] == "0.75x", (failed, m1)  # best / GRU-1L = 300 / 400
+        m3 = _line(t, "| 128 | 16 x 64 |", "| d_model | B x T | Mamba-1 best")
+        assert m3[2] == "400", (failed, m3)  # Mamba-1 best
+        assert m3[6] == "0.15x", (failed, m3)  # Mamba-3 best / GRU-1L = 300 / 2000
+
+
+def test_all_failed_or_absent_rows_give_nan_not_an_error(bench):
+    rows = [_failed("mamba_rl_f32"), _failed("mamba_rl_bf16"), _failed("mamba3_f32"), _failed("mamba3_bf16")]
+    t = bench.table(rows)
+    assert "nanx" in _line(t, "| 128 | 16 x 64 |", "| d_model | B x T | Mamba-1 best")[6]
+    t = bench.table([_train("mamba_rl_f32", 400.0)])  # no bf16, no peers, no Mamba-3 rows
+    assert "Mamba-3" not in t and "| 128 | 16 x 64 | 400 | nan |" in t
+    assert bench.table([]).count("\n") >= 3
+    assert math.isnan(bench._best(NAN, NAN)) and bench._best(NAN, 2.0) == bench._best(2.0, NAN) == 2.0
