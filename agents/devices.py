@@ -25,8 +25,9 @@ def resolve_device(device: str, backend: str = "auto") -> torch.device:
         :func:`~mamba_rl.agents.distributed.init_from_env` has set it).
 
     Raises:
-        ValueError: CUDA asked for (device or backend) but not available, or N not below the number of
-            CUDA devices; the message names what was asked and what this machine has.
+        ValueError: CUDA asked for (device or backend) but not available, N not below the number of CUDA
+            devices, backend "cpu" on a GPU device, or an explicit kernel backend whose extension cannot load
+            (built on first use); the message names what was asked and what this machine has.
     """
     available = torch.cuda.is_available()
     if device == "auto":
@@ -44,4 +45,13 @@ def resolve_device(device: str, backend: str = "auto") -> torch.device:
     if backend == "cuda" and dev.type != "cuda":
         raise ValueError(f"backend 'cuda' needs a CUDA device, got device {dev} (CUDA available: {available}); "
                          "use backend 'auto', 'cpu' or 'reference' on the CPU")
+    if backend == "cpu" and dev.type != "cpu":
+        raise ValueError(f"backend 'cpu' needs device 'cpu', got device {dev}; use backend 'auto' or 'cuda' there")
+    if backend in ("cpu", "cuda"):
+        from mamba_rl.ops.extension import extension, extension_error
+
+        if extension(backend) is None:
+            raise ValueError(f"backend {backend!r}: the {backend} kernels could not load "
+                             f"({extension_error(backend)}); use backend 'auto' (the reference runs, with one "
+                             "warning) or 'reference'")
     return dev

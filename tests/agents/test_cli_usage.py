@@ -307,3 +307,18 @@ def test_parse_errors_are_one_line_errors(argv, message, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and err.endswith("--help)") and len(err.splitlines()) == 1, err
+
+
+def test_an_explicit_kernel_backend_that_cannot_load_is_a_one_line_error(tmp_path):
+    """``--backend cpu`` with the CPU kernels unavailable (here disabled) is the CLI's one-line usage error
+    naming the cause and the fallbacks (exit 2), not the backbone's RuntimeError traceback (a breaker found it)."""
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "mamba_rl", "train", "--backend", "cpu", *TINY, "--total-timesteps",
+                        "64", *_dirs(tmp_path)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "MAMBA_RL_DISABLE_CPU": "1"})
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("mamba-rl train: error: backend 'cpu': the cpu kernels could not load")
+    assert "MAMBA_RL_DISABLE_CPU" in lines[0] and "use backend 'auto'" in lines[0]

@@ -65,6 +65,22 @@ def test_resolve_device_on_this_machine(monkeypatch):
             resolve_device(asked)
 
 
+def test_resolve_device_refuses_backend_cpu_on_a_gpu_and_kernels_that_cannot_load(monkeypatch):
+    from mamba_rl.ops import extension as ext_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the check needs no real GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="backend 'cpu' needs device 'cpu', got device cuda:0"):
+        resolve_device("cuda:0", "cpu")
+    monkeypatch.setattr(ext_mod, "extension", lambda kind="cuda": None)
+    monkeypatch.setattr(ext_mod, "extension_error", lambda kind="cuda": "the build failed: boom")
+    with pytest.raises(ValueError, match=r"backend 'cpu': the cpu kernels could not load \(the build failed: boom\); "
+                                         r"use backend 'auto'"):
+        resolve_device("cpu", "cpu")
+    assert resolve_device("cpu", "auto") == torch.device("cpu") and resolve_device("cpu", "reference").type == "cpu"
+
+
+
 def test_validation_helpers_name_expected_and_received():
     assert check_int("n", 3, lo=1) == 3 and check_real("x", 0.5, 0.0, 1.0) == 0.5
     assert check_real("x", None, optional=True) is None and check_bool("b", False) is False
