@@ -16,12 +16,17 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch;print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 t0=$(date +%s.%N)
+# the CPU kernels too (some cuda tests compare with them), built beside the CUDA ones
+(python3 -m mamba_rl.build --kind cpu >"$OUT/build_cpu.log" 2>&1) &
 python3 -m mamba_rl.build --kind cuda 2>&1 | tee "$OUT/build.log"; brc=${PIPESTATUS[0]}
+wait
 echo "build rc=$brc wall=$(python3 -c "print(round($(date +%s.%N)-$t0,1))") s" | tee -a "$OUT/build.log"
 [ $brc -ne 0 ] && exit $brc
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q --timeout=120 --continue-on-collection-errors -p no:cacheprovider ${PYTEST_ARGS:-} ${TEST_PATHS:-tests} 2>&1 \
+  # 8 workers where pytest-xdist is installed (the whole cuda suite: ~2 min on the H200 host)
+  python3 -c "import xdist" 2>/dev/null && XDIST=${XDIST:--n 8} || XDIST=""
+  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m cuda -q -rfE --timeout=120 --continue-on-collection-errors -p no:cacheprovider $XDIST ${PYTEST_ARGS:-} ${TEST_PATHS:-tests} 2>&1 \
     | tee "$OUT/pytest.log" | grep -v "^tests/.*PASSED" ; rc=${PIPESTATUS[0]}
   echo "pytest rc=$rc"
 fi
