@@ -82,6 +82,7 @@ class _PPOFields:
     prev_action: bool = False
     prev_reward: bool = False
     normalize_obs: bool = False
+    obs_norm_freeze_steps: int = 0
     normalize_reward: bool = True
     memoryless: bool = False
     nonfinite: str = "raise"
@@ -102,6 +103,10 @@ class _PPOFields:
         # than a few thousand threads makes libgomp crash the process instead of failing
         check_int(name("seed"), self.seed, lo=0, hi=2**32 - 1 - 2**20)
         check_int(name("checkpoint_every"), self.checkpoint_every, lo=0)
+        check_int(name("obs_norm_freeze_steps"), self.obs_norm_freeze_steps, lo=0)
+        if self.obs_norm_freeze_steps and not self.normalize_obs:
+            raise ValueError(f"PPOConfig.obs_norm_freeze_steps ({self.obs_norm_freeze_steps}) freezes the observation "
+                             "normaliser: expected normalize_obs=True, got normalize_obs=False")
         check_int(name("threads"), self.threads, lo=0, hi=MAX_THREADS)
         for f in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
             check_int(name(f), getattr(self, f), lo=1)
@@ -215,6 +220,7 @@ class PPOConfig(_PPOFields):
         prev_action: append the previous action (one-hot when discrete) to the input.
         prev_reward: append the previous reward to the input.
         normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation).
+        obs_norm_freeze_steps: with normalize_obs, the env step [all ranks] after which the normaliser's mean / std stop updating (0: never); a frozen normaliser removed the late collapses of CartPoleNoVel runs (benchmarks/learning/README.md).
         normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
             On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,
             and unscaled value targets (O(100) on CartPole) dominate the one global gradient

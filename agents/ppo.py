@@ -241,6 +241,11 @@ class RecurrentPPO:
             time of the rollout in ms (the env.step share is kept in :attr:`last_env_ms`).
         """
         c = self.config
+        if c.obs_norm_freeze_steps and self.global_step >= c.obs_norm_freeze_steps:
+            # frozen from the first rollout at or past the step (after a resume too, before it updates)
+            norm = find_vector_wrapper(self.envs, gym.wrappers.vector.NormalizeObservation)
+            if norm is not None:
+                norm.update_running_mean = False
         res = collect_rollout(self.envs, self.actor, self.carry, c.num_steps, c.memoryless, self.env_seed,
                               self._advance)
         self.recent_returns.extend(ret for _, ret, _ in res.episodes)

@@ -5,8 +5,8 @@ Methods:
   ``--set name=value`` overrides (a named configuration: ``--variant``). ``--set ent_coef_end=V`` (and
   ``clip_coef_end``) is the harness's own schedule, not a PPOConfig field: the coefficient goes linearly from
   its configured value at the first update to V at the last (set on ``agent.config`` between updates);
-  ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) freezes the observation normaliser's
-  statistics once N env steps are done.
+  ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
+  observation normaliser's statistics freeze once N env steps are done.
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -150,9 +150,10 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
     # linearly from its configured value at the first (set on agent.config between updates, which the
     # update reads afresh each time)
     sched = {f: sets.pop(f + "_end") for f in SCHEDULED if f + "_end" in sets}
-    # obs_norm_freeze_step=N (with normalize_obs=True): stop updating the observation normaliser's running
-    # mean / std once N env steps are done (gymnasium's update_running_mean = False)
-    freeze_at = sets.pop("obs_norm_freeze_step", None)
+    # obs_norm_freeze_step=N, the name of the earlier runs: PPOConfig.obs_norm_freeze_steps (the same rule: the
+    # rollouts that start at or past N env steps leave the normaliser's mean / std alone)
+    if "obs_norm_freeze_step" in sets:
+        sets["obs_norm_freeze_steps"] = sets.pop("obs_norm_freeze_step")
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
     start = {f: getattr(agent.config, f) for f in sched}
@@ -166,12 +167,6 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         n[0] += len(rets)
         out.row(int(metrics["global_step"]), n[0], sum(last) / len(last) if last else math.nan,
                 float(metrics.get("losses/entropy", math.nan)))
-        if freeze_at is not None and metrics["global_step"] >= freeze_at:
-            env = agent.envs
-            while env is not None:
-                if hasattr(env, "update_running_mean") and hasattr(env, "obs_rms"):
-                    env.update_running_mean = False
-                env = getattr(env, "env", None)
         if sched:  # the value for the next update (1-based update k: start + (end - start) * (k - 1) / (n - 1))
             frac = min(int(metrics["update"]) / max(n_up - 1, 1), 1.0)
             agent.config = agent.config.replace(**{f: start[f] + (e - start[f]) * frac for f, e in sched.items()})
