@@ -453,5 +453,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # also ``python -m mamba_rl``, which torchrun runs on every rank
+    code = main()
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "1"):
+        from mamba_rl.agents.train_ddp import exit_rank
+
+        exit_rank(code)
+    sys.exit(code)

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Callable, ContextManager, Sequence
 
-__all__ = ["launch", "train_rank"]
+__all__ = ["exit_rank", "launch", "train_rank"]
 
 
 def launch(nproc: int, cli_argv: Sequence[str]) -> int:
@@ -83,6 +83,22 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
                   f"ranks) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
             print(f"checkpoint: {agent.checkpoint_root / 'final'}")
         agent.close()
+        dist.barrier()  # no rank tears its pairs down while a peer is still inside the last collective
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> None:
+    """End a torchrun rank's process (``python -m mamba_rl`` with ``WORLD_SIZE`` > 1) with exit code ``code``
+    after :func:`train_rank` returned: flush stdout / stderr and leave without interpreter finalisation.
+
+    gloo's worker threads can drop the last reference to a tensor while the interpreter finalises; that
+    needs the GIL, the thread is ended with pthread_exit through a noexcept frame, and the process aborts
+    ("terminate called without an active exception", SIGABRT), which torchrun reports as a failed rank
+    after a run that finished and saved. Everything the run writes is closed by then (``agent.close()``)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

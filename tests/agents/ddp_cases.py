@@ -57,6 +57,25 @@ def _join(rank: int, world: int, port: int, device: str, timeout_s: float = 120,
     assert init_from_env(device, timeout_s=timeout_s, backend=backend)
 
 
+def _leave() -> None:
+    """End a rank that finished its work: meet the other ranks, destroy the group, and leave the process
+    without interpreter finalisation. A rank that tears down while its peer is still inside the last
+    collective, or a gloo worker thread that drops the last reference to a tensor while the interpreter is
+    finalising (it then needs the GIL and is ended with pthread_exit through a noexcept frame), aborts the
+    process with "terminate called without an active exception" (seen in CI in a rank that had written its
+    results). The results are on disk before this is called; an exception in the body skips it and ends the
+    rank with its traceback through torch.multiprocessing as before."""
+    import sys
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def update_worker(rank: int, world: int, port: int, out: str, device: str, updates: int) -> None:
     """``updates`` PPO updates on fixed rollouts; checks bit-identical state across ranks after each."""
     import torch.distributed as dist
@@ -76,6 +95,7 @@ def update_worker(rank: int, world: int, port: int, out: str, device: str, updat
         torch.save({"init": init, "final": flat_state(agent), "metrics": metrics, "same": same},
                    os.path.join(out, f"rank{rank}.pt"))
         agent.close()
+        _leave()
     finally:
         dist.destroy_process_group()
 
@@ -102,6 +122,7 @@ def learn_worker(rank: int, world: int, port: int, out: str, device: str, resume
                     "global_step": agent.global_step, "run": agent.run_name,
                     "root": str(agent.checkpoint_root)}, os.path.join(out, f"learn{rank}.pt"))
         agent.close()
+        _leave()
     finally:
         dist.destroy_process_group()
 
@@ -129,8 +150,6 @@ def hang_worker(rank: int, world: int, port: int, out: str, hang_s: float) -> No
 
 def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
     """Rank 1 asks for other num_envs than rank 0: both must refuse with a ValueError at start."""
-    import torch.distributed as dist
-
     from mamba_rl.agents import PPOConfig, RecurrentPPO
 
     _join(rank, world, port, "cpu", timeout_s=30)
@@ -141,11 +160,7 @@ def mismatch_worker(rank: int, world: int, port: int, out: str) -> None:
     except ValueError as e:
         err = str(e)
     torch.save({"err": err}, os.path.join(out, f"mismatch{rank}.pt"))
-    # Both ranks raised after the config exchange; meet once more before the teardown, so neither closes its
-    # gloo pairs while the other is still inside the exchange (seen once under load: SIGABRT, "terminate
-    # called without an active exception", in the rank that exited second).
-    dist.barrier()
-    dist.destroy_process_group()
+    _leave()  # both ranks raised after the config exchange and meet once more before the teardown
 
 
 def normalize_obs_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -176,6 +191,7 @@ def normalize_obs_worker(rank: int, world: int, port: int, out: str) -> None:
                     "batches": batches, "ret": (float(ret.mean), float(ret.var), float(ret.count))},
                    os.path.join(out, f"norm{rank}.pt"))
         agent.close()
+        _leave()
     finally:
         dist.destroy_process_group()
 
@@ -239,6 +255,7 @@ def cli_bug_worker(rank: int, world: int, port: int, out: str) -> None:
             result["traceback"] = traceback.format_exc()
     result["stderr"] = stderr.getvalue()
     torch.save(result, os.path.join(out, f"bug{rank}.pt"))
+    os._exit(0)  # main destroyed the group; no interpreter finalisation (see _leave)
 
 
 def split_graph_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -263,6 +280,7 @@ def split_graph_worker(rank: int, world: int, port: int, out: str) -> None:
             res[graphs]["final"] = flat_state(agent)
             agent.close()
         torch.save(res, os.path.join(out, f"split{rank}.pt"))
+        _leave()
     finally:
         dist.destroy_process_group()
 
