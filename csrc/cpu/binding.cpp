@@ -26,7 +26,11 @@
 #endif
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -351,6 +355,36 @@ StepIO step_io_check(const std::string& fn, const Tensor& x, const Tensor& inp_w
   return {B, dm, L};
 }
 
+// The L Mamba-1 layers of a backbone call, 10 contiguous float32 tensors each (norm.weight, in_proj.weight,
+// conv1d.weight as [d_inner, d_conv], conv1d.bias, x_proj.weight, dt_proj.weight, dt_proj.bias, A_log, D,
+// out_proj.weight) for d_model dm, d_inner D, d_conv K, d_state N; `what` prefixes the tensor names (e.g.
+// "grad " for a list of gradients). Returns dt_rank.
+int64_t mamba_layers_check(const std::string& fn, const std::string& what, const std::vector<std::vector<Tensor>>& layers,
+                           int64_t dm, int64_t D, int64_t K, int64_t N) {
+  int64_t rank = -1;
+  auto name = [&](const char* t) { return fn + ": " + what + t; };
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const auto& t = layers[l];
+    MRL_CHECK(t.size() == 10, fn, ": ", what, "layer ", (int64_t)l, ": expected 10 tensors, got ", (int64_t)t.size());
+    if (rank < 0) {
+      check_cpu(t[5], name("dt_proj.weight").c_str());
+      rank = t[5].dim() == 2 ? t[5].size(1) : -1;
+    }
+    MRL_CHECK(rank >= 1, name("dt_proj.weight"), ": expected shape [", D, ", dt_rank], got ", shape_str(t[5]));
+    check_f32(t[0], name("norm.weight").c_str(), {dm});
+    check_f32(t[1], name("in_proj.weight").c_str(), {2 * D, dm});
+    check_f32(t[2], name("conv1d.weight (as [d_inner, d_conv])").c_str(), {D, K});
+    check_f32(t[3], name("conv1d.bias").c_str(), {D});
+    check_f32(t[4], name("x_proj.weight").c_str(), {rank + 2 * N, D});
+    check_f32(t[5], name("dt_proj.weight").c_str(), {D, rank});
+    check_f32(t[6], name("dt_proj.bias").c_str(), {D});
+    check_f32(t[7], name("A_log").c_str(), {D, N});
+    check_f32(t[8], name("D").c_str(), {D});
+    check_f32(t[9], name("out_proj.weight").c_str(), {dm, D});
+  }
+  return rank;
+}
+
 // Every check of a backbone_step call (shapes, dtypes, devices, contiguity of x_t, the weights and the states).
 void backbone_step_check(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
                          const std::vector<std::vector<Tensor>>& layers, const Tensor& conv_state,
@@ -368,27 +402,7 @@ void backbone_step_check(const Tensor& x, const Tensor& inp_w, const Tensor& inp
                     L, ", ", B, ", ", D, ", d_state], got ", shape_str(ssm_state));
   const int64_t N = ssm_state.size(3);
   check_f32(ssm_state, "backbone_step: ssm_state", {L, B, D, N});
-  int64_t rank = -1;
-  for (int64_t l = 0; l < L; ++l) {
-    const auto& t = layers[l];
-    MRL_CHECK(t.size() == 10, "backbone_step: layer ", l, ": expected 10 tensors, got ", t.size());
-    if (rank < 0) {
-      check_cpu(t[5], "backbone_step: dt_proj.weight");
-      rank = t[5].dim() == 2 ? t[5].size(1) : -1;
-    }
-    MRL_CHECK(rank >= 1, "backbone_step: dt_proj.weight: expected shape [", D, ", dt_rank], got ",
-                      shape_str(t[5]));
-    check_f32(t[0], "backbone_step: norm.weight", {dm});
-    check_f32(t[1], "backbone_step: in_proj.weight", {2 * D, dm});
-    check_f32(t[2], "backbone_step: conv1d.weight (as [d_inner, d_conv])", {D, K});
-    check_f32(t[3], "backbone_step: conv1d.bias", {D});
-    check_f32(t[4], "backbone_step: x_proj.weight", {rank + 2 * N, D});
-    check_f32(t[5], "backbone_step: dt_proj.weight", {D, rank});
-    check_f32(t[6], "backbone_step: dt_proj.bias", {D});
-    check_f32(t[7], "backbone_step: A_log", {D, N});
-    check_f32(t[8], "backbone_step: D", {D});
-    check_f32(t[9], "backbone_step: out_proj.weight", {dm, D});
-  }
+  mamba_layers_check("backbone_step", "", layers, dm, D, K, N);
 }
 
 Tensor backbone_step(const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
@@ -432,6 +446,222 @@ PreparedStep backbone_step_prepare(const Tensor& x, const Tensor& inp_w, const T
   (void)rows_per_block;
   backbone_step_check(x, inp_w, inp_b, normf_w, layers, conv_state, ssm_state, std::nullopt);
   return PreparedStep{inp_w, inp_b, normf_w, conv_state, ssm_state, layers, (float)eps, x.size(0), x.size(1)};
+}
+
+// ---------------- whole-backbone forward and backward (the training step's Mamba-1 node) ----------------
+// backbone_fwd / backbone_bwd run the whole Mamba-1 backbone of mamba_rl/model/fused.py's autograd node in
+// one call each way: the same ATen GEMM calls with the same operands, the same kernels with the same
+// arguments and the same order, so the same bits as the Python node (scripts/bitident.py). What they remove
+// is the Python of that node (~40 calls, views and argument conversions per layer, about 1 ms of a [2, 128]
+// step) and the per-kernel argument checks: the weights, gradients and states are checked once per call here.
+
+// What the forward keeps for the backward (one per forward call; autograd holds it in the node's ctx).
+struct BackboneSaved {
+  int64_t B = 0, T = 0, in_dim = 0, dm = 0, D = 0, K = 0, N = 0, R = 0;
+  float eps = 0.0f;
+  Tensor x2, h_last, rstd_f, conv0, ssm0, inp_w, normf_w;
+  OptT starts;
+  std::vector<std::vector<Tensor>> layers;  // the weights it ran with (views of the arena)
+  // per layer: residual input, normed input, its rstd, in_proj output [x | z], conv output, x_proj output
+  // [dt_low | B | C], dt_proj output, gated scan output, the scan's checkpoints
+  std::vector<Tensor> h_in, u, rstd, xz, xc, dbc, dt, y, ckpt;
+};
+
+mrl_cpu::ConvFwdArgs conv_args_raw(const Tensor& xi, int64_t B, int64_t T, int64_t D, int64_t K, const Tensor& w,
+                                   const Tensor& bias, const float* init, const bool* starts) {
+  mrl_cpu::ConvFwdArgs a{};
+  a.x = fptr(xi); a.x_sb = xi.stride(0); a.x_st = xi.stride(1);
+  a.w = fptr(w); a.bias = fptr(bias); a.init = init; a.starts = starts;
+  a.B = (int)B; a.T = (int)T; a.D = (int)D; a.K = (int)K; a.nthreads = nthreads();
+  return a;
+}
+
+// the scan's inputs of layer l: x = xc, dt, B / C = the columns of dbc after dt_rank, z = the right half of xz
+mrl_cpu::ScanFwdArgs scan_args_saved(const BackboneSaved& s, int64_t l) {
+  const auto& w = s.layers[l];
+  const int64_t E = s.R + 2 * s.N;
+  const float* dbc = fptr(s.dbc[l]);
+  mrl_cpu::ScanFwdArgs a{};
+  a.x = fptr(s.xc[l]); a.x_sb = s.T * s.D; a.x_st = s.D;
+  a.dt = fptr(s.dt[l]); a.dt_sb = s.T * s.D; a.dt_st = s.D;
+  a.Bm = dbc + s.R; a.B_sb = s.T * E; a.B_st = E;
+  a.Cm = dbc + s.R + s.N; a.C_sb = s.T * E; a.C_st = E;
+  a.z = fptr(s.xz[l]) + s.D; a.z_sb = s.T * 2 * s.D; a.z_st = 2 * s.D;
+  a.A_log = fptr(w[7]); a.Dskip = fptr(w[8]); a.dt_bias = fptr(w[6]);
+  a.init = fptr(s.ssm0) + l * s.B * s.D * s.N;
+  a.starts = ptr_or_null<bool>(s.starts);
+  a.B = (int)s.B; a.T = (int)s.T; a.D = (int)s.D; a.N = (int)s.N; a.nthreads = nthreads();
+  return a;
+}
+
+// x [B, T, input_dim] float32; inp_w [d_model, input_dim], inp_b and normf_w [d_model]; layers as
+// backbone_step's; conv0 [L, B, d_inner, d_conv-1] and ssm0 [L, B, d_inner, d_state] contiguous float32 (the
+// initial state; zeros for none); starts [B, T] bool or None. -> (features [B, T, d_model], final conv
+// [L, B, d_inner, d_conv-1], final ssm [L, B, d_inner, d_state], the saved activations for backbone_bwd).
+std::tuple<Tensor, Tensor, Tensor, std::shared_ptr<BackboneSaved>> backbone_fwd(
+    const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
+    const std::vector<std::vector<Tensor>>& layers, const Tensor& conv0, const Tensor& ssm0, const OptT& starts,
+    double eps) {
+  const std::string fn = "backbone_fwd";
+  check_cpu(x, "backbone_fwd: x");
+  MRL_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1, "backbone_fwd: x: expected shape "
+            "[B, T, input_dim] with B, T, input_dim >= 1, got ", shape_str(x));
+  check_dtype_f32(x, "backbone_fwd: x");
+  auto s = std::make_shared<BackboneSaved>();
+  s->B = x.size(0); s->T = x.size(1); s->in_dim = x.size(2);
+  const int64_t B = s->B, T = s->T, BT = B * T;
+  check_cpu(inp_w, "backbone_fwd: input_proj.weight");
+  MRL_CHECK(inp_w.dim() == 2 && inp_w.size(1) == s->in_dim && inp_w.size(0) >= 1, "backbone_fwd: input_proj.weight: "
+            "expected shape [d_model, ", s->in_dim, "], got ", shape_str(inp_w));
+  const int64_t dm = s->dm = inp_w.size(0), L = (int64_t)layers.size();
+  check_f32(inp_w, "backbone_fwd: input_proj.weight", {dm, s->in_dim});
+  check_f32(inp_b, "backbone_fwd: input_proj.bias", {dm});
+  check_f32(normf_w, "backbone_fwd: norm_f.weight", {dm});
+  MRL_CHECK(L >= 1, "backbone_fwd: layers: expected at least 1 layer, got ", L);
+  check_cpu(conv0, "backbone_fwd: conv_state");
+  MRL_CHECK(conv0.dim() == 4 && conv0.size(0) == L && conv0.size(1) == B && conv0.size(2) >= 1,
+            "backbone_fwd: conv_state: expected shape [", L, ", ", B, ", d_inner, d_conv-1], got ", shape_str(conv0));
+  const int64_t D = s->D = conv0.size(2), K = s->K = conv0.size(3) + 1;
+  check_f32(conv0, "backbone_fwd: conv_state", {L, B, D, K - 1});
+  check_cpu(ssm0, "backbone_fwd: ssm_state");
+  MRL_CHECK(ssm0.dim() == 4 && ssm0.size(3) >= 1, "backbone_fwd: ssm_state: expected shape [", L, ", ", B, ", ", D,
+            ", d_state], got ", shape_str(ssm0));
+  const int64_t N = s->N = ssm0.size(3);
+  check_f32(ssm0, "backbone_fwd: ssm_state", {L, B, D, N});
+  check_starts(starts, B, T);
+  const int64_t R = s->R = mamba_layers_check(fn, "", layers, dm, D, K, N);
+  MRL_CHECK(eps > 0.0, "backbone_fwd: eps: expected a value > 0, got ", eps);
+  s->eps = (float)eps;
+  s->x2 = x.reshape({BT, s->in_dim});
+  s->conv0 = conv0; s->ssm0 = ssm0; s->starts = starts; s->inp_w = inp_w; s->normf_w = normf_w; s->layers = layers;
+  const auto f32 = x.options();
+  auto conv_f = new_empty({L, B, D, K - 1}, f32);
+  auto ssm_f = new_empty({L, B, D, N}, f32);
+  const bool* st = ptr_or_null<bool>(starts);
+  const int nt = nthreads();
+  const int64_t nC = num_chunks(T);
+  Tensor h = at::addmm(inp_b, s->x2, inp_w.t());
+  for (int64_t l = 0; l < L; ++l) {
+    const auto& w = layers[l];
+    auto u = new_empty({BT, dm}, f32), rstd = new_empty({BT, 1}, f32);
+    mrl_cpu::rmsnorm_fwd(fptr(h), BT, (int)dm, fptr(w[0]), s->eps, u.data_ptr<float>(), rstd.data_ptr<float>(), nt);
+    Tensor xz = at::mm(u, w[1].t());  // [BT, 2D]
+    Tensor xi = xz.view({B, T, 2 * D}).narrow(2, 0, D);
+    auto xc = new_empty({B, T, D}, f32);
+    auto ca = conv_args_raw(xi, B, T, D, K, w[2], w[3], fptr(conv0) + l * B * D * (K - 1), st);
+    ca.out = xc.data_ptr<float>();
+    ca.final_state = conv_f.data_ptr<float>() + l * B * D * (K - 1);
+    mrl_cpu::conv_fwd(ca);
+    Tensor dbc = at::mm(xc.view({BT, D}), w[4].t());  // [BT, R + 2N]
+    Tensor dt = at::mm(dbc.narrow(1, 0, R), w[5].t());  // [BT, D]
+    auto y = new_empty({B, T, D}, f32);
+    auto ckpt = new_empty({B, nC, D, N}, f32);
+    s->xz.push_back(xz); s->xc.push_back(xc); s->dbc.push_back(dbc); s->dt.push_back(dt);
+    auto sa = scan_args_saved(*s, l);
+    sa.out = y.data_ptr<float>();
+    sa.final_state = ssm_f.data_ptr<float>() + l * B * D * N;
+    sa.ckpt = ckpt.data_ptr<float>();
+    mrl_cpu::scan_fwd(sa);
+    s->h_in.push_back(h); s->u.push_back(u); s->rstd.push_back(rstd); s->y.push_back(y); s->ckpt.push_back(ckpt);
+    h = at::addmm(h, y.view({BT, D}), w[9].t());  // the residual add in the GEMM (a new tensor: h_in is saved)
+  }
+  auto feat = new_empty({BT, dm}, f32), rstd_f = new_empty({BT, 1}, f32);
+  mrl_cpu::rmsnorm_fwd(fptr(h), BT, (int)dm, fptr(normf_w), s->eps, feat.data_ptr<float>(), rstd_f.data_ptr<float>(),
+                       nt);
+  s->h_last = h; s->rstd_f = rstd_f;
+  return {feat.view({B, T, dm}), conv_f, ssm_f, s};
+}
+
+// The backward of backbone_fwd's call `s`: dfeat [B, T, d_model] float32 or None (zeros), dconv_final / dssm_final
+// like the final states or None. The parameter gradients are ADDED into inp_w_g, inp_b_g, normf_g and grads
+// (the layers' 10 gradients, shaped like their weights: views of the flat gradient arena). Returns dL/dx
+// [B, T, input_dim] when need_dx, else None. No gradient flows into the initial state (truncated BPTT).
+Tensor backbone_bwd(const std::shared_ptr<BackboneSaved>& sp, const OptT& dfeat, const OptT& dconv_final,
+                    const OptT& dssm_final, Tensor& inp_w_g, Tensor& inp_b_g, Tensor& normf_g,
+                    const std::vector<std::vector<Tensor>>& grads, bool need_dx) {
+  MRL_CHECK(sp != nullptr, "backbone_bwd: saved: expected the saved state of backbone_fwd, got None");
+  const BackboneSaved& s = *sp;
+  const int64_t B = s.B, T = s.T, BT = B * T, dm = s.dm, D = s.D, K = s.K, N = s.N, R = s.R;
+  const int64_t L = (int64_t)s.layers.size();
+  if (dfeat) {
+    check_cpu(*dfeat, "backbone_bwd: grad_features");
+    check_dtype_f32(*dfeat, "backbone_bwd: grad_features");
+    MRL_CHECK(dfeat->sizes() == at::IntArrayRef({B, T, dm}), "backbone_bwd: grad_features: expected shape [", B, ", ",
+              T, ", ", dm, "], got ", shape_str(*dfeat));
+  }
+  if (dconv_final) {
+    check_cpu(*dconv_final, "backbone_bwd: grad_final_conv");
+    check_dtype_f32(*dconv_final, "backbone_bwd: grad_final_conv");
+    MRL_CHECK(dconv_final->sizes() == at::IntArrayRef({L, B, D, K - 1}), "backbone_bwd: grad_final_conv: expected "
+              "shape [", L, ", ", B, ", ", D, ", ", K - 1, "], got ", shape_str(*dconv_final));
+  }
+  if (dssm_final) {
+    check_cpu(*dssm_final, "backbone_bwd: grad_final_ssm");
+    check_dtype_f32(*dssm_final, "backbone_bwd: grad_final_ssm");
+    MRL_CHECK(dssm_final->sizes() == at::IntArrayRef({L, B, D, N}), "backbone_bwd: grad_final_ssm: expected "
+              "shape [", L, ", ", B, ", ", D, ", ", N, "], got ", shape_str(*dssm_final));
+  }
+  check_f32(inp_w_g, "backbone_bwd: grad input_proj.weight", {dm, s.in_dim});
+  check_f32(inp_b_g, "backbone_bwd: grad input_proj.bias", {dm});
+  check_f32(normf_g, "backbone_bwd: grad norm_f.weight", {dm});
+  MRL_CHECK((int64_t)grads.size() == L, "backbone_bwd: grads: expected ", L, " layers, got ", (int64_t)grads.size());
+  mamba_layers_check("backbone_bwd", "grad ", grads, dm, D, K, N);
+  const auto f32 = s.x2.options();
+  const bool* st = ptr_or_null<bool>(s.starts);
+  const int nt = nthreads();
+  const Tensor dfeat2 = dfeat ? dfeat->reshape({BT, dm}).contiguous() : at::zeros({BT, dm}, f32);
+  Tensor dh = new_empty({BT, dm}, f32);
+  mrl_cpu::rmsnorm_bwd(fptr(dfeat2), fptr(s.h_last), fptr(s.rstd_f), fptr(s.normf_w), BT, (int)dm,
+                       dh.data_ptr<float>(), nullptr, normf_g.data_ptr<float>(), nt);
+  for (int64_t l = L - 1; l >= 0; --l) {
+    const auto& w = s.layers[l];
+    const auto& g = grads[l];
+    const Tensor& xz = s.xz[l];
+    const Tensor yf = s.y[l].view({BT, D});
+    g[9].addmm_(dh.t(), yf);
+    const Tensor dy = at::mm(dh, w[9]);  // [BT, D]
+    const Tensor dfin = dssm_final ? (*dssm_final)[l].contiguous() : Tensor();
+    auto dxz = new_empty({BT, 2 * D}, f32);  // [dxi | dz]: the conv writes the left half, the scan the right
+    auto dxc = new_empty({B, T, D}, f32), ddt = new_empty({B, T, D}, f32);
+    auto dB = new_empty({B, T, N}, f32), dC = new_empty({B, T, N}, f32);
+    mrl_cpu::ScanBwdArgs sg{};
+    sg.f = scan_args_saved(s, l);
+    sg.f.ckpt = const_cast<float*>(fptr(s.ckpt[l]));
+    sg.dout = fptr(dy); sg.g_sb = T * D; sg.g_st = D;
+    sg.dfinal = dfin.defined() ? fptr(dfin) : nullptr;
+    sg.dx = dxc.data_ptr<float>(); sg.ddt = ddt.data_ptr<float>();
+    sg.dz = dxz.data_ptr<float>() + D; sg.dz_sb = T * 2 * D; sg.dz_st = 2 * D;
+    sg.dB = dB.data_ptr<float>(); sg.dC = dC.data_ptr<float>();
+    sg.dA_log = g[7].data_ptr<float>(); sg.dD = g[8].data_ptr<float>(); sg.ddt_bias = g[6].data_ptr<float>();
+    sg.accumulate = true;
+    sg.dinit = nullptr;
+    mrl_cpu::scan_bwd(sg);
+    const Tensor ddt2 = ddt.view({BT, D});
+    g[5].addmm_(ddt2.t(), s.dbc[l].narrow(1, 0, R));
+    const Tensor ddbc = at::cat({at::mm(ddt2, w[5]), dB.view({BT, N}), dC.view({BT, N})}, 1);
+    const Tensor dxc2 = at::addmm(dxc.view({BT, D}), ddbc, w[4]);
+    g[4].addmm_(ddbc.t(), s.xc[l].view({BT, D}));
+    const Tensor dcf = dconv_final ? (*dconv_final)[l].contiguous() : Tensor();
+    mrl_cpu::ConvBwdArgs cg{};
+    cg.f = conv_args_raw(xz.view({B, T, 2 * D}).narrow(2, 0, D), B, T, D, K, w[2], w[3],
+                         fptr(s.conv0) + l * B * D * (K - 1), st);
+    cg.dout = fptr(dxc2); cg.g_sb = T * D; cg.g_st = D;
+    cg.dfinal = dcf.defined() ? fptr(dcf) : nullptr;
+    cg.dx = dxz.data_ptr<float>(); cg.dx_sb = T * 2 * D; cg.dx_st = 2 * D;
+    cg.dinit = nullptr;
+    cg.dw = g[2].data_ptr<float>(); cg.dbias = g[3].data_ptr<float>(); cg.accumulate = true;
+    mrl_cpu::conv_bwd(cg);
+    g[1].addmm_(dxz.t(), s.u[l]);
+    const Tensor du = at::mm(dxz, w[1]);  // [BT, dm]
+    Tensor dh_in = new_empty({BT, dm}, f32);
+    mrl_cpu::rmsnorm_bwd(fptr(du), fptr(s.h_in[l]), fptr(s.rstd[l]), fptr(w[0]), BT, (int)dm,
+                         dh_in.data_ptr<float>(), fptr(dh), g[0].data_ptr<float>(), nt);
+    dh = dh_in;
+  }
+  inp_w_g.addmm_(dh.t(), s.x2);
+  inp_b_g.add_(at::sum(dh, {0}, false, at::kFloat));
+  if (!need_dx) return Tensor();
+  return at::mm(dh, s.inp_w).view({B, T, s.in_dim});
 }
 
 // ---------------- RMSNorm ----------------
@@ -700,6 +930,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "once (x gives B and input_dim) -> PreparedStep");
   m.def("backbone_step", &backbone_step, "one token through the whole backbone; conv_state / ssm_state updated in "
         "place -> features [B, d_model] (rows_per_block is ignored on the CPU)");
+  py::class_<BackboneSaved, std::shared_ptr<BackboneSaved>>(m, "BackboneSaved", "what backbone_fwd keeps for "
+                                                                 "backbone_bwd (opaque)");
+  m.def("backbone_fwd", &backbone_fwd, "the whole Mamba-1 backbone forward of a training step -> (features [B, T, "
+        "d_model], final conv, final ssm, saved)", py::arg("x"), py::arg("inp_w"), py::arg("inp_b"), py::arg("normf_w"),
+        py::arg("layers"), py::arg("conv0"), py::arg("ssm0"), py::arg("starts"), py::arg("eps"));
+  m.def("backbone_bwd", &backbone_bwd, "backward of backbone_fwd's call: parameter gradients added into the given "
+        "gradient views -> dx or None", py::arg("saved"), py::arg("dfeat"), py::arg("dconv_final"),
+        py::arg("dssm_final"), py::arg("inp_w_g"), py::arg("inp_b_g"), py::arg("normf_g"), py::arg("grads"),
+        py::arg("need_dx"));
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> [out (float32), rstd [..., 1]]");
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
         "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),

@@ -15,6 +15,7 @@ import weakref
 import torch
 
 from ..ops.capability import kernel_support
+from ..ops.step import pack_step_weights
 
 __all__ = ["fused_backbone"]
 
@@ -42,6 +43,37 @@ def _views(net, flat: torch.Tensor) -> dict:
             per_net.clear()
         v = per_net[key] = {name: net.arena_view(flat, name) for name in net._offsets}
     return v
+
+
+# Per backbone: {(data_ptr, dtype, numel, device) of a flat arena: the CPU whole-backbone entry's argument layout
+# of its views (pack_step_weights: input_proj.weight, input_proj.bias, norm_f.weight, 10 tensors per layer)}.
+_PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _packed(net, flat: torch.Tensor) -> tuple:
+    """:func:`pack_step_weights` of ``flat``'s views (cached like :func:`_views`; views only, no copies)."""
+    per_net = _PACKS.get(net)
+    if per_net is None:
+        per_net = _PACKS[net] = {}
+    key = (flat.data_ptr(), flat.dtype, flat.numel(), flat.device)
+    p = per_net.get(key)
+    if p is None:
+        if len(per_net) >= 8:
+            per_net.clear()
+        p = per_net[key] = pack_step_weights(_views(net, flat), net.cfg.n_layers, net.cfg.d_inner)
+    return p
+
+
+# The CPU extension's whole-backbone entry (backbone_fwd / backbone_bwd): "auto" uses it where it applies, "off"
+# runs the node's Python over the same kernels (the same bits; tests and benchmarks compare the two).
+CPU_WHOLE = "auto"
+
+
+def _cpu_whole(ext, net, cdt) -> bool:
+    """Does the CPU extension's whole-backbone entry (backbone_fwd / backbone_bwd: the same operations as the
+    node below, in one C++ call each way) run this backbone? float32 Mamba-1 on the cpu backend."""
+    return (CPU_WHOLE != "off" and net.device.type == "cpu" and cdt == torch.float32 and net.arena.dtype == torch.float32
+            and type(net)._fused_node is fused_backbone and hasattr(ext, "backbone_fwd"))
 
 
 def _norm_flags(net, cdt):
@@ -215,6 +247,15 @@ class _Backbone(torch.autograd.Function):
     def forward(ctx, x, anchor, net, conv0, ssm0, starts):
         ext = net.kernels
         c = net.cfg
+        ctx.x_dtype = x.dtype
+        ctx.set_materialize_grads(False)  # outputs that get no gradient (the final states) arrive as None
+        if _cpu_whole(ext, net, net.compute_dtype):
+            inp_w, inp_b, normf, layers = _packed(net, net.arena)
+            feat, conv_f, ssm_f, ctx.cpp = ext.backbone_fwd(x.to(torch.float32), inp_w, inp_b, normf, layers, conv0,
+                                                            ssm0, starts, c.rms_norm_eps)
+            ctx.net = net
+            return feat, conv_f, ssm_f
+        ctx.cpp = None
         B, T, _ = x.shape
         BT, di, n, r, eps = B * T, c.d_inner, c.d_state, c.dt_rank_value, c.rms_norm_eps
         cdt = net.compute_dtype
@@ -271,17 +312,18 @@ class _Backbone(torch.autograd.Function):
         ctx.net, ctx.saved, ctx.shape = net, saved, (B, T)
         ctx.h_last, ctx.rstd_f, ctx.x2 = h, rstd_f, x2
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
-        ctx.x_dtype = x.dtype
         ctx.norm_bwd_ok = nb_ok
         ctx.use_xdt = use_xdt
-        # outputs that get no gradient (the final states, usually) arrive as None, not as zero tensors to fill
-        ctx.set_materialize_grads(False)
         return feat.view(B, T, -1), torch.stack(conv_f) if conv_stack is None else conv_stack, torch.stack(ssm_f)
 
     @staticmethod
     def backward(ctx, dfeat, dconv_final, dssm_final):
         net = ctx.net
         ext = net.kernels
+        if ctx.cpp is not None:
+            iw, ib, nf, grads = _packed(net, net.grad_arena)
+            dx = ext.backbone_bwd(ctx.cpp, dfeat, dconv_final, dssm_final, iw, ib, nf, grads, ctx.needs_input_grad[0])
+            return (None if dx is None else dx.to(ctx.x_dtype)), None, None, None, None, None
         c = net.cfg
         B, T = ctx.shape
         BT, di, n, r = B * T, c.d_inner, c.d_state, c.dt_rank_value

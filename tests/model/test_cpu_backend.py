@@ -145,3 +145,73 @@ def test_double_backward_with_retained_graph_and_initial_state_grad():
 def test_empty_batch_on_cpu_backend():
     y, st = MambaBackbone(CFG, IN, backend="cpu")(torch.randn(0, 5, IN))
     assert y.shape == (0, 5, CFG.d_model) and st.ssm.shape == (CFG.n_layers, 0, CFG.d_inner, CFG.d_state)
+
+
+@pytest.mark.parametrize("T", [1, 65, 200])
+@pytest.mark.parametrize("pattern", RESET_PATTERNS)
+def test_whole_backbone_entry_is_the_python_node_bit_for_bit(T, pattern, monkeypatch):
+    """The CPU extension's backbone_fwd / backbone_bwd (one C++ call each way) against the fused node's Python
+    over the same kernels (fused.CPU_WHOLE = "off"): the very floats of the features, both final states,
+    d_input and every parameter gradient, with an initial state, gradients into the final states, and a
+    second backward through a retained graph."""
+    import mamba_rl.model.fused as fused
+
+    g = torch.Generator().manual_seed(T * 3 + len(pattern))
+    B = 3
+    net, _ = pair(seed=2)
+    x = torch.randn(B, T, IN, generator=g)
+    starts = starts_for(pattern, B, T, g)
+    s0 = RecurrentState(torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_conv - 1, generator=g),
+                        torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_state, generator=g))
+    w = (torch.randn(B, T, CFG.d_model, generator=g), torch.randn_like(s0.conv), torch.randn_like(s0.ssm))
+    runs = {}
+    for mode in ("auto", "off"):
+        monkeypatch.setattr(fused, "CPU_WHOLE", mode)
+        runs[mode] = loss_and_grads(net, x, s0, starts, w, torch.float32)
+    (y, fin, dx, grads), (y2, fin2, dx2, grads2) = runs["auto"], runs["off"]
+    assert torch.equal(y, y2) and torch.equal(fin.conv, fin2.conv) and torch.equal(fin.ssm, fin2.ssm)
+    assert torch.equal(dx, dx2) and torch.equal(grads, grads2)
+    assert grads.abs().sum() > 0 and dx.abs().sum() > 0
+    # a retained graph: a second backward adds the gradients again, the same floats as the Python node's
+    twice = {}
+    for mode in ("auto", "off"):
+        monkeypatch.setattr(fused, "CPU_WHOLE", mode)
+        net.zero_grad()
+        out, _ = net(x, s0, starts)
+        loss = (out * w[0]).sum()
+        loss.backward(retain_graph=True)
+        once = net.grad_arena.clone()
+        loss.backward()
+        twice[mode] = net.grad_arena.clone()
+        torch.testing.assert_close(twice[mode], 2 * once, rtol=1e-4, atol=1e-5)
+    assert torch.equal(twice["auto"], twice["off"])
+
+
+def test_whole_backbone_entry_refuses_bad_arguments_by_name():
+    """backbone_fwd / backbone_bwd check what they are given (ValueError naming the argument), as every
+    binding function does."""
+    from mamba_rl.model.fused import _packed
+
+    net, _ = pair()
+    ext = net.kernels
+    L, B, T = CFG.n_layers, 2, 5
+    iw, ib, nf, layers = _packed(net, net.arena)
+    conv0 = torch.zeros(L, B, CFG.d_inner, CFG.d_conv - 1)
+    ssm0 = torch.zeros(L, B, CFG.d_inner, CFG.d_state)
+    x = torch.randn(B, T, IN)
+    with pytest.raises(ValueError, match=r"backbone_fwd: x: expected shape \[B, T, input_dim\]"):
+        ext.backbone_fwd(x[0], iw, ib, nf, layers, conv0, ssm0, None, 1e-5)
+    with pytest.raises(ValueError, match=r"backbone_fwd: input_proj.weight: expected shape \[d_model, 4\]"):
+        ext.backbone_fwd(x[..., :4], iw, ib, nf, layers, conv0, ssm0, None, 1e-5)
+    with pytest.raises(ValueError, match=r"backbone_fwd: ssm_state: expected shape"):
+        ext.backbone_fwd(x, iw, ib, nf, layers, conv0, ssm0[:, :1], None, 1e-5)
+    with pytest.raises(ValueError, match="episode_starts: expected dtype bool, got Float"):
+        ext.backbone_fwd(x, iw, ib, nf, layers, conv0, ssm0, torch.zeros(B, T), 1e-5)
+    feat, _, _, saved = ext.backbone_fwd(x, iw, ib, nf, layers, conv0, ssm0, None, 1e-5)
+    gi, gb, gn, grads = _packed(net, net.grad_arena)
+    with pytest.raises(ValueError, match=r"backbone_bwd: grad_features: expected shape \[2, 5, 16\]"):
+        ext.backbone_bwd(saved, feat[:, :2], None, None, gi, gb, gn, grads, False)
+    with pytest.raises(ValueError, match=r"backbone_bwd: grads: expected 2 layers, got 1"):
+        ext.backbone_bwd(saved, feat, None, None, gi, gb, gn, grads[:1], False)
+    with pytest.raises(ValueError, match=r"backbone_bwd: grad layer 0: expected 10 tensors, got 9"):
+        ext.backbone_bwd(saved, feat, None, None, gi, gb, gn, [grads[0][:9], grads[1]], False)
