@@ -61,6 +61,33 @@ inline bool is_start(const ScanFwdArgs& a, int b, int t) { return a.starts && a.
 MRL_NOINLINE void step_state(float* __restrict s, float* __restrict y, float* __restrict E, float* __restrict S,
                              const float* __restrict At, const float* __restrict delta, const float* __restrict dx,
                              const float* __restrict Bp, const float* __restrict Cp, int N) {
+#if defined(__AVX512F__) && MRL_CPU_LANES % 16 == 0
+  // the same update with exp_neg_v16 (see kernels.h): kLanes / 16 vectors, held in registers across n;
+  // unaligned loads and stores (the backward's chunk buffers are std::vector storage)
+  constexpr int V = kLanes / 16;
+  __m512 dv[V], xv[V], acc[V];
+  for (int v = 0; v < V; ++v) {
+    dv[v] = _mm512_loadu_ps(delta + 16 * v);
+    xv[v] = _mm512_loadu_ps(dx + 16 * v);
+    acc[v] = _mm512_setzero_ps();
+  }
+  for (int n = 0; n < N; ++n) {
+    const __m512 bn = _mm512_set1_ps(Bp[n]), cn = _mm512_set1_ps(Cp[n]);
+    float* sn = s + n * kLanes;
+    const float* an = At + n * kLanes;
+    for (int v = 0; v < V; ++v) {
+      const __m512 e = exp_neg_v16(_mm512_mul_ps(dv[v], _mm512_loadu_ps(an + 16 * v)));
+      const __m512 st = _mm512_fmadd_ps(e, _mm512_loadu_ps(sn + 16 * v), _mm512_mul_ps(xv[v], bn));
+      _mm512_storeu_ps(sn + 16 * v, st);
+      if (E) {
+        _mm512_storeu_ps(E + n * kLanes + 16 * v, e);
+        _mm512_storeu_ps(S + n * kLanes + 16 * v, st);
+      }
+      acc[v] = _mm512_fmadd_ps(st, cn, acc[v]);
+    }
+  }
+  for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + 16 * v, acc[v]);
+#else
   alignas(64) float acc[kLanes] = {};
   for (int n = 0; n < N; ++n) {
     const float bn = Bp[n], cn = Cp[n];
@@ -88,6 +115,7 @@ MRL_NOINLINE void step_state(float* __restrict s, float* __restrict y, float* __
     }
   }
   for (int j = 0; j < kLanes; ++j) y[j] = acc[j];
+#endif
 }
 
 // Backward of lanes_gate: q = dL/dy = g SiLU(z) (also dL/d(D x)), dz = g (y + D x) SiLU'(z), dD += q x.
