@@ -31,18 +31,23 @@ _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _NORM_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _views(net, flat: torch.Tensor) -> dict:
-    """{name: view of ``flat``} for every parameter of ``net`` (cached; see ``_VIEWS``)."""
-    per_net = _VIEWS.get(net)
+def _per_arena(store: "weakref.WeakKeyDictionary", net, flat: torch.Tensor, build):
+    """``build()``, cached in ``store`` per backbone and per flat arena (its address, dtype, size, device)."""
+    per_net = store.get(net)
     if per_net is None:
-        per_net = _VIEWS[net] = {}
+        per_net = store[net] = {}
     key = (flat.data_ptr(), flat.dtype, flat.numel(), flat.device)
     v = per_net.get(key)
     if v is None:
         if len(per_net) >= 8:  # arenas of a net replaced several times: drop the stale entries
             per_net.clear()
-        v = per_net[key] = {name: net.arena_view(flat, name) for name in net._offsets}
+        v = per_net[key] = build()
     return v
+
+
+def _views(net, flat: torch.Tensor) -> dict:
+    """{name: view of ``flat``} for every parameter of ``net`` (cached; see ``_VIEWS``)."""
+    return _per_arena(_VIEWS, net, flat, lambda: {name: net.arena_view(flat, name) for name in net._offsets})
 
 
 # Per backbone: {(data_ptr, dtype, numel, device) of a flat arena: the CPU whole-backbone entry's argument layout
@@ -52,16 +57,8 @@ _PACKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _packed(net, flat: torch.Tensor) -> tuple:
     """:func:`pack_step_weights` of ``flat``'s views (cached like :func:`_views`; views only, no copies)."""
-    per_net = _PACKS.get(net)
-    if per_net is None:
-        per_net = _PACKS[net] = {}
-    key = (flat.data_ptr(), flat.dtype, flat.numel(), flat.device)
-    p = per_net.get(key)
-    if p is None:
-        if len(per_net) >= 8:
-            per_net.clear()
-        p = per_net[key] = pack_step_weights(_views(net, flat), net.cfg.n_layers, net.cfg.d_inner)
-    return p
+    return _per_arena(_PACKS, net, flat, lambda: pack_step_weights(_views(net, flat), net.cfg.n_layers,
+                                                                   net.cfg.d_inner))
 
 
 # The CPU extension's whole-backbone entry (backbone_fwd / backbone_bwd): "auto" uses it where it applies, "off"
@@ -72,8 +69,9 @@ CPU_WHOLE = "auto"
 def _cpu_whole(ext, net, cdt) -> bool:
     """Does the CPU extension's whole-backbone entry (backbone_fwd / backbone_bwd: the same operations as the
     node below, in one C++ call each way) run this backbone? float32 Mamba-1 on the cpu backend."""
-    return (CPU_WHOLE != "off" and net.device.type == "cpu" and cdt == torch.float32 and net.arena.dtype == torch.float32
-            and type(net)._fused_node is fused_backbone and hasattr(ext, "backbone_fwd"))
+    return (CPU_WHOLE != "off" and net.device.type == "cpu" and cdt == torch.float32
+            and net.arena.dtype == torch.float32 and type(net)._fused_node is fused_backbone
+            and hasattr(ext, "backbone_fwd"))
 
 
 def _norm_flags(net, cdt):
