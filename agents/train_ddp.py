@@ -83,7 +83,12 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
                   f"ranks) in {time.perf_counter() - start:.0f} s", file=sys.stderr)
             print(f"checkpoint: {agent.checkpoint_root / 'final'}")
         agent.close()
-        dist.barrier()  # no rank tears its pairs down while a peer is still inside the last collective
+        try:  # no rank tears its pairs down while a peer is still inside the last collective
+            dist.barrier()
+        except KeyboardInterrupt:  # this rank had finished (rank 0 saved final); a peer had not
+            print(f"\nrank {agent.rank}: interrupted while waiting for the other ranks to finish; this rank had "
+                  f"finished" + (f" and saved {agent.checkpoint_root / 'final'}" if lead else ""), file=sys.stderr)
+            return 130
         return 0
     finally:
         dist.destroy_process_group()

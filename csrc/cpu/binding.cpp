@@ -357,20 +357,21 @@ StepIO step_io_check(const std::string& fn, const Tensor& x, const Tensor& inp_w
 
 // The L Mamba-1 layers of a backbone call, 10 contiguous float32 tensors each (norm.weight, in_proj.weight,
 // conv1d.weight as [d_inner, d_conv], conv1d.bias, x_proj.weight, dt_proj.weight, dt_proj.bias, A_log, D,
-// out_proj.weight) for d_model dm, d_inner D, d_conv K, d_state N; `what` prefixes the tensor names (e.g.
-// "grad " for a list of gradients). Returns dt_rank.
+// out_proj.weight) for d_model dm, d_inner D, d_conv K, d_state N and dt_rank `rank` (-1: layer 0's dt_proj
+// gives it); `what` prefixes the tensor names (e.g. "grad " for a list of gradients). Messages name the layer
+// past layer 0 ("layer 2 x_proj.weight"). Returns dt_rank.
 int64_t mamba_layers_check(const std::string& fn, const std::string& what, const std::vector<std::vector<Tensor>>& layers,
-                           int64_t dm, int64_t D, int64_t K, int64_t N) {
-  int64_t rank = -1;
-  auto name = [&](const char* t) { return fn + ": " + what + t; };
+                           int64_t dm, int64_t D, int64_t K, int64_t N, int64_t rank = -1) {
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& t = layers[l];
     MRL_CHECK(t.size() == 10, fn, ": ", what, "layer ", (int64_t)l, ": expected 10 tensors, got ", (int64_t)t.size());
+    const std::string at_l = l ? mrl_binding::cat("layer ", (int64_t)l, " ") : std::string();
+    auto name = [&](const char* n) { return fn + ": " + what + at_l + n; };
     if (rank < 0) {
       check_cpu(t[5], name("dt_proj.weight").c_str());
       rank = t[5].dim() == 2 ? t[5].size(1) : -1;
+      MRL_CHECK(rank >= 1, name("dt_proj.weight"), ": expected shape [", D, ", dt_rank], got ", shape_str(t[5]));
     }
-    MRL_CHECK(rank >= 1, name("dt_proj.weight"), ": expected shape [", D, ", dt_rank], got ", shape_str(t[5]));
     check_f32(t[0], name("norm.weight").c_str(), {dm});
     check_f32(t[1], name("in_proj.weight").c_str(), {2 * D, dm});
     check_f32(t[2], name("conv1d.weight (as [d_inner, d_conv])").c_str(), {D, K});
@@ -518,18 +519,26 @@ std::tuple<Tensor, Tensor, Tensor, std::shared_ptr<BackboneSaved>> backbone_fwd(
   check_f32(inp_b, "backbone_fwd: input_proj.bias", {dm});
   check_f32(normf_w, "backbone_fwd: norm_f.weight", {dm});
   MRL_CHECK(L >= 1, "backbone_fwd: layers: expected at least 1 layer, got ", L);
-  check_cpu(conv0, "backbone_fwd: conv_state");
-  MRL_CHECK(conv0.dim() == 4 && conv0.size(0) == L && conv0.size(1) == B && conv0.size(2) >= 1,
-            "backbone_fwd: conv_state: expected shape [", L, ", ", B, ", d_inner, d_conv-1], got ", shape_str(conv0));
-  const int64_t D = s->D = conv0.size(2), K = s->K = conv0.size(3) + 1;
-  check_f32(conv0, "backbone_fwd: conv_state", {L, B, D, K - 1});
-  check_cpu(ssm0, "backbone_fwd: ssm_state");
-  MRL_CHECK(ssm0.dim() == 4 && ssm0.size(3) >= 1, "backbone_fwd: ssm_state: expected shape [", L, ", ", B, ", ", D,
-            ", d_state], got ", shape_str(ssm0));
-  const int64_t N = s->N = ssm0.size(3);
-  check_f32(ssm0, "backbone_fwd: ssm_state", {L, B, D, N});
-  check_starts(starts, B, T);
+  // d_inner, d_conv and d_state from layer 0's conv1d.weight [D, K] and A_log [D, N]: the weights define the
+  // model, the states are checked against it
+  MRL_CHECK(layers[0].size() == 10, "backbone_fwd: layer 0: expected 10 tensors, got ", (int64_t)layers[0].size());
+  check_cpu(layers[0][2], "backbone_fwd: conv1d.weight");
+  check_cpu(layers[0][7], "backbone_fwd: A_log");
+  MRL_CHECK(layers[0][2].dim() == 2 && layers[0][2].size(0) >= 1 && layers[0][2].size(1) >= 1, "backbone_fwd: "
+            "conv1d.weight (as [d_inner, d_conv]): expected 2 dims >= 1, got ", shape_str(layers[0][2]));
+  MRL_CHECK(layers[0][7].dim() == 2 && layers[0][7].size(1) >= 1, "backbone_fwd: A_log: expected shape [d_inner, "
+            "d_state], got ", shape_str(layers[0][7]));
+  const int64_t D = s->D = layers[0][2].size(0), K = s->K = layers[0][2].size(1), N = s->N = layers[0][7].size(1);
   const int64_t R = s->R = mamba_layers_check(fn, "", layers, dm, D, K, N);
+  check_cpu(conv0, "backbone_fwd: conv_state");
+  check_dtype_f32(conv0, "backbone_fwd: conv_state");
+  MRL_CHECK(conv0.sizes() == at::IntArrayRef({L, B, D, K - 1}) && conv0.is_contiguous(), "backbone_fwd: conv_state: "
+            "expected a contiguous [", L, ", ", B, ", ", D, ", ", K - 1, "] tensor, got shape ", shape_str(conv0));
+  check_cpu(ssm0, "backbone_fwd: ssm_state");
+  check_dtype_f32(ssm0, "backbone_fwd: ssm_state");
+  MRL_CHECK(ssm0.sizes() == at::IntArrayRef({L, B, D, N}) && ssm0.is_contiguous(), "backbone_fwd: ssm_state: "
+            "expected a contiguous [", L, ", ", B, ", ", D, ", ", N, "] tensor, got shape ", shape_str(ssm0));
+  check_starts(starts, B, T);
   MRL_CHECK(eps > 0.0, "backbone_fwd: eps: expected a value > 0, got ", eps);
   s->eps = (float)eps;
   s->x2 = x.reshape({BT, s->in_dim});
@@ -605,7 +614,7 @@ Tensor backbone_bwd(const std::shared_ptr<BackboneSaved>& sp, const OptT& dfeat,
   check_f32(inp_b_g, "backbone_bwd: grad input_proj.bias", {dm});
   check_f32(normf_g, "backbone_bwd: grad norm_f.weight", {dm});
   MRL_CHECK((int64_t)grads.size() == L, "backbone_bwd: grads: expected ", L, " layers, got ", (int64_t)grads.size());
-  mamba_layers_check("backbone_bwd", "grad ", grads, dm, D, K, N);
+  mamba_layers_check("backbone_bwd", "grad ", grads, dm, D, K, N, R);  // every check before anything is written
   const auto f32 = s.x2.options();
   const bool* st = ptr_or_null<bool>(s.starts);
   const int nt = nthreads();
@@ -932,11 +941,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "place -> features [B, d_model] (rows_per_block is ignored on the CPU)");
   py::class_<BackboneSaved, std::shared_ptr<BackboneSaved>>(m, "BackboneSaved", "what backbone_fwd keeps for "
                                                                  "backbone_bwd (opaque)");
+  // both release the GIL for the call (a whole forward or backward: other Python threads, e.g. a progress bar,
+  // and signal handling run meanwhile, as they do during torch's own GEMMs)
   m.def("backbone_fwd", &backbone_fwd, "the whole Mamba-1 backbone forward of a training step -> (features [B, T, "
-        "d_model], final conv, final ssm, saved)", py::arg("x"), py::arg("inp_w"), py::arg("inp_b"), py::arg("normf_w"),
+        "d_model], final conv, final ssm, saved)", py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+        py::arg("inp_w"), py::arg("inp_b"), py::arg("normf_w"),
         py::arg("layers"), py::arg("conv0"), py::arg("ssm0"), py::arg("starts"), py::arg("eps"));
   m.def("backbone_bwd", &backbone_bwd, "backward of backbone_fwd's call: parameter gradients added into the given "
-        "gradient views -> dx or None", py::arg("saved"), py::arg("dfeat"), py::arg("dconv_final"),
+        "gradient views -> dx or None", py::call_guard<py::gil_scoped_release>(), py::arg("saved"), py::arg("dfeat"),
+        py::arg("dconv_final"),
         py::arg("dssm_final"), py::arg("inp_w_g"), py::arg("inp_b_g"), py::arg("normf_g"), py::arg("grads"),
         py::arg("need_dx"));
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> [out (float32), rstd [..., 1]]");

@@ -203,7 +203,8 @@ def test_whole_backbone_entry_refuses_bad_arguments_by_name():
         ext.backbone_fwd(x[0], iw, ib, nf, layers, conv0, ssm0, None, 1e-5)
     with pytest.raises(ValueError, match=r"backbone_fwd: input_proj.weight: expected shape \[d_model, 4\]"):
         ext.backbone_fwd(x[..., :4], iw, ib, nf, layers, conv0, ssm0, None, 1e-5)
-    with pytest.raises(ValueError, match=r"backbone_fwd: ssm_state: expected shape"):
+    with pytest.raises(ValueError, match=r"backbone_fwd: ssm_state: expected a contiguous \[2, 2, 32, 8\] tensor, "
+                                         r"got shape \[2, 1, 32, 8\]"):
         ext.backbone_fwd(x, iw, ib, nf, layers, conv0, ssm0[:, :1], None, 1e-5)
     with pytest.raises(ValueError, match="episode_starts: expected dtype bool, got Float"):
         ext.backbone_fwd(x, iw, ib, nf, layers, conv0, ssm0, torch.zeros(B, T), 1e-5)
@@ -215,3 +216,13 @@ def test_whole_backbone_entry_refuses_bad_arguments_by_name():
         ext.backbone_bwd(saved, feat, None, None, gi, gb, gn, grads[:1], False)
     with pytest.raises(ValueError, match=r"backbone_bwd: grad layer 0: expected 10 tensors, got 9"):
         ext.backbone_bwd(saved, feat, None, None, gi, gb, gn, [grads[0][:9], grads[1]], False)
+    # another backbone's gradients (dt_rank 3 against the forward's 2): refused before anything is written
+    other = MambaBackbone(MambaConfig(**{**CFG.to_dict(), "dt_rank": 3}), IN, backend="cpu")
+    before = other.grad_arena.clone()
+    with pytest.raises(ValueError, match=r"backbone_bwd: grad x_proj.weight: expected shape \[17, 32\], "
+                                         r"got \[19, 32\]"):
+        ext.backbone_bwd(saved, feat, None, None, *_packed(other, other.grad_arena), False)
+    assert torch.equal(other.grad_arena, before)
+    with pytest.raises(ValueError, match=r"backbone_fwd: layer 1 x_proj.weight: expected shape"):
+        ext.backbone_fwd(x, iw, ib, nf, [layers[0], layers[1][:4] + [layers[1][4][:-1]] + layers[1][5:]], conv0,
+                         ssm0, None, 1e-5)
