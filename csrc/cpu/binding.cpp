@@ -361,7 +361,8 @@ StepIO step_io_check(const std::string& fn, const Tensor& x, const Tensor& inp_w
 // gives it); `what` prefixes the tensor names (e.g. "grad " for a list of gradients). Messages name the layer
 // past layer 0 ("layer 2 x_proj.weight"). Returns dt_rank.
 int64_t mamba_layers_check(const std::string& fn, const std::string& what,
-                           const std::vector<std::vector<Tensor>>& layers, int64_t dm, int64_t D, int64_t K, int64_t N, int64_t rank = -1) {
+                           const std::vector<std::vector<Tensor>>& layers, int64_t dm, int64_t D, int64_t K,
+                           int64_t N, int64_t rank = -1) {
   for (size_t l = 0; l < layers.size(); ++l) {
     const auto& t = layers[l];
     MRL_CHECK(t.size() == 10, fn, ": ", what, "layer ", (int64_t)l, ": expected 10 tensors, got ", (int64_t)t.size());
