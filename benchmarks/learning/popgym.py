@@ -140,6 +140,39 @@ class _CurveWriter:
         self.f.close()
 
 
+def _adv_norm_over_rollout() -> None:
+    """``--set adv_norm_batch=True`` (harness only, no agent change; with ``norm_adv``): every minibatch's advantages
+    are normalised by the mean and unbiased std of the whole rollout's valid advantages (computed once per update,
+    after the rollout is loaded) instead of by its own. It patches this process's ``PPOUpdate`` the way the
+    data-parallel path passes global statistics (``adv_norm``) to the loss; one process per run, so nothing else
+    sees it."""
+    import torch
+
+    from mamba_rl.agents import update as U
+
+    stats: dict = {}
+    load, grads, loss = U.PPOUpdate._load_rollout, U.categorical_ppo_grads, U.ppo_loss
+
+    def _load_rollout(self, *a, **k):
+        r = load(self, *a, **k)
+        ad = self.action_dim
+        adv, mask = self.pack[..., ad + 2], self.pack[..., ad + 4]
+        with torch.no_grad():
+            count = mask.sum().clamp_min(1.0)
+            mean = (adv * mask).sum() / count
+            var = ((adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
+        stats["v"] = (mean, var.sqrt())
+        return r
+
+    def _grads(c, features, actor, critic, mb, count, adv_norm=None, *a, **k):
+        return grads(c, features, actor, critic, mb, count, stats["v"] if adv_norm is None else adv_norm, *a, **k)
+
+    def _loss(c, dist, newvalue, mb, count, adv_norm=None):
+        return loss(c, dist, newvalue, mb, count, stats["v"] if adv_norm is None else adv_norm)
+
+    U.PPOUpdate._load_rollout, U.categorical_ppo_grads, U.ppo_loss = _load_rollout, _grads, _loss
+
+
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -158,6 +191,8 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
     # rollouts that start at or past N env steps leave the normaliser's mean / std alone)
     if "obs_norm_freeze_step" in sets:
         sets["obs_norm_freeze_steps"] = sets.pop("obs_norm_freeze_step")
+    if sets.pop("adv_norm_batch", False):
+        _adv_norm_over_rollout()
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
     start = {f: getattr(agent.config, f) for f in sched}
