@@ -117,23 +117,60 @@ def _versions(method: str) -> dict:
 
 
 class _CurveWriter:
-    """One CSV row per rollout: global_step, episodes finished so far, mean of the last 100, wall s, and the
-    policy entropy of the update (mamba only; NaN for sb3)."""
+    """One CSV row per rollout: global_step, episodes finished so far, mean of the last 100, wall s, the
+    policy entropy of the update, and (mamba only; NaN for sb3) the mean return of the episodes that finished in
+    this rollout (``ep_mean``; NaN when none did), the update's approx_kl, clipfrac and explained variance."""
 
     def __init__(self, path: str):
         self.f = open(path, "w", newline="")
         self.w = csv.writer(self.f)
-        self.w.writerow(["global_step", "episodes", "mean_return_last100", "wall_s", "entropy"])
+        self.w.writerow(["global_step", "episodes", "mean_return_last100", "wall_s", "entropy", "ep_mean", "approx_kl",
+                         "clipfrac", "explained_variance"])
         self.t0 = time.time()
         self.curve: list[tuple[int, float]] = []
 
-    def row(self, step: int, episodes: int, m100: float, entropy: float = math.nan) -> None:
+    def row(self, step: int, episodes: int, m100: float, entropy: float = math.nan, ep_mean: float = math.nan,
+            kl: float = math.nan, clipfrac: float = math.nan, ev: float = math.nan) -> None:
         self.curve.append((step, m100))
-        self.w.writerow([step, episodes, f"{m100:.5f}", f"{time.time() - self.t0:.1f}", f"{entropy:.4f}"])
+        self.w.writerow([step, episodes, f"{m100:.5f}", f"{time.time() - self.t0:.1f}", f"{entropy:.4f}",
+                         f"{ep_mean:.2f}", f"{kl:.5f}", f"{clipfrac:.4f}", f"{ev:.4f}"])
         self.f.flush()
 
     def close(self) -> None:
         self.f.close()
+
+
+def _adv_norm_over_rollout() -> None:
+    """``--set adv_norm_batch=True`` (harness only, no agent change; with ``norm_adv``): every minibatch's advantages
+    are normalised by the mean and unbiased std of the whole rollout's valid advantages (computed once per update,
+    after the rollout is loaded) instead of by its own. It patches this process's ``PPOUpdate`` the way the
+    data-parallel path passes global statistics (``adv_norm``) to the loss; one process per run, so nothing else
+    sees it."""
+    import torch
+
+    from mamba_rl.agents import update as U
+
+    stats: dict = {}
+    load, grads, loss = U.PPOUpdate._load_rollout, U.categorical_ppo_grads, U.ppo_loss
+
+    def _load_rollout(self, *a, **k):
+        r = load(self, *a, **k)
+        ad = self.action_dim
+        adv, mask = self.pack[..., ad + 2], self.pack[..., ad + 4]
+        with torch.no_grad():
+            count = mask.sum().clamp_min(1.0)
+            mean = (adv * mask).sum() / count
+            var = ((adv - mean).pow(2) * mask).sum() / (count - 1).clamp_min(1.0)
+        stats["v"] = (mean, var.sqrt())
+        return r
+
+    def _grads(c, features, actor, critic, mb, count, adv_norm=None, *a, **k):
+        return grads(c, features, actor, critic, mb, count, stats["v"] if adv_norm is None else adv_norm, *a, **k)
+
+    def _loss(c, dist, newvalue, mb, count, adv_norm=None):
+        return loss(c, dist, newvalue, mb, count, stats["v"] if adv_norm is None else adv_norm)
+
+    U.PPOUpdate._load_rollout, U.categorical_ppo_grads, U.ppo_loss = _load_rollout, _grads, _loss
 
 
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
@@ -154,6 +191,8 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
     # rollouts that start at or past N env steps leave the normaliser's mean / std alone)
     if "obs_norm_freeze_step" in sets:
         sets["obs_norm_freeze_steps"] = sets.pop("obs_norm_freeze_step")
+    if sets.pop("adv_norm_batch", False):
+        _adv_norm_over_rollout()
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
     start = {f: getattr(agent.config, f) for f in sched}
@@ -166,7 +205,9 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         last.extend(rets)
         n[0] += len(rets)
         out.row(int(metrics["global_step"]), n[0], sum(last) / len(last) if last else math.nan,
-                float(metrics.get("losses/entropy", math.nan)))
+                float(metrics.get("losses/entropy", math.nan)), sum(rets) / len(rets) if rets else math.nan,
+                float(metrics.get("losses/approx_kl", math.nan)), float(metrics.get("losses/clipfrac", math.nan)),
+                float(metrics.get("losses/explained_variance", math.nan)))
         if sched:  # the value for the next update (1-based update k: start + (end - start) * (k - 1) / (n - 1))
             frac = min(int(metrics["update"]) / max(n_up - 1, 1), 1.0)
             agent.config = agent.config.replace(**{f: start[f] + (e - start[f]) * frac for f, e in sched.items()})
