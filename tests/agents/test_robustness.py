@@ -246,7 +246,8 @@ def test_resuming_an_earlier_checkpoint_purges_the_later_steps(tmp_path):
     steps = [e.step for e in acc.Scalars("charts/SPS")]
     assert steps == [16, 32, 48, 64]  # was [16, 32, 48, 64, 48, 64]
     lr = [e.value for e in acc.Scalars("charts/learning_rate")]
-    assert lr == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+    lr0 = resumed.config.learning_rate
+    assert lr == pytest.approx([lr0, 0.75 * lr0, 0.5 * lr0, 0.25 * lr0])
 
 
 # ----------------------------------------------------------------------------- predict with raw spaces
@@ -304,17 +305,18 @@ def test_resume_with_more_timesteps_continues_the_lr(tmp_path):
     agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=4 * BATCH, track=False))
     agent.learn()
     last = agent.history[-1]["charts/learning_rate"]
-    assert last == pytest.approx(2.5e-4)  # update 4 of 4
+    lr0 = agent.config.learning_rate
+    assert last == pytest.approx(0.25 * lr0)  # update 4 of 4
     final = tmp_path / "kept"
     shutil.copytree(tmp_path / "ckpt" / agent.run_name / "final", final)  # a resumed run replaces its `final`
     agent.close()
     resumed = RecurrentPPO.load(final)
     resumed.learn(total_timesteps=6 * BATCH)  # two more updates
     lrs = [h["charts/learning_rate"] for h in resumed.history]
-    # continues from 2.5e-4 down to 0 at the new end (update 7): no jump to 3.3e-4 (re-planned over 6)
+    # continues from lr0 / 4 down to 0 at the new end (update 7): no jump to lr0 / 3 (re-planned over 6)
     assert lrs == pytest.approx([last * 2 / 3, last / 3])
     resumed.close()
     replanned = RecurrentPPO.load(final, replan_lr=True)
     replanned.learn(total_timesteps=5 * BATCH)
-    assert replanned.history[0]["charts/learning_rate"] == pytest.approx(1e-3 * (1 - 4 / 5))
+    assert replanned.history[0]["charts/learning_rate"] == pytest.approx(lr0 * (1 - 4 / 5))
     replanned.close()
