@@ -225,11 +225,12 @@ def time_tests() -> dict:
     """Wall time of the README's test command (python -m pytest -m "not slow") from the repository root."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"], cwd=root,
-                       capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-rf", "-p", "no:cacheprovider"],
+                       cwd=root, capture_output=True, text=True)
     dt = time.perf_counter() - t0
-    tail = (p.stdout or "").strip().splitlines()[-1:] or [""]
-    return {"seconds": dt, "returncode": p.returncode, "summary": tail[0]}
+    lines = (p.stdout or "").strip().splitlines()
+    return {"seconds": dt, "returncode": p.returncode, "summary": (lines[-1:] or [""])[0],
+            "failed": [ln for ln in lines if ln.startswith("FAILED ")]}
 
 
 def full_run_seconds(backend: str) -> dict:

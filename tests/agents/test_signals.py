@@ -45,8 +45,11 @@ def test_sigterm_saves_interrupted_like_ctrl_c(tmp_path):
     agent.close()
 
 
+# A child inherits an ignored SIGINT (a background job of a non-interactive shell starts so: `cmd &` in a
+# script); these children restore the default so the test is about our handlers, however pytest was started.
 _DOUBLE = """
 import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import mamba_rl.agents.checkpoint as ck
 from mamba_rl.agents import RecurrentPPO
 from mamba_rl.agents.cli import main
@@ -84,6 +87,7 @@ def test_a_second_ctrl_c_during_the_save_waits_for_it(tmp_path):
 
 _SIMULTANEOUS = """
 import os, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from mamba_rl.agents import RecurrentPPO
 from mamba_rl.agents.cli import main
 
