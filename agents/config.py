@@ -224,7 +224,7 @@ class PPOConfig(_PPOFields):
             ``replace(d_state=8)`` set them inside ``backbone`` (``--d-model 64`` on the command line).
         prev_action: append the previous action (one-hot when discrete) to the input.
         prev_reward: append the previous reward to the input.
-        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation).
+        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation) of observation spaces with a continuous part; all-discrete ones (one-hot codes) are left as they are (:func:`mamba_rl.envs.make_vec_env`).
         obs_norm_freeze_steps: with normalize_obs (ignored without it), the env step [all ranks] after which the normaliser's mean / std stop updating (0: never); a frozen normaliser removed the late collapses of CartPoleNoVel runs (benchmarks/learning/README.md).
         normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
             On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,

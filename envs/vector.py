@@ -23,9 +23,9 @@ from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_task
 from .guards import NONFINITE_POLICIES, EnvGuard
 from .registry import check_env_id
 from .stats import VecEpisodeStatistics, VecNormalizeReward
-from .wrappers import FlattenObs, Float32Obs, flatten_vec_obs, needs_flatten
+from .wrappers import FlattenObs, Float32Obs, flatten_vec_obs, needs_flatten, raw_observation_space
 
-__all__ = ["make_env", "make_vec_env", "check_start_method", "resolve_env_backend"]
+__all__ = ["make_env", "make_vec_env", "check_start_method", "resolve_env_backend", "has_continuous_part"]
 
 
 def resolve_env_backend(backend: str, env_id: str, async_: bool = False, capture_video: bool = False) -> str:
@@ -151,7 +151,12 @@ def make_vec_env(
         async_: one process per sub-env (``AsyncVectorEnv``).
         capture_video, video_dir, flatten_obs, env_kwargs: see ``make_env``.
         normalize_obs: running mean/std observation normalisation (gymnasium's vector
-            ``NormalizeObservation``; freeze it with ``update_running_mean = False``).
+            ``NormalizeObservation``; freeze it with ``update_running_mean = False``) of an observation space
+            with a continuous part (:func:`has_continuous_part`); an all-discrete one (Discrete, MultiDiscrete,
+            MultiBinary and their Tuple / Dict: one-hot codes after flattening) is left as it is, as
+            rl-baselines3-zoo normalises only continuous observations (measured: the frozen normaliser cost
+            POPGym's RepeatPreviousEasy 0.11 MMER on 2 of 6 runs and changed the other discrete tasks within
+            their seed noise, ``benchmarks/learning/README.md``).
         normalize_reward: scale rewards by the running std of the discounted return
             (gymnasium's vector ``NormalizeReward``, NextStep-aware). gamma: its discount.
         start_method: with ``async_``, the multiprocessing start method of the workers
@@ -188,13 +193,36 @@ def make_vec_env(
                                   start_method)
     envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = VecEpisodeStatistics(envs)
-    if normalize_obs:
+    if normalize_obs and has_continuous_part(_raw_space(envs, env_id, env_kwargs)):
         envs = gym.wrappers.vector.NormalizeObservation(envs)
     if normalize_reward:
         envs = VecNormalizeReward(envs, gamma=gamma)
     if seed is not None:
         envs.action_space.seed(int(seed))
     return envs
+
+
+def has_continuous_part(space: spaces.Space) -> bool:
+    """Whether ``space`` has a continuous part: a ``Box`` (any dtype), or a ``Tuple`` / ``Dict`` / ``OneOf``
+    holding one. ``Discrete``, ``MultiDiscrete``, ``MultiBinary``, ``Text`` and their compositions are all-discrete."""
+    if isinstance(space, spaces.Box):
+        return True
+    if isinstance(space, (spaces.Tuple, spaces.OneOf)):
+        return any(has_continuous_part(s) for s in space.spaces)
+    if isinstance(space, spaces.Dict):
+        return any(has_continuous_part(s) for s in space.spaces.values())
+    return False
+
+
+def _raw_space(envs: gym.vector.VectorEnv, env_id: str, env_kwargs: dict[str, Any] | None) -> spaces.Space:
+    """The single observation space before flattening (one env of the id is built when the stack cannot say:
+    gymnasium's async workers)."""
+    space = raw_observation_space(envs)
+    if space is None:
+        env = make_env(env_id, flatten_obs=False, env_kwargs=env_kwargs)
+        space = env.observation_space
+        env.close()
+    return space
 
 
 def _gymnasium_vec_env(env_id: str, num_envs: int, async_: bool, capture_video: bool, video_dir: str,

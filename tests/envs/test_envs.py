@@ -121,3 +121,56 @@ def test_popgym_ids_go_through_untouched():
     obs, _ = envs.reset(seed=0)
     assert obs.shape == (2, 6) and set(np.unique(obs)) <= {0.0, 1.0}
     envs.close()
+
+
+class _TupleObsEnv(gym.Env):
+    """A Tuple(Discrete, Box) observation: one continuous part."""
+
+    observation_space = spaces.Tuple((spaces.Discrete(3), spaces.Box(-5.0, 5.0, (2,), np.float32)))
+    action_space = spaces.Discrete(2)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 1.0, False, False, {}
+
+
+@pytest.mark.parametrize("space, continuous", [
+    (spaces.Discrete(4), False), (spaces.MultiDiscrete([3, 3]), False), (spaces.MultiBinary(5), False),
+    (spaces.Tuple((spaces.Discrete(2), spaces.Discrete(4))), False),
+    (spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Tuple((spaces.MultiBinary(2),))}), False),
+    (spaces.Box(-1.0, 1.0, (2,)), True), (spaces.Box(0, 255, (2,), np.uint8), True),
+    (spaces.Tuple((spaces.Discrete(2), spaces.Box(-1.0, 1.0, (1,)))), True),
+    (spaces.Dict({"a": spaces.Discrete(2), "b": spaces.Dict({"c": spaces.Box(0.0, 1.0, (1,))})}), True),
+])
+def test_has_continuous_part(space, continuous):
+    from mamba_rl.envs.vector import has_continuous_part
+
+    assert has_continuous_part(space) is continuous
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_normalize_obs_skips_all_discrete_observations(async_):
+    """One-hot codes of discrete observations are not normalised (make_vec_env's doc); a space with a Box part is,
+    whole, after flattening; the async path reads the raw space from one env built in this process."""
+    norm = gym.wrappers.vector.NormalizeObservation
+    discrete = make_vec_env("FrozenLake-v1", 2, seed=0, normalize_obs=True, async_=async_)
+    try:
+        assert find_vector_wrapper(discrete, norm) is None
+        discrete.reset(seed=0)
+        obs, *_ = discrete.step(np.ones(2, dtype=np.int64))
+        assert set(np.unique(obs)) <= {0.0, 1.0}  # still one-hot
+    finally:
+        discrete.close()
+    if "mamba_rl_test/TupleObs-v0" not in gym.registry:
+        gym.register("mamba_rl_test/TupleObs-v0", entry_point=_TupleObsEnv)
+    for env_id in ("CartPole-v1", "mamba_rl_test/TupleObs-v0"):
+        envs = make_vec_env(env_id, 2, seed=0, normalize_obs=True, async_=async_)
+        try:
+            assert find_vector_wrapper(envs, norm) is not None, env_id
+            envs.reset(seed=0)
+            envs.step(np.zeros(2, dtype=np.int64))
+        finally:
+            envs.close()
