@@ -56,8 +56,8 @@ from .policy import Policy
 from .rollout import RolloutCarry
 from .runs import Progress, Run, adopt_run
 
-__all__ = ["CHECKPOINT_FORMAT", "Rngs", "checkpoint_file", "read_agent_config", "save_agent", "restore_agent",
-           "load_envs", "check_envs_file", "NonFiniteWeightsError", "json_safe"]
+__all__ = ["CHECKPOINT_FORMAT", "Rngs", "checkpoint_file", "read_agent_config", "saved_obs_normaliser", "save_agent",
+           "restore_agent", "load_envs", "check_envs_file", "NonFiniteWeightsError", "json_safe"]
 
 CHECKPOINT_FORMAT = "mamba_rl.agents.RecurrentPPO/1"
 
@@ -129,6 +129,14 @@ def read_agent_config(path: str | Path, **overrides: Any) -> tuple[Path, PPOConf
     if overrides:
         config = config.replace(**overrides)
     return ckpt, config
+
+
+def saved_obs_normaliser(ckpt: Path) -> bool:
+    """Whether the run saved in the checkpoint file ``ckpt`` normalised its observations (it holds their
+    running statistics). Since 2026-12-04 ``make_vec_env`` leaves all-discrete observations unnormalised, so a
+    run saved before that on such an env has statistics that a rebuilt env stack has no normaliser for."""
+    meta, _ = read_checkpoint(ckpt)
+    return meta.get("extra", {}).get("obs_rms") is not None
 
 
 def load_envs(env_file: Path) -> gym.vector.VectorEnv:

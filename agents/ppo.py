@@ -47,7 +47,7 @@ from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, m
                            raw_observation_space)
 
 from .checkpoint import (Rngs, check_envs_file, checkpoint_file, load_envs, read_agent_config, restore_agent,
-                         save_agent)
+                         save_agent, saved_obs_normaliser)
 from .config import PPOConfig
 from .device_actor import GraphActor
 from .devices import resolve_device
@@ -541,6 +541,14 @@ class RecurrentPPO:
             agent = cls(load_envs(env_file), config=config)
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
+        norm = gym.wrappers.vector.NormalizeObservation
+        if (not restore and env is None and find_vector_wrapper(agent.envs, norm) is None
+                and saved_obs_normaliser(ckpt)):
+            # saved by a version that normalised all-discrete observations too: the policy was trained on
+            # normalised inputs, so the resumed run keeps the normaliser (its statistics are restored below)
+            agent.envs = norm(agent.envs)
+            if agent.stats_sync is not None:
+                agent.stats_sync = RunningStatsSync(agent.envs)
         try:
             restore_agent(ckpt, run=agent.run, progress=agent.progress, policy=agent.policy, trainer=agent.trainer,
                           head_optimizer=agent.head_optimizer, rngs=agent.rngs, stepper=agent.stepper,

@@ -64,3 +64,34 @@ def test_the_freeze_step_is_ignored_without_normalize_obs():
     """The default freezes after 20k steps; turning the normaliser off (--no-normalize-obs) needs no second flag."""
     cfg = PPOConfig(normalize_obs=False)
     assert cfg.obs_norm_freeze_steps == 20_000 and not cfg.normalize_obs
+
+
+def test_a_run_that_normalised_discrete_observations_resumes_with_its_normaliser(tmp_path):
+    """Before 2026-12-04 normalize_obs normalised all-discrete (one-hot) observations too; make_vec_env now leaves
+    them as they are, so a checkpoint holding their statistics gets its normaliser back on resume (its policy was
+    trained on normalised inputs), with the saved statistics."""
+    from mamba_rl.envs import make_vec_env
+
+    cfg = PPOConfig(**TINY, env_id="FrozenLake-v1", total_timesteps=64, checkpoint_dir=str(tmp_path / "ck"))
+    fresh = RecurrentPPO(config=cfg)
+    assert find_vector_wrapper(fresh.envs, gym.wrappers.vector.NormalizeObservation) is None  # the new rule
+    fresh.close()
+    # the old stack: the normaliser over the one-hot codes
+    old_envs = gym.wrappers.vector.NormalizeObservation(make_vec_env("FrozenLake-v1", 2, seed=5))
+    agent = RecurrentPPO(old_envs, config=cfg)
+    agent.learn()
+    path = agent.save(tmp_path / "old")
+    saved = (_rms(agent).mean.copy(), _rms(agent).var.copy(), _rms(agent).count)
+    agent.close()
+    assert saved[2] > 1  # it did update
+
+    resumed = RecurrentPPO.load(path)
+    try:
+        rms = _rms(resumed)
+        np.testing.assert_array_equal(rms.mean, saved[0])
+        np.testing.assert_array_equal(rms.var, saved[1])
+        assert rms.count == saved[2]
+        resumed.learn(total_timesteps=96)  # and it trains on
+        assert resumed.global_step == 96
+    finally:
+        resumed.close()
