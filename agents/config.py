@@ -30,7 +30,7 @@ BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.ini
 
 _DEVICES = ("auto", "cpu", "cuda")
 MAX_THREADS = 1024
-_DTYPES = ("f32", "bf16", "f16")
+_DTYPES = ("f32", "tf32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
 _ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
@@ -191,7 +191,7 @@ class PPOConfig(_PPOFields):
         seed: seed of envs (sub-env i gets seed + i), weights, sampling and minibatch order.
         total_timesteps: env steps to train for, all envs (of all ranks) together [steps]; at least one rollout, rounded up to whole rollouts of num_envs * num_steps.
         device: "auto" (cuda if available else cpu), "cpu", "cuda" or "cuda:N".
-        dtype: backbone compute dtype, "f32" | "bf16" | "f16".
+        dtype: backbone compute dtype, "f32" | "tf32" (float32 with TF32 tensor-core GEMMs on CUDA, an opt-in) | "bf16" | "f16".
         backend: backbone backend, "auto" | "cuda" | "cpu" | "reference" (auto: the kernels of the device).
         cuda_graphs: capture the stepper and trainer in CUDA graphs (CUDA only).
         num_envs: parallel envs; must be divisible by num_minibatches. Per rank in a data-parallel run

@@ -289,6 +289,16 @@ def table(rows):
         ratio = gru["us"] / best if gru else float("nan")
         lines.append(f"| {dm} | {B} x {T} | {fu:.0f} | {bu:.0f} | " + " | ".join(cells) +
                      f" | {ratio:.2f}x | {f.get('kernels', '-') if f else '-'}/{b.get('kernels', '-') if b else '-'} |")
+    if any(r["model"] == "mamba_rl_tf32" for r in rows):
+        lines += ["", "| d_model | B x T | mamba_rl f32 | mamba_rl tf32 (opt-in) | mamba_rl bf16 | f32 / tf32 | GRU-1L / tf32 |",
+                  "|---|---|---|---|---|---|---|"]
+        for dm, B, T in keys:
+            f, t32, b, gru = (get("train", m, dm, B, T) for m in ("mamba_rl_f32", "mamba_rl_tf32", "mamba_rl_bf16", "gru1"))
+            if t32 is None:
+                continue
+            fu, tu, bu = (x["us"] if x else float("nan") for x in (f, t32, b))
+            gu = gru["us"] if gru else float("nan")
+            lines.append(f"| {dm} | {B} x {T} | {fu:.0f} | {tu:.0f} | {bu:.0f} | {fu / tu:.2f}x | {gu / tu:.2f}x |")
     lines += ["", "| B | step replay µs | public stepper.step µs | GRU-1L | LSTM-1L | LSTM-3L |", "|---|---|---|---|---|---|"]
     for B in INFER_B:
         o = get("infer", "mamba_rl", DM, B, 1)
@@ -328,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--no-step-kernels", action="store_true", help="skip the one-token kernel's R / cluster sweep")
     ap.add_argument("--variants", action="store_true", help="also time the small-GEMM kernels forced off / on")
     ap.add_argument("--no-mamba3", action="store_true", help="skip the Mamba-3 rows (layer='Mamba3')")
+    ap.add_argument("--dtypes", nargs="+", default=["f32", "tf32", "bf16"], choices=["f32", "tf32", "bf16"],
+                    help="trainer dtypes of the Mamba-1 training rows (tf32: the opt-in TF32 GEMMs; Mamba-3: f32 / bf16)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs a GPU")
@@ -351,13 +363,14 @@ def main(argv=None):
 
     for dm, B, T in (ROWS[:a.rows] if a.only != "infer" else []):
         it = iters if B * T <= 16384 else max(20, iters // 3)
-        for dt in ("f32", "bf16"):
-            record(lambda: bench_train(dm, B, T, dt, it, profile_it=(dm, B, T) in ((128, 16, 64), (128, 4, 4096))),
+        for dt in a.dtypes:
+            record(lambda: bench_train(dm, B, T, dt, it, profile_it=dt != "tf32" and (dm, B, T) in ((128, 16, 64),
+                                                                                                  (128, 4, 4096))),
                    dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
-            for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants else ()):
+            for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants and dt != "tf32" else ()):
                 record(lambda: bench_train(dm, B, T, dt, it, variant=v),
                        dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
-            if not a.no_mamba3:
+            if not a.no_mamba3 and dt != "tf32":
                 record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
                        dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))
         if not a.no_peers:

@@ -7,6 +7,7 @@ after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``fo
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,24 @@ from .scaler import LossScaler
 
 __all__ = ["MambaTrainer", "StepMetrics", "DTYPES"]
 
-DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+# compute dtype of the GEMMs; "tf32": float32 operands and outputs, cuBLAS GEMMs on TF32 tensor cores (CUDA only)
+DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+@contextlib.contextmanager
+def _tf32_matmul(on: bool):
+    """While the block runs, float32 cuBLAS GEMMs may use TF32 tensor cores (``torch.backends.cuda.matmul.
+    allow_tf32``, restored after); nothing when ``on`` is False. The flag is read when a GEMM is launched or
+    captured, so a captured graph keeps the choice it was captured with."""
+    if not on:
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @dataclass
@@ -61,10 +79,14 @@ class MambaTrainer:
     Args:
         net: the :class:`MambaBackbone` to train (float32 masters; its arena is updated in place).
         batch, seq_len: the fixed B and T of every call.
-        dtype: "f32", "bf16" or "f16": the precision of the GEMMs (compute copy of the weights). The scan,
-            the states, the norms, the master weights and the moments stay float32. "f16" turns on the
-            dynamic loss scaler (GradScaler semantics: init 2**16, x2 after ``growth_interval`` clean
-            steps, x0.5 and a skipped step on overflow).
+        dtype: "f32", "tf32", "bf16" or "f16": the precision of the GEMMs (compute copy of the weights). The
+            scan, the states, the norms, the master weights and the moments stay float32. "tf32" (an explicit
+            opt-in) keeps float32 weights and activations but lets the cuBLAS GEMMs of the trainer's forward and
+            backward run on TF32 tensor cores (10-bit mantissa inputs, float32 accumulation; NVIDIA Ampere and
+            later; torch's ``allow_tf32``, set only inside the trainer's calls and restored after), so expect
+            float32-vs-float64 differences of ~1e-3 relative instead of ~1e-6; on the CPU it is exactly "f32".
+            "f16" turns on the dynamic loss scaler (GradScaler semantics: init 2**16, x2 after
+            ``growth_interval`` clean steps, x0.5 and a skipped step on overflow).
         lr, betas, eps, weight_decay: AdamW (torch.optim.AdamW semantics).
         no_decay: "reference" exempts A_log, D, dt_proj.bias and every norm weight from weight decay;
             None decays everything.
@@ -100,6 +122,7 @@ class MambaTrainer:
         self.hyper = make_hyper(lr, betas, eps, weight_decay, max_grad_norm, dtype == "f16" or skip_nonfinite,
                                 dev)  # validates
         self.net, self.batch, self.seq_len, self.dtype = net, batch, seq_len, dtype
+        self.tf32 = dtype == "tf32" and dev.type == "cuda"
         self.skip_nonfinite = skip_nonfinite
         self.no_decay = no_decay
         self.betas, self.eps, self.weight_decay, self.max_grad_norm = tuple(betas), eps, weight_decay, max_grad_norm
@@ -194,7 +217,8 @@ class MambaTrainer:
             self._state_used_flat.copy_(self._state_flat)  # = self._state_used.copy_(self.state), one launch
         else:
             self._state_used.copy_(self.state)
-        feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
+        with _tf32_matmul(self.tf32):
+            feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
         self.state.copy_(final.detach())
         if self.skip_nonfinite:
             self._keep_finite_rows()
@@ -226,7 +250,8 @@ class MambaTrainer:
             self._attach_grads_cpu()
         elif not torch.cuda.is_current_stream_capturing():
             net.attach_grads()  # a parent's zero_grad() may have set p.grad = None
-        self._feat.backward(g, retain_graph=retain_graph)
+        with _tf32_matmul(self.tf32):  # the autograd engine's device thread reads the same global flag
+            self._feat.backward(g, retain_graph=retain_graph)
 
     def _optimize(self):
         """The global clip, AdamW and the scaler over the gradient arena; zeroes the arena."""

@@ -320,3 +320,24 @@ def test_returned_features_are_safe_to_modify_and_metrics_frozen():
     frozen = ma.to_dict()
     a.step(x, d)
     assert ma.to_dict() == frozen and frozen["step"] == 1
+
+
+def test_tf32_is_f32_on_the_cpu_bit_for_bit():
+    """dtype="tf32" opts the CUDA GEMMs into TF32 tensor cores; the CPU has none, so there it is "f32" exactly."""
+    import torch as _t
+
+    from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
+
+    cfg = MambaConfig(d_model=32, n_layers=2, d_state=8)
+    g = _t.Generator().manual_seed(3)
+    data = [(_t.randn(2, 16, 5, generator=g), _t.randn(2, 16, 32, generator=g), _t.rand(2, 16, generator=g) < 0.2)
+            for _ in range(3)]
+    arenas = []
+    for dtype in ("f32", "tf32"):
+        net = MambaBackbone(cfg, 5, seed=1)
+        tr = MambaTrainer(net, 2, 16, dtype=dtype, lr=1e-3)
+        assert not tr.tf32
+        for x, d, s in data:
+            tr.step(x, d, episode_starts=s)
+        arenas.append(net.arena.clone())
+    assert _t.equal(arenas[0], arenas[1])
