@@ -56,8 +56,8 @@ from .policy import Policy
 from .rollout import RolloutCarry
 from .runs import Progress, Run, adopt_run
 
-__all__ = ["CHECKPOINT_FORMAT", "Rngs", "checkpoint_file", "read_agent_config", "saved_obs_normaliser", "save_agent",
-           "restore_agent", "load_envs", "check_envs_file", "NonFiniteWeightsError", "json_safe"]
+__all__ = ["CHECKPOINT_FORMAT", "Rngs", "checkpoint_file", "read_agent_meta", "agent_config", "read_agent_config",
+           "save_agent", "restore_agent", "load_envs", "check_envs_file", "NonFiniteWeightsError", "json_safe"]
 
 CHECKPOINT_FORMAT = "mamba_rl.agents.RecurrentPPO/1"
 
@@ -113,8 +113,8 @@ def checkpoint_file(path: str | Path) -> Path:
     return f
 
 
-def read_agent_config(path: str | Path, **overrides: Any) -> tuple[Path, PPOConfig]:
-    """(the checkpoint file, its PPOConfig with ``overrides`` applied).
+def read_agent_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(the checkpoint file, its RecurrentPPO metadata: the ``extra`` dict :func:`save_agent` wrote).
 
     Raises:
         FileNotFoundError: no checkpoint there. ValueError / mamba_rl.CheckpointError:
@@ -125,18 +125,19 @@ def read_agent_config(path: str | Path, **overrides: Any) -> tuple[Path, PPOConf
     extra = meta.get("extra", {})
     if extra.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"{ckpt}: expected checkpoint format {CHECKPOINT_FORMAT!r}, got {extra.get('format')!r}")
+    return ckpt, extra
+
+
+def agent_config(extra: dict[str, Any], **overrides: Any) -> PPOConfig:
+    """The PPOConfig saved in ``extra`` (:func:`read_agent_meta`) with ``overrides`` applied."""
     config = PPOConfig.from_dict(extra["ppo_config"])
-    if overrides:
-        config = config.replace(**overrides)
-    return ckpt, config
+    return config.replace(**overrides) if overrides else config
 
 
-def saved_obs_normaliser(ckpt: Path) -> bool:
-    """Whether the run saved in the checkpoint file ``ckpt`` normalised its observations (it holds their
-    running statistics). Since 2026-12-04 ``make_vec_env`` leaves all-discrete observations unnormalised, so a
-    run saved before that on such an env has statistics that a rebuilt env stack has no normaliser for."""
-    meta, _ = read_checkpoint(ckpt)
-    return meta.get("extra", {}).get("obs_rms") is not None
+def read_agent_config(path: str | Path, **overrides: Any) -> tuple[Path, PPOConfig]:
+    """(the checkpoint file, its PPOConfig with ``overrides`` applied); raises as :func:`read_agent_meta`."""
+    ckpt, extra = read_agent_meta(path)
+    return ckpt, agent_config(extra, **overrides)
 
 
 def load_envs(env_file: Path) -> gym.vector.VectorEnv:

@@ -182,7 +182,7 @@ class PPOConfig(_PPOFields):
     (benchmarks/learning/README.md, the 2026-12-04 sweep: CartPoleNoVel 23 of 25 seeds >= 475 at 100k steps
     against 2 of 10 before, PendulumNoVel 3 of 3 >= -200 at 150k, 0.65x the CPU time per update): learning rate
     2e-3 annealed to 0, 2 epochs of 4 minibatches, no entropy bonus, advantages not normalised per minibatch,
-    observations normalised with statistics frozen after 20,000 env steps, and rewards scaled (NormalizeReward).
+    observations with a continuous part normalised with statistics frozen after 20,000 env steps, and rewards scaled (NormalizeReward).
     On POPGym's ConcentrationEasy ``norm_adv=True`` (``--norm-adv``) scored higher (-0.108 vs -0.152 MMER at 200k).
 
     Attributes (units in brackets; each line is also the field's ``mamba-rl train --help`` text):

@@ -43,11 +43,11 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, make_env, make_vec_env,
+from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, make_vec_env,
                            raw_observation_space)
 
-from .checkpoint import (Rngs, check_envs_file, checkpoint_file, load_envs, read_agent_config, restore_agent,
-                         save_agent, saved_obs_normaliser)
+from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
+                         restore_agent, save_agent)
 from .config import PPOConfig
 from .device_actor import GraphActor
 from .devices import resolve_device
@@ -450,13 +450,8 @@ class RecurrentPPO:
 
     def raw_observation_space(self) -> gym.Space:
         """The single env's observation space before flattening (what ``env.reset()`` returns samples of)."""
-        if self._raw_obs_space is None:
-            space = raw_observation_space(self.envs)
-            if space is None:  # async workers: build one env of the id here
-                env = make_env(self.config.env_id, flatten_obs=False)
-                space = env.observation_space
-                env.close()
-            self._raw_obs_space = space
+        if self._raw_obs_space is None:  # async workers: one env of the id is built here
+            self._raw_obs_space = raw_observation_space(self.envs, self.config.env_id)
         return self._raw_obs_space
 
     def _flat_obs(self, obs: Any) -> Any:
@@ -531,7 +526,8 @@ class RecurrentPPO:
             FileNotFoundError: no checkpoint there. ValueError / mamba_rl.CheckpointError:
             not a RecurrentPPO checkpoint, or one that does not fit.
         """
-        ckpt, config = read_agent_config(path, **overrides)
+        ckpt, extra = read_agent_meta(path)
+        config = agent_config(extra, **overrides)
         env_file = ckpt.parent / "envs.pkl"
         # data-parallel: every rank loads the same weights, optimizer state and counters (any world size);
         # the per-rank env carry and sampling RNGs are re-created, never restored
@@ -542,10 +538,11 @@ class RecurrentPPO:
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
         norm = gym.wrappers.vector.NormalizeObservation
-        if (not restore and env is None and find_vector_wrapper(agent.envs, norm) is None
-                and saved_obs_normaliser(ckpt)):
-            # saved by a version that normalised all-discrete observations too: the policy was trained on
-            # normalised inputs, so the resumed run keeps the normaliser (its statistics are restored below)
+        if (not restore and env is None and extra.get("obs_rms") is not None
+                and find_vector_wrapper(agent.envs, norm) is None):
+            # saved with observation statistics that the rebuilt stack has no normaliser for: a run on
+            # all-discrete observations from before make_vec_env stopped normalising them (2026-12-04). Its policy
+            # was trained on normalised inputs, so the resumed run keeps the normaliser (statistics restored below)
             agent.envs = norm(agent.envs)
             if agent.stats_sync is not None:
                 agent.stats_sync = RunningStatsSync(agent.envs)

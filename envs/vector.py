@@ -193,7 +193,7 @@ def make_vec_env(
                                   start_method)
     envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = VecEpisodeStatistics(envs)
-    if normalize_obs and has_continuous_part(_raw_space(envs, env_id, env_kwargs)):
+    if normalize_obs and has_continuous_part(raw_observation_space(envs, env_id, env_kwargs)):
         envs = gym.wrappers.vector.NormalizeObservation(envs)
     if normalize_reward:
         envs = VecNormalizeReward(envs, gamma=gamma)
@@ -212,17 +212,6 @@ def has_continuous_part(space: spaces.Space) -> bool:
     if isinstance(space, spaces.Dict):
         return any(has_continuous_part(s) for s in space.spaces.values())
     return False
-
-
-def _raw_space(envs: gym.vector.VectorEnv, env_id: str, env_kwargs: dict[str, Any] | None) -> spaces.Space:
-    """The single observation space before flattening (one env of the id is built when the stack cannot say:
-    gymnasium's async workers)."""
-    space = raw_observation_space(envs)
-    if space is None:
-        env = make_env(env_id, flatten_obs=False, env_kwargs=env_kwargs)
-        space = env.observation_space
-        env.close()
-    return space
 
 
 def _gymnasium_vec_env(env_id: str, num_envs: int, async_: bool, capture_video: bool, video_dir: str,

@@ -108,18 +108,28 @@ def flatten_vec_obs(envs: gym.vector.VectorEnv) -> gym.vector.VectorEnv:
     return FlattenVecObs(envs) if needs_flatten(envs.single_observation_space) else envs
 
 
-def raw_observation_space(envs: gym.vector.VectorEnv) -> spaces.Space | None:
+def raw_observation_space(envs: gym.vector.VectorEnv, env_id: str | None = None,
+                          env_kwargs: dict[str, Any] | None = None) -> spaces.Space | None:
     """The single-env observation space before this package's flattening, read from the stack: the space a
     :class:`FlattenVecObs` flattens, else (a SyncVectorEnv) the one its first sub-env's :class:`FlattenObs`
     flattens, else that sub-env's own (its outermost wrapper's), or an EnvPool vector env's single observation space.
-    None for an AsyncVectorEnv without FlattenVecObs (the sub-envs live in the workers)."""
+    For an AsyncVectorEnv without FlattenVecObs (the sub-envs live in the workers): the space of one env of
+    ``env_id`` (with ``env_kwargs``) built here, or None without an id."""
     vec = find_vector_wrapper(envs, FlattenVecObs)
     if vec is not None:
         return vec._inner_single
     if isinstance(envs.unwrapped, EnvPoolVecEnv):
         return envs.unwrapped.single_observation_space
     if not isinstance(envs.unwrapped, gym.vector.SyncVectorEnv):
-        return None
+        if env_id is None:
+            return None
+        from .vector import make_env  # vector imports this module
+
+        env = make_env(env_id, flatten_obs=False, env_kwargs=env_kwargs)
+        try:
+            return env.observation_space
+        finally:
+            env.close()
     first = envs.unwrapped.envs[0]
     e = first
     while e is not None:
