@@ -23,17 +23,21 @@ from mamba_rl import MambaConfig
 
 from .validation import check_bool, check_choice, check_int, check_real
 
-__all__ = ["PPOConfig", "BACKBONE_FIELDS"]
+__all__ = ["PPOConfig", "BACKBONE_FIELDS", "OVERLAP_MIN_ENVS"]
 
 # MambaConfig's constructor fields: PPOConfig(...), replace(...) and from_dict(...) also take them flat
 BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.init)
 
 _DEVICES = ("auto", "cpu", "cuda")
 MAX_THREADS = 1024
+# env_overlap="auto" turns the two-halves overlap on from this many envs (EnvPool, CUDA graph actor): below it a
+# vector step of EnvPool is shorter than the two half-batch act replays it would hide (benchmarks/README.md)
+OVERLAP_MIN_ENVS = 1024
 _DTYPES = ("f32", "tf32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
 _ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
+_ENV_OVERLAP = ("auto", "on", "off")
 _BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_action",
                 "prev_reward", "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
 # (field, lo, hi, lo open, None allowed)
@@ -61,6 +65,7 @@ class _PPOFields:
     async_envs: bool = False
     async_start_method: str | None = None
     env_backend: str = "gymnasium"
+    env_overlap: str = "auto"
     threads: int = 0
     learning_rate: float = 2e-3
     anneal_lr: bool = True
@@ -130,6 +135,7 @@ class _PPOFields:
         check_choice(name("nonfinite"), self.nonfinite, _NONFINITE)
         check_choice(name("backend"), self.backend, _BACKENDS)
         check_choice(name("env_backend"), self.env_backend, _ENV_BACKENDS)
+        check_choice(name("env_overlap"), self.env_overlap, _ENV_OVERLAP)
         if self.env_backend == "envpool" and (self.async_envs or self.capture_video):
             what = "async_envs" if self.async_envs else "capture_video"
             raise ValueError(f"{name('env_backend')} 'envpool' runs its envs in EnvPool's own thread pool and records no "
@@ -200,6 +206,7 @@ class PPOConfig(_PPOFields):
         async_envs: one process per env (gymnasium AsyncVectorEnv).
         async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
         env_backend: vector env: "gymnasium" (SyncVectorEnv / AsyncVectorEnv), "envpool" (EnvPool's C++ thread pool, same semantics; pip install -e ".[envpool]"; its ids and the mamba_rl/*NoVel* ids of its tasks; no async_envs or video) or "auto" (envpool when installed and it has the id, else gymnasium).
+        env_overlap: step the envs in two halves, acting on one half while the other half's EnvPool pool steps (mamba_rl.envs.parts): "on" (an error where it cannot: another env backend, fewer than 2 envs), "off", or "auto" (on with EnvPool from OVERLAP_MIN_ENVS envs). Per env the same semantics; the trajectories differ from "off" by rounding (the running normalisation statistics are updated per half) and, on CUDA, by the device sampling (two half-batch draws).
         threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.

@@ -19,9 +19,16 @@ restored inside the graph: exact V(final obs) after a done, as the eager path), 
 (:func:`~mamba_rl.agents.gae.compute_gae_parallel`) and fills the device
 :class:`~mamba_rl.agents.rollout.RolloutBuffer`. If this torch/driver cannot capture host copies
 (probed once), they run as async copies right before / after the replay instead.
+
+With ``parts`` (row ranges of an env stack that steps in parts, :mod:`mamba_rl.envs.parts`) there is one act
+graph per part, each on its own rows (its own contiguous recurrent state, copied from the stepper's rows at
+:meth:`GraphActor.begin` and back at the start of the finish graph; its own step counter), so that the rollout
+acts on one half while the other half's envs step.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -31,7 +38,7 @@ from mamba_rl.graphs import GraphSet, capture_restoring, snapshot
 
 from .gae import compute_gae_parallel, gae_discount_matrix
 from .policy import HostStager, Policy
-from .rollout import RolloutBuffer
+from .rollout import RolloutBuffer, check_parts
 
 __all__ = ["GraphActor", "host_copies_capturable"]
 
@@ -71,13 +78,20 @@ class GraphActor:
         buffer: the device :class:`~mamba_rl.agents.rollout.RolloutBuffer` of N envs x T steps to fill.
         gamma, gae_lambda: GAE's discount and lambda (baked into the finish graph).
         capture_copies: capture the host copies in the graphs (None: :func:`host_copies_capturable`).
+        parts: None (one act graph over all N rows), or the row ranges of the parts (``slice`` objects, in order,
+            non-empty, covering ``[0, N)``): one act graph per part, :meth:`act` with ``part``.
+
+    Attributes:
+        parts: the row ranges (one: ``(slice(0, N),)``). stager: the [N] stage's
+            :class:`~mamba_rl.agents.policy.HostStager`; stagers: one per part, over its rows of the same stage.
 
     Raises:
-        ValueError: a policy that is not on a CUDA device, or a buffer that does not live there.
+        ValueError: a policy that is not on a CUDA device, a buffer that does not live there, or parts that are
+            not consecutive non-empty row ranges covering the N rows.
     """
 
     def __init__(self, policy: Policy, stepper: Stepper, buffer: RolloutBuffer, gamma: float, gae_lambda: float,
-                 capture_copies: bool | None = None):
+                 capture_copies: bool | None = None, parts: tuple[slice, ...] | None = None):
         dev = policy.device
         if dev.type != "cuda":
             raise ValueError(f"GraphActor: expected a policy on a CUDA device, got {dev}")
@@ -87,10 +101,12 @@ class GraphActor:
         self.gamma, self.gae_lambda = gamma, gae_lambda
         n, t = buffer.num_envs, buffer.num_steps
         self.n, self.t_len, self.d, self.a, self.p_dim = n, t, policy.input_dim, policy.action_dim, policy.actor.out_dim
+        self.parts = check_parts(parts, n, "GraphActor")
         act_dtype = torch.int64 if policy.discrete_actions else torch.float32
         # host side (pinned)
         self.stage_t = torch.zeros(n, self.d + 1, pin_memory=True)
         self.stager = HostStager(policy, self.stage_t.numpy())
+        self.stagers = tuple(HostStager(policy, self.stage_t.numpy()[r]) for r in self.parts)
         self.act_pin = torch.zeros(n, self.a, dtype=act_dtype, pin_memory=True)
         self.act_np = self.act_pin.numpy()
         self.res_pin = torch.zeros(4, n, t, pin_memory=True)  # reward | terminated | truncated | valid
@@ -100,11 +116,15 @@ class GraphActor:
         self.res_dev = torch.zeros(4, n, t, device=dev)
         # per step: input | start | action | logprob | value
         self.hist = torch.zeros(n, t, self.d + self.a + 3, device=dev)
-        self.t_idx = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.t_idx = torch.zeros(len(self.parts), dtype=torch.int64, device=dev)  # per part
         self.act_dev = torch.zeros(n, self.a, dtype=act_dtype, device=dev)
         self.w_cat = torch.zeros(self.p_dim + 1, policy.net.cfg.d_model, device=dev)
         self.b_cat = torch.zeros(self.p_dim + 1, device=dev)
         self.saved = stepper.state.clone()
+        # the states the act graphs advance: the stepper's own (one part), or one contiguous state per part
+        self.part_states = (stepper.state,) if len(self.parts) == 1 else tuple(
+            policy.net.initial_state(r.stop - r.start) for r in self.parts)
+        self._own_states = self.part_states if len(self.parts) > 1 else ()
         self.discount = gae_discount_matrix(t, gamma, gae_lambda, dev)
         self.event = torch.cuda.Event()
         self.copies_in_graph = host_copies_capturable(dev) if capture_copies is None else capture_copies
@@ -112,38 +132,44 @@ class GraphActor:
         self._graphs = GraphSet("GraphActor", lambda: (net.arena, net.compute_arena, st.conv, st.ssm, self.dstage,
                                                        self.hist, self.t_idx, self.res_dev,
                                                        self.w_cat, self.b_cat, self.saved.conv, self.saved.ssm,
+                                                       *(x for ps in self._own_states for x in (ps.conv, ps.ssm)),
                                                        *heads.parameters()))
         self._capture()
 
     # ------------------------------------------------------------------------------------ bodies
-    def _heads(self) -> torch.Tensor:
-        """[N, P + 1] actor raw outputs | value of the staged input (advances the stepper's state)."""
+    def _heads(self, dstage: torch.Tensor, state) -> torch.Tensor:
+        """[rows, P + 1] actor raw outputs | value of the staged rows ``dstage`` (advances ``state``)."""
         d = self.d
-        feat = self.policy.net.step(self.dstage[:, :d], self.stepper.state, self.dstage[:, d] > 0.5)
+        feat = self.policy.net.step(dstage[:, :d], state, dstage[:, d] > 0.5)
         return torch.addmm(self.b_cat, feat, self.w_cat.t())
 
-    def _act_body(self) -> None:
+    def _act_body(self, part: int) -> None:
+        rows, t_idx = self.parts[part], self.t_idx[part:part + 1]
+        dstage = self.dstage[rows]
         if self.copies_in_graph:
-            self.dstage.copy_(self.stage_t, non_blocking=True)
-        out = self._heads()
+            dstage.copy_(self.stage_t[rows], non_blocking=True)
+        out = self._heads(dstage, self.part_states[part])
         dist = self.policy.actor.dist(out[:, : self.p_dim])
         action = dist.sample()
-        row = torch.cat([self.dstage, action, dist.log_prob(action).unsqueeze(1), out[:, self.p_dim:]], dim=1)
-        self.hist.index_copy_(1, self.t_idx, row.unsqueeze(1))  # one kernel: cat promotes the action to float
-        self.t_idx.add_(1)
+        row = torch.cat([dstage, action, dist.log_prob(action).unsqueeze(1), out[:, self.p_dim:]], dim=1)
+        self.hist[rows].index_copy_(1, t_idx, row.unsqueeze(1))  # one kernel: cat promotes the action to float
+        t_idx.add_(1)
         if self.copies_in_graph:
-            self.act_pin.copy_(action, non_blocking=True)
+            self.act_pin[rows].copy_(action, non_blocking=True)
         else:
-            self.act_dev.copy_(action)
+            self.act_dev[rows].copy_(action)
 
     def _finish_body(self) -> None:
         buf, d, a = self.buffer, self.d, self.a
         state = self.stepper.state
+        if len(self.parts) > 1:  # the parts' states back into the stepper's rows
+            for rows, part_state in zip(self.parts, self.part_states):
+                state.index(rows).copy_(part_state)
         if self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
             self.res_dev.copy_(self.res_pin, non_blocking=True)
         self.saved.copy_(state)
-        next_value = self._heads()[:, -1]
+        next_value = self._heads(self.dstage, state)[:, -1]
         state.copy_(self.saved)
         rewards, flags = self.res_dev[0], self.res_dev[1:] > 0.5
         h = self.hist
@@ -166,9 +192,11 @@ class GraphActor:
     def _capture(self) -> None:
         """Capture the act and finish bodies; the state, storage and step counter are restored after."""
         state = self.stepper.state
+        bodies = {f"act{h}": functools.partial(self._act_body, h) for h in range(len(self.parts))}
         with torch.no_grad():
-            capture_restoring(self._graphs, {"act": self._act_body, "finish": self._finish_body},
-                              snapshot((state.conv, state.ssm, self.hist, self.t_idx)), warmup=2)
+            capture_restoring(self._graphs, {**bodies, "finish": self._finish_body},
+                              snapshot((state.conv, state.ssm, self.hist, self.t_idx,
+                                        *(x for ps in self._own_states for x in (ps.conv, ps.ssm)))), warmup=2)
 
     def _sync(self) -> None:
         self.event.record()
@@ -182,20 +210,24 @@ class GraphActor:
         with torch.no_grad():
             self.t_idx.zero_()  # also after an interrupted rollout
             self.buffer.initial_state.copy_(self.stepper.state)
+            if len(self.parts) > 1:
+                for rows, part_state in zip(self.parts, self.part_states):
+                    part_state.copy_(self.stepper.state.index(rows))
             torch.cat([p.actor.linear.weight, p.critic.linear.weight], out=self.w_cat)
             torch.cat([p.actor.linear.bias, p.critic.linear.bias], out=self.b_cat)
 
     @torch.no_grad()
-    def act(self, t: int) -> np.ndarray:
-        """One replay for step ``t`` from the staged input; returns the actions [N, action_dim] (a view
-        of the pinned buffer, valid until the next call)."""
+    def act(self, t: int, part: int = 0) -> np.ndarray:
+        """One replay for step ``t`` of part ``part``'s rows from their staged input; returns their actions
+        [rows, action_dim] (a view of the pinned buffer, valid until the part's next call)."""
+        rows = self.parts[part]
         if not self.copies_in_graph:
-            self.dstage.copy_(self.stage_t, non_blocking=True)
-        self._graphs["act"].replay()  # the pointer guard ran in begin()
+            self.dstage[rows].copy_(self.stage_t[rows], non_blocking=True)
+        self._graphs[f"act{part}"].replay()  # the pointer guard ran in begin()
         if not self.copies_in_graph:
-            self.act_pin.copy_(self.act_dev, non_blocking=True)
+            self.act_pin[rows].copy_(self.act_dev[rows], non_blocking=True)
         self._sync()
-        return self.act_np
+        return self.act_np[rows]
 
     @torch.no_grad()
     def finish(self) -> None:

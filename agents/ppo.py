@@ -43,12 +43,12 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.envs import (EnvGuard, find_vector_wrapper, flatten_observation, make_vec_env,
-                           raw_observation_space)
+from mamba_rl.envs import (EnvGuard, env_part_rows, find_vector_wrapper, flatten_observation, make_vec_env,
+                           raw_observation_space, resolve_env_backend)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
                          restore_agent, save_agent)
-from .config import PPOConfig
+from .config import OVERLAP_MIN_ENVS, PPOConfig
 from .device_actor import GraphActor
 from .devices import resolve_device
 from .distributed import (DataParallel, RunningStatsSync, rank as dist_rank, shard_permutation,
@@ -135,7 +135,8 @@ class RecurrentPPO:
         if self.dp is not None:
             self._sync_ranks()
         self.stepper = p.net.stepper(batch=config.num_envs)
-        graphs = config.cuda_graphs and self.device.type == "cuda"
+        graphs = self._graph_actor
+        self.env_parts = self._env_parts()
         self._warned_pickle = False
 
         # the eager path samples on the CPU with rngs.sample; the graph path with the device's RNG
@@ -145,8 +146,10 @@ class RecurrentPPO:
                                     p.discrete_actions, self.stepper.state,
                                     storage_device=self.device if graphs else torch.device("cpu"))
         self.carry = RolloutCarry.zeros(config.num_envs, p.obs_dim, p.action_dim, p.discrete_actions)
-        self.actor = (GraphActor(p, self.stepper, self.buffer, config.gamma, config.gae_lambda) if graphs else
-                      EagerActor(p, self.stepper, self.buffer, self.rngs.sample, config.gamma, config.gae_lambda))
+        self.actor = (GraphActor(p, self.stepper, self.buffer, config.gamma, config.gae_lambda, parts=self.env_parts)
+                      if graphs else
+                      EagerActor(p, self.stepper, self.buffer, self.rngs.sample, config.gamma, config.gae_lambda,
+                                 parts=self.env_parts))
         self.updater = PPOUpdate(config, p, self.trainer, self.head_optimizer, self.buffer, self.dp, capture=graphs)
         self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
         self.history: list[dict[str, float]] = []
@@ -218,13 +221,36 @@ class RecurrentPPO:
         return self.update + -(-left // (c.batch_size * self.world_size))
 
     # ------------------------------------------------------------------ envs
+    @property
+    def _graph_actor(self) -> bool:
+        """Whether the rollout acts through CUDA graphs (:class:`~mamba_rl.agents.device_actor.GraphActor`)."""
+        return self.config.cuda_graphs and self.device.type == "cuda"
+
     def _make_envs(self) -> gym.vector.VectorEnv:
         c = self.config
+        overlap = c.env_overlap == "on" or (c.env_overlap == "auto" and c.num_envs >= OVERLAP_MIN_ENVS)
+        halves = overlap and c.num_envs >= 2 and \
+            resolve_env_backend(c.env_backend, c.env_id, c.async_envs, c.capture_video) == "envpool"
         return make_vec_env(c.env_id, c.num_envs, seed=self.env_seed, async_=c.async_envs,
                             capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
                             normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
-                            start_method=c.async_start_method, nonfinite=c.nonfinite, backend=c.env_backend)
+                            start_method=c.async_start_method, nonfinite=c.nonfinite, backend=c.env_backend,
+                            env_parts=2 if halves else 1)
+
+    def _env_parts(self) -> tuple[slice, ...] | None:
+        """The row ranges the rollout steps separately (``env_overlap``, :mod:`mamba_rl.envs.parts`), or None.
+
+        Raises:
+            ValueError: ``env_overlap="on"`` where the envs cannot step in parts.
+        """
+        c = self.config
+        parts = env_part_rows(self.envs) if c.env_overlap != "off" else None
+        if c.env_overlap == "on" and parts is None:
+            raise ValueError(f"PPOConfig.env_overlap 'on' needs a vector env that steps in parts (the EnvPool backend, "
+                             f">= 2 envs); expected env_overlap 'auto' or 'off' here, got 'on' with env_backend "
+                             f"{c.env_backend!r} and {c.num_envs} envs")
+        return parts
 
     # --------------------------------------------------------------- rollout
     def _advance(self) -> int:

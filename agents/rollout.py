@@ -42,7 +42,7 @@ from .gae import compute_gae
 from .policy import HostStager, Policy
 
 __all__ = ["RolloutBuffer", "RolloutCarry", "RolloutResult", "Actor", "EagerActor", "collect_rollout",
-           "adopt_vec_env"]
+           "adopt_vec_env", "check_parts"]
 
 Episode = tuple[int, float, int]  # (global step at its end, return, length)
 
@@ -148,7 +148,10 @@ class RolloutResult:
 
 
 class Actor(Protocol):
-    """What :func:`collect_rollout` needs of an actor (:class:`EagerActor`, ``GraphActor``)."""
+    """What :func:`collect_rollout` needs of an actor (:class:`EagerActor`, ``GraphActor``).
+
+    An actor may also have ``parts`` (row ranges, :mod:`mamba_rl.envs.parts`), ``stagers`` (one per part) and
+    ``act(t, part)``: with more than one part the loop acts on one part while the others' envs step."""
 
     stager: HostStager  # the [N, input_dim + 1] stage the loop writes each step's input into
     stepper: Stepper  # carries the recurrent state (reset with the envs)
@@ -170,78 +173,117 @@ class EagerActor:
     back in one copy (into a pinned buffer on CUDA, valid until the next step), and
     sampling (``generator``), log-probs and storage happen on the host, in a CPU :class:`RolloutBuffer`.
 
+    With ``parts`` (row ranges of an env stack that steps in parts, :mod:`mamba_rl.envs.parts`) each part has
+    its own stepper (a contiguous state, copied from ``stepper``'s rows at :meth:`begin` and back at
+    :meth:`finish`) and :meth:`act` takes the part: the rollout acts on one part while the others' envs step
+    (on the CPU the policy's thread and EnvPool's threads then work at once).
+
     Args:
         policy: the policy (heads, input layout). stepper: its stepper of batch N (the rollout's state).
         buffer: the CPU buffer of N envs to fill. generator: the CPU sampling generator.
         gamma, gae_lambda: GAE's discount and lambda.
+        parts: None (all N rows at once) or consecutive non-empty row slices covering ``[0, N)``.
+
+    Raises:
+        ValueError: ``parts`` that are not consecutive non-empty row slices covering the N rows.
     """
 
     def __init__(self, policy: Policy, stepper: Stepper, buffer: RolloutBuffer, generator: torch.Generator,
-                 gamma: float, gae_lambda: float):
+                 gamma: float, gae_lambda: float, parts: tuple[slice, ...] | None = None):
         self.policy, self.stepper, self.buffer, self.generator = policy, stepper, buffer, generator
         self.gamma, self.gae_lambda = gamma, gae_lambda
+        n, d = buffer.num_envs, policy.input_dim
+        self.parts = check_parts(parts, n, "EagerActor")
         cuda = policy.device.type == "cuda"
-        self.stage_t = torch.zeros(buffer.num_envs, policy.input_dim + 1, pin_memory=cuda)
+        self.stage_t = torch.zeros(n, d + 1, pin_memory=cuda)
         self.stager = HostStager(policy, self.stage_t.numpy())
+        self.stagers = tuple(HostStager(policy, self.stage_t.numpy()[r]) for r in self.parts)
         # CUDA: the heads' outputs come back into one pinned buffer (an async copy and a stream sync per step,
         # no pageable allocation); on the CPU they are used where they are
-        self.out_pin = torch.zeros(buffer.num_envs, policy.actor.out_dim + 1, pin_memory=True) if cuda else None
+        self.out_pin = torch.zeros(n, policy.actor.out_dim + 1, pin_memory=True) if cuda else None
         b = buffer
         self.env_arrays = (b.rewards.numpy(), b.terminations.numpy(), b.truncations.numpy(), b.valid.numpy())
         # the host writes the CPU buffer through numpy views (a numpy column write is ~1 us, a torch one ~4 us)
         self._np = {k: getattr(b, k).numpy() for k in ("inputs", "episode_starts", "values", "actions", "logprobs")}
         # the CPU: the stepper reads a contiguous copy of the staged input and the start flags, both written in
         # place each step (no allocation, no torch op); CUDA copies the whole stage to the device instead
-        n, d = buffer.num_envs, policy.input_dim
         self._x = None if cuda else torch.zeros(n, d)
         self._starts = None if cuda else torch.zeros(n, dtype=torch.bool)
+        self.part_steppers = (stepper,) if len(self.parts) == 1 else tuple(
+            policy.net.stepper(batch=r.stop - r.start) for r in self.parts)
 
     def begin(self) -> None:
         """Rollout start: store the stepper state as the update's initial state, refresh the fused heads."""
         self.buffer.initial_state.copy_(self.stepper.state)
+        if len(self.parts) > 1:
+            for rows, part in zip(self.parts, self.part_steppers):
+                part.state.copy_(self.stepper.state.index(rows))
         self.w, self.bias = self.policy.fused_heads()
         self.log_std = self.policy.host_log_std()
 
-    def _heads(self) -> torch.Tensor:
+    def _heads(self, rows: slice, stepper: Stepper) -> torch.Tensor:
+        """[rows, P + 1] actor raw outputs | value of the staged ``rows`` (advances ``stepper``)."""
         d = self.policy.input_dim
         if self._x is not None:  # the CPU: the stage's input and start columns into the stepper's inputs
-            stage = self.stager.stage
-            np.copyto(self._x.numpy(), stage[:, :d])
-            np.greater(stage[:, d], 0.5, out=self._starts.numpy())
-            feat = self.stepper.step(self._x, episode_starts=self._starts)
+            stage, x, starts = self.stager.stage[rows], self._x[rows], self._starts[rows]
+            np.copyto(x.numpy(), stage[:, :d])
+            np.greater(stage[:, d], 0.5, out=starts.numpy())
+            feat = stepper.step(x, episode_starts=starts)
         else:
-            dev = self.stage_t.to(self.policy.device, non_blocking=True)
-            feat = self.stepper.step(dev[:, :d].contiguous(), episode_starts=dev[:, d] > 0.5)
-        out = torch.addmm(self.bias, feat, self.w)  # [N, P + 1]: actor raw outputs | value
+            dev = self.stage_t[rows].to(self.policy.device, non_blocking=True)
+            feat = stepper.step(dev[:, :d].contiguous(), episode_starts=dev[:, d] > 0.5)
+        out = torch.addmm(self.bias, feat, self.w)  # [rows, P + 1]: actor raw outputs | value
         if self.out_pin is None:
             return out
-        self.out_pin.copy_(out, non_blocking=True)
+        pin = self.out_pin[rows]
+        pin.copy_(out, non_blocking=True)
         torch.cuda.current_stream(self.policy.device).synchronize()
-        return self.out_pin
+        return pin
 
-    def act(self, t: int) -> np.ndarray:
-        """One step from the staged input; returns the stored-form actions [N, action_dim]."""
+    def act(self, t: int, part: int = 0) -> np.ndarray:
+        """One step of part ``part``'s rows from their staged input; returns their stored-form actions
+        [rows, action_dim]."""
         actor, d, b = self.policy.actor, self.policy.input_dim, self._np
-        out = self._heads()
+        rows = self.parts[part]
+        out = self._heads(rows, self.part_steppers[part])
         p_dim = actor.out_dim
         dist = actor.dist(out[:, :p_dim], self.log_std)
         action = dist.sample(self.generator)
-        stage, act = self.stager.stage, action.numpy()
-        b["inputs"][:, t] = stage[:, :d]
-        np.greater(stage[:, d], 0.5, out=b["episode_starts"][:, t])
-        b["values"][:, t] = out.numpy()[:, p_dim]
-        b["actions"][:, t] = act
-        b["logprobs"][:, t] = dist.log_prob_numpy(act)
+        stage, act = self.stager.stage[rows], action.numpy()
+        b["inputs"][rows, t] = stage[:, :d]
+        np.greater(stage[:, d], 0.5, out=b["episode_starts"][rows, t])
+        b["values"][rows, t] = out.numpy()[:, p_dim]
+        b["actions"][rows, t] = act
+        b["logprobs"][rows, t] = dist.log_prob_numpy(act)
         return act
 
     def finish(self) -> None:
         """V(next obs) with the carried state, without advancing it (exact V(final obs) after a done), then GAE."""
         buf = self.buffer
+        if len(self.parts) > 1:  # the parts' states back into the stepper's rows
+            for rows, part in zip(self.parts, self.part_steppers):
+                self.stepper.state.index(rows).copy_(part.state)
         saved = self.stepper.get_state()
-        next_value = self._heads()[:, -1].clone()
+        next_value = self._heads(slice(None), self.stepper)[:, -1].clone()
         self.stepper.load_state(saved)
         buf.advantages, buf.returns = compute_gae(buf.rewards, buf.values, buf.terminations, buf.truncations,
                                                   buf.valid, next_value, self.gamma, self.gae_lambda)
+
+
+def check_parts(parts: tuple[slice, ...] | None, n: int, who: str) -> tuple[slice, ...]:
+    """``parts`` as a tuple of consecutive non-empty ``slice(start, stop)`` covering ``[0, n)`` (None: one part).
+
+    Raises:
+        ValueError: anything else, naming ``who``.
+    """
+    if parts is None:
+        return (slice(0, n),)
+    parts = tuple(parts)
+    ok = bool(parts) and all(isinstance(r, slice) and r.step in (None, 1) and isinstance(r.start, int)
+                             and isinstance(r.stop, int) and r.stop > r.start for r in parts)
+    if not ok or parts[0].start != 0 or parts[-1].stop != n or any(a.stop != b.start for a, b in zip(parts, parts[1:])):
+        raise ValueError(f"{who}: expected parts as consecutive non-empty row slices covering [0, {n}), got {parts!r}")
+    return parts
 
 
 def adopt_vec_env(envs: gym.vector.VectorEnv, num_envs: int, nonfinite: str = "raise") -> gym.vector.VectorEnv:
@@ -278,7 +320,10 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     Per step, the host only stages the input (:class:`~mamba_rl.agents.policy.HostStager`), lets the
     actor act, steps the envs and records rewards / dones in numpy (whole-array operations, no per-env
     Python; rows of time-major scratch, copied into the actor's [N, T] arrays after the last step); it reads
-    the infos only when an episode ended. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
+    the infos only when an episode ended. With an actor of several ``parts`` (and an env stack that steps in
+    those parts, :mod:`mamba_rl.envs.parts`) each step goes part by part: receive the part's previous step,
+    stage, act and send it, so that the other parts' envs step while this one acts; the last step's parts are
+    received before the bootstrap. Same per-env semantics; the episodes of a step come in sub-env order. Semantics of docs/architecture.md, "Agent loop": NextStep autoreset (the reset step
     is marked invalid), previous action/reward zeroed at starts, the carry kept across rollouts.
 
     Args:
@@ -302,7 +347,7 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
         actor.stepper.reset()
     t0 = time.perf_counter()
     stager = actor.stager
-    next_obs = carry.next_obs.numpy()
+    next_obs = carry.next_obs.numpy().copy()
     next_start = carry.next_start.numpy().copy()
     next_done = carry.next_done.numpy().copy()
     prev_action = carry.prev_action.numpy().copy()
@@ -315,29 +360,55 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     ep_steps: list[np.ndarray] = []  # per step with finished episodes: the global step, once per episode
     ep_parts: list[tuple[np.ndarray, np.ndarray]] = []  # and their (returns float64, lengths int64)
     env_s = 0.0
-    actor.begin()
-    for t in range(num_steps):
-        start = next_start | memoryless
-        stager.build(next_obs, prev_action, prev_reward, start)
-        valid[t] = ~next_done
-        action = actor.act(t)
-        np.copyto(prev_action, action)
-        e0 = time.perf_counter()
-        obs, reward, term, trunc, info = envs.step(stager.to_env(prev_action))
-        env_s += time.perf_counter() - e0
-        global_step = advance()
-        rewards[t] = reward
-        terms[t] = term
-        truncs[t] = trunc
+    global_step = 0
+
+    def record(t: int, rows: slice, obs, reward, term, trunc, info) -> None:
+        """What the env returned for step t of the sub-envs ``rows``."""
+        rewards[t, rows] = reward
+        terms[t, rows] = term
+        truncs[t, rows] = trunc
         # the obs after a reset step is the first obs of the next episode
-        next_start = next_done
-        next_done = np.logical_or(term, trunc)
-        prev_reward = np.asarray(reward, dtype=np.float32).copy()
-        next_obs = obs
+        next_start[rows] = next_done[rows]
+        next_done[rows] = np.logical_or(term, trunc)
+        prev_reward[rows] = reward
+        next_obs[rows] = np.reshape(obs, next_obs[rows].shape)
         if "_episode" in info:  # arrays now, tuples once after the loop (no per-episode Python per step)
             ep_rets, ep_lens = finished_episode_arrays(info)
             ep_steps.append(np.full(ep_rets.shape[0], global_step, dtype=np.int64))
             ep_parts.append((ep_rets, ep_lens))
+
+    parts = getattr(actor, "parts", None)
+    actor.begin()
+    if parts is None or len(parts) == 1:
+        everything = slice(None)
+        for t in range(num_steps):
+            stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
+            valid[t] = ~next_done
+            np.copyto(prev_action, actor.act(t))
+            e0 = time.perf_counter()
+            step = envs.step(stager.to_env(prev_action))
+            env_s += time.perf_counter() - e0
+            global_step = advance()
+            record(t, everything, *step)
+    else:  # act on one part while the other parts' envs step (mamba_rl.envs.parts)
+        stagers = actor.stagers
+        for t in range(num_steps + 1):
+            for h, rows in enumerate(parts):
+                if t:  # the step t - 1 of this part, sent below one step ago
+                    e0 = time.perf_counter()
+                    step = envs.recv_part(h)
+                    env_s += time.perf_counter() - e0
+                    if h == 0:
+                        global_step = advance()
+                    record(t - 1, rows, *step)
+                if t == num_steps:
+                    continue
+                stagers[h].build(next_obs[rows], prev_action[rows], prev_reward[rows], next_start[rows] | memoryless)
+                valid[t, rows] = ~next_done[rows]
+                prev_action[rows] = actor.act(t, h)
+                e0 = time.perf_counter()
+                envs.send_part(h, stagers[h].to_env(prev_action[rows]))
+                env_s += time.perf_counter() - e0
     for dst, src in zip(out, (rewards, terms, truncs, valid)):
         dst[:, :num_steps] = src.T
     if ep_steps:

@@ -277,16 +277,18 @@ def _probe_cost_us(calls: int = 20000) -> float:
 
 
 def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: str, async_envs: bool,
-              d_model: int, n_layers: int, seed: int = 0, env_backend: str = "gymnasium") -> dict:
+              d_model: int, n_layers: int, seed: int = 0, env_backend: str = "gymnasium",
+              env_overlap: str = "auto") -> dict:
     """RecurrentPPO training SPS and its rollout / update split over ``updates`` updates after one
-    warm-up update (graph capture happens in the constructor, outside the timing)."""
+    warm-up update (graph capture happens in the constructor, outside the timing); ``env_overlap``: PPOConfig's
+    (the two-halves rollout, ``env_parts`` in the result says whether it ran)."""
     from mamba_rl.agents import PPOConfig, RecurrentPPO
 
     tmp = tempfile.mkdtemp(prefix="mamba_rl_sps_")
     cfg = PPOConfig(env_id="CartPole-v1", num_envs=num_envs, num_steps=num_steps, device=device, dtype=dtype,
                     seed=seed, total_timesteps=(updates + 1) * num_envs * num_steps, track=False, async_envs=async_envs,
                     checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp, d_model=d_model, n_layers=n_layers,
-                    env_backend=env_backend)
+                    env_backend=env_backend, env_overlap=env_overlap)
     t0 = time.perf_counter()
     agent = RecurrentPPO(config=cfg)
     build_s = time.perf_counter() - t0
@@ -294,9 +296,9 @@ def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: s
     act_s = [0.0]
     act = agent.actor.act
 
-    def timed_act(t):  # the policy step as the loop sees it: stage copy, replay, the wait for the action
+    def timed_act(t, part=0):  # the policy step as the loop sees it: stage copy, replay, the wait for the action
         a0 = time.perf_counter()
-        out = act(t)
+        out = act(t, part)
         act_s[0] += time.perf_counter() - a0
         return out
 
@@ -335,7 +337,8 @@ def agent_sps(num_envs: int, updates: int, num_steps: int, device: str, dtype: s
            "update_ms_per_update": update_ms, "update_ms_per_2048": update_ms * 2048 / (num_envs * num_steps),
            "final_losses": {k: hist[-1][k] for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy")},
            "backend": agent.policy.net.backend, "cuda_graphs": agent.config.cuda_graphs and agent.device.type == "cuda",
-           "host_copies_in_graph": bool(getattr(agent.actor, "copies_in_graph", False))}
+           "host_copies_in_graph": bool(getattr(agent.actor, "copies_in_graph", False)),
+           "env_overlap": env_overlap, "env_parts": len(agent.actor.parts)}
     agent.close()
     return out
 
@@ -421,7 +424,8 @@ def _table(results: list[dict]) -> str:
             " sb3 SPS | agent/sb3 | host us/step | of it act us | update ms/2048 |")
     lines = [head, "|" + "---|" * 13]
     for r in results:
-        backend = r["env_backend"] + (f" {r['dtype']}" if r.get("dtype", "f32") != "f32" else "")
+        backend = r["env_backend"] + (f" {r['dtype']}" if r.get("dtype", "f32") != "f32" else "") + \
+            (" halves" if r.get("env_parts", 1) > 1 else "")
         lines.append(" | ".join(["", backend, str(r["num_envs"]), _fmt(r, "bare_env_sps", ",.0f"),
                                  _fmt(r, "raw_env_sps", ",.0f"), _fmt(r, "raw_over_bare", ".2f"),
                                  _fmt(r, "agent_sps", ",.0f"), _fmt(r, "agent_fraction_of_raw", ".2f"),
@@ -458,6 +462,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sb3-max-envs", type=int, default=64, help="skip sb3-contrib above this many envs (too slow)")
     p.add_argument("--sb3-threads", type=int, default=2,
                    help="torch CPU threads while sb3-contrib runs (0: leave torch's default)")
+    p.add_argument("--env-overlap", nargs="+", default=["auto"], choices=("auto", "on", "off"),
+                   help="EnvPool rows: one row per mode (PPOConfig.env_overlap: the two-halves rollout)")
     p.add_argument("--bf16-envs", type=int, nargs="*", default=[],
                    help="extra EnvPool rows at these env counts with --dtype bf16 (after the others)")
     p.add_argument("--out", "--json", dest="out", default=None, help="write the JSON here")
@@ -472,12 +478,13 @@ def main(argv=None) -> dict:
     if a.nproc > 1:
         return _ddp(a, device)
 
-    rows = [(backend, n, a.dtype) for backend in a.env_backend for n in a.envs]
+    modes = {"gymnasium": ["auto"], "envpool": a.env_overlap}
+    rows = [(backend, n, a.dtype, m) for backend in a.env_backend for n in a.envs for m in modes[backend]]
     if "envpool" in a.env_backend:
-        rows += [("envpool", n, "bf16") for n in a.bf16_envs]
+        rows += [("envpool", n, "bf16", m) for n in a.bf16_envs for m in a.env_overlap]
     results: list[dict] = []
-    for backend, n, dtype in rows:
-        results.append(_row(a, backend, n, device, dtype))
+    for backend, n, dtype, overlap in rows:
+        results.append(_row(a, backend, n, device, dtype, overlap))
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         _write(_report(a, device, results), a.out, "sps.json", quiet=True)  # what is done survives a timeout
     report = _report(a, device, results)
@@ -507,18 +514,20 @@ def _report(a: argparse.Namespace, device: str, results: list[dict]) -> dict:
     }
 
 
-def _row(a: argparse.Namespace, backend: str, n: int, device: str, dtype: str) -> dict:
+def _row(a: argparse.Namespace, backend: str, n: int, device: str, dtype: str, overlap: str = "auto") -> dict:
     """One row: the env rates (bare library env and ours, alternating), the profile, training SPS, GAE, sb3."""
     row = {"env_backend": backend, "num_envs": n, "num_steps": a.num_steps, "async_envs": a.async_envs, "dtype": dtype}
     row.update(env_rates(n, max(a.raw_steps, a.min_iters * n), backend, a.async_envs, rounds=a.env_rounds,
                          min_iters=a.min_iters))
-    if not a.no_profile and not a.async_envs and (a.profile_backend is None or backend in a.profile_backend):
+    first_mode = backend != "envpool" or overlap == a.env_overlap[0]  # one profile per env count
+    if not a.no_profile and not a.async_envs and first_mode and \
+            (a.profile_backend is None or backend in a.profile_backend):
         row["env_profile"] = env_profile(n, max(a.raw_steps // 2, 20 * n), backend)
         row.update(loop_overhead_us(n, backend, num_steps=32, rollouts=2))
     if a.env_only:
         return row
     row.update(agent_sps(n, _updates_for(n, a.updates), a.num_steps, device, dtype, a.async_envs, a.d_model,
-                         a.n_layers, env_backend=backend))
+                         a.n_layers, env_backend=backend, env_overlap=overlap))
     row.update(gae_times(n, a.num_steps, device))
     row["sb3_sps"] = None
     if a.no_sb3:
@@ -551,7 +560,8 @@ def must_show(results: list[dict]) -> dict:
                         ("envpool_bf16", [r for r in pool if r.get("dtype") == "bf16"])):
         if rows:
             best = max(rows, key=lambda r: r["agent_sps"])
-            out[label] = {"best_num_envs": best["num_envs"], "agent_sps": round(best["agent_sps"]),
+            out[label] = {"best_num_envs": best["num_envs"], "env_parts": best.get("env_parts", 1),
+                          "agent_sps": round(best["agent_sps"]),
                           "bare_env_sps": round(best["bare_env_sps"]),
                           "agent_over_bare": round(best["agent_sps"] / best["bare_env_sps"], 3),
                           "sps_met": best["agent_sps"] >= 300_000,

@@ -7,7 +7,7 @@ ids (the module is imported first, in the main process and in every async worker
 Modules: :mod:`.registry` (id checks, ``list_env_ids`` for ``mamba-rl envs``), :mod:`.vector` (the
 factories), :mod:`.wrappers` (picklable flattening wrappers, vector-stack helpers), :mod:`.guards`
 (non-finite values and dead workers at the env boundary), :mod:`.stats` (vector episode statistics and
-reward normalisation), :mod:`.envpool_backend` (the optional EnvPool backend), :mod:`.pomdp`.
+reward normalisation), :mod:`.envpool_backend` (the optional EnvPool backend), :mod:`.parts` (stepping in parts), :mod:`.pomdp`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_available, env
 from .guards import EnvGuard, EnvWorkerDied, NonFiniteEnvError, flatten_observation
 from .pomdp import POMDP_ENV_IDS, MaskObservation, make_masked_env, register_pomdp_envs
 from .registry import check_env_id, list_env_ids
-from .stats import VecEpisodeStatistics, VecNormalizeReward
+from .parts import PartedStep, env_part_rows
+from .stats import VecEpisodeStatistics, VecNormalizeObservation, VecNormalizeReward
 from .vector import check_start_method, make_env, make_vec_env, resolve_env_backend
 from .wrappers import (FlattenObs, FlattenVecObs, Float32Obs, find_vector_wrapper, finished_episode_arrays,
                        finished_episodes, flatten_vec_obs, needs_flatten, raw_observation_space)
@@ -26,7 +27,8 @@ __all__ = [
     "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "FlattenObs", "FlattenVecObs", "Float32Obs",
     "MaskObservation", "POMDP_ENV_IDS", "make_masked_env", "register_pomdp_envs", "EnvGuard", "EnvWorkerDied",
     "NonFiniteEnvError", "flatten_observation", "ENV_BACKENDS", "EnvPoolVecEnv", "envpool_available", "envpool_task",
-    "resolve_env_backend", "VecEpisodeStatistics", "VecNormalizeReward",
+    "resolve_env_backend", "VecEpisodeStatistics", "VecNormalizeReward", "VecNormalizeObservation", "PartedStep",
+    "env_part_rows",
 ]
 
 register_pomdp_envs()

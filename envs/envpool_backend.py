@@ -18,6 +18,9 @@ sync mode (every step steps all envs) to what the rollout expects of the gymnasi
 :func:`mamba_rl.envs.make_vec_env` stacks the same guard, statistics and normalisation wrappers over it as
 over a SyncVectorEnv. EnvPool's async mode (``batch_size < num_envs``, a different subset of envs per step)
 is not offered: the recurrent rollout steps every env every step (one state row per env, [N, T] storage).
+Instead, ``parts=2`` splits the envs into two pools of fixed rows that step one while the other waits
+(:meth:`EnvPoolVecEnv.send_part` / :meth:`EnvPoolVecEnv.recv_part`, EnvPool's own ``send`` / ``recv``, which
+release the GIL): the rollout acts on one half while the other half's pool steps (:mod:`mamba_rl.envs.parts`).
 """
 
 from __future__ import annotations
@@ -84,18 +87,22 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
         env_id: an id :func:`envpool_task` maps (EnvPool's own, or a ``mamba_rl/*NoVel*`` id of a task it has).
         num_envs: sub-envs, >= 1.
         seed: the seed of sub-env 0 until a ``reset(seed=...)`` sets another (sub-env i: ``seed + i``).
-        num_threads: EnvPool's worker threads (0: EnvPool's default, one per core up to ``num_envs``).
+        num_threads: EnvPool's worker threads per pool (0: EnvPool's default, one per core up to its envs).
         pool_kwargs: extra keyword arguments for ``envpool.make`` (e.g. ``max_episode_steps``).
+        parts: 1, or 2 pools of fixed row ranges (:attr:`part_rows`: rows ``[0, N//2)`` and ``[N//2, N)``; sub-env
+            i keeps the seed ``seed + i``) that can step separately (:meth:`send_part` / :meth:`recv_part`);
+            :meth:`step` steps both at once, the same transitions as one pool of N.
 
     Raises:
         ImportError: envpool is not installed (``pip install -e ".[envpool]"``).
-        ValueError: EnvPool has no task for ``env_id``, or ``num_envs < 1``.
+        ValueError: EnvPool has no task for ``env_id``, ``num_envs < 1``, or ``parts`` not 1 or 2 (or 2 with
+            fewer than 2 envs).
     """
 
     metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP}
 
     def __init__(self, env_id: str, num_envs: int, seed: int = 0, num_threads: int = 0,
-                 pool_kwargs: dict[str, Any] | None = None):
+                 pool_kwargs: dict[str, Any] | None = None, parts: int = 1):
         if not envpool_available():
             raise ImportError(f"env backend 'envpool' needs the optional envpool package: pip install -e \".[envpool]\" "
                               f"(or pip install envpool); got env id {env_id!r}")
@@ -105,17 +112,23 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
                              f"{sorted(POMDP_ENV_IDS)} id of one (use --env-backend gymnasium for this id)")
         if int(num_envs) < 1:
             raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+        if parts not in (1, 2) or isinstance(parts, bool) or (parts == 2 and int(num_envs) < 2):
+            raise ValueError(f"EnvPoolVecEnv: expected parts 1 or 2 (2 needs num_envs >= 2), got parts={parts!r} "
+                             f"with num_envs={num_envs}")
         self.env_id, self.task_id, keep, max_steps = env_id, task[0], task[1], task[2]
         self.num_envs, self.num_threads = int(num_envs), int(num_threads)
         self.pool_kwargs = dict(pool_kwargs or {})
         if max_steps is not None:
             self.pool_kwargs.setdefault("max_episode_steps", max_steps)
         self._keep = None if keep is None else np.asarray(keep, dtype=np.int64)
-        self._order = np.arange(self.num_envs, dtype=np.int32)
+        half = self.num_envs // 2
+        self.part_rows = (slice(0, self.num_envs),) if parts == 1 else (slice(0, half), slice(half, self.num_envs))
+        self._orders = tuple(np.arange(r.stop - r.start, dtype=np.int32) for r in self.part_rows)
         self._seed = int(seed)
-        self.pool = self._make_pool(self._seed)
+        self.pools = self._make_pools(self._seed)
+        self._sent = [False] * len(self.pools)  # a part's step sent and not received yet
         with _QuietBounds():
-            space, act_space = self.pool.observation_space, self.pool.action_space
+            space, act_space = self.pools[0].observation_space, self.pools[0].action_space
         if self._keep is not None:
             space = spaces.Box(space.low[self._keep], space.high[self._keep], dtype=space.dtype)
         if isinstance(space, spaces.Box) and space.dtype != np.float32:
@@ -126,17 +139,22 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
         self.action_space = gym.vector.utils.batch_space(self.single_action_space, self.num_envs)
         self.closed = False
 
-    def _make_pool(self, seed: int):
+    def _make_pools(self, seed: int) -> tuple:
         import envpool
 
         with _QuietBounds():
-            return envpool.make(self.task_id, env_type="gymnasium", num_envs=self.num_envs, batch_size=self.num_envs,
-                                seed=seed, num_threads=self.num_threads, **self.pool_kwargs)
+            return tuple(envpool.make(self.task_id, env_type="gymnasium", num_envs=r.stop - r.start,
+                                      batch_size=r.stop - r.start, seed=seed + r.start, num_threads=self.num_threads,
+                                      **self.pool_kwargs) for r in self.part_rows)
 
-    def _rows(self, obs: np.ndarray, info: dict[str, Any], *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The batch in env order, observations masked and float32."""
-        env_id = info.get("env_id")
-        if env_id is not None and not (env_id.shape == self._order.shape and (env_id == self._order).all()):
+    def _close_pools(self) -> None:
+        for pool in getattr(self, "pools", ()):
+            pool.close()
+
+    def _rows(self, part: int, obs: np.ndarray, info: dict[str, Any], *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Part ``part``'s batch in env order, observations masked and float32."""
+        env_id, order = info.get("env_id"), self._orders[part]
+        if env_id is not None and not (env_id.shape == order.shape and (env_id == order).all()):
             order = np.argsort(env_id, kind="stable")
             obs, arrays = obs[order], tuple(a[order] for a in arrays)
         if self._keep is not None:
@@ -151,30 +169,63 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
         """
         if options:
             raise ValueError(f"EnvPoolVecEnv.reset: expected no options (every env is reset), got {options!r}")
+        for h, sent in enumerate(self._sent):  # a step sent and never received (an interrupted rollout)
+            if sent:
+                self.pools[h].recv()
+                self._sent[h] = False
         if seed is not None:
             if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
                 raise ValueError(f"EnvPoolVecEnv.reset: expected an int seed (sub-env i gets seed + i), got {seed!r}")
             if int(seed) != self._seed or getattr(self, "_stepped", False):
-                self.pool.close()
+                self._close_pools()
                 self._seed = int(seed)
-                self.pool = self._make_pool(self._seed)
+                self.pools = self._make_pools(self._seed)
         self._stepped = True
+        self._sent = [False] * len(self.pools)
         with _QuietBounds():
-            obs, info = self.pool.reset()
-        (obs,) = self._rows(obs, info)
-        return obs, {}
+            parts = [self._rows(h, *pool.reset())[0] for h, pool in enumerate(self.pools)]
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)), {}
 
-    def step(self, actions: Any):
-        """Step every sub-env (NextStep autoreset); returns float32 obs, float64 rewards, bool dones, ``{}``."""
-        obs, reward, term, trunc, info = self.pool.step(np.asarray(actions))
-        obs, reward, term, trunc = self._rows(obs, info, reward, term, trunc)
+    def send_part(self, part: int, actions: Any) -> None:
+        """Start stepping the sub-envs of ``part_rows[part]`` with ``actions`` (their rows); returns at once.
+
+        Raises:
+            ValueError: an unknown part, or a part sent twice without a :meth:`recv_part` between.
+        """
+        if not 0 <= part < len(self.pools) or self._sent[part]:
+            raise ValueError(f"EnvPoolVecEnv.send_part: expected a part in [0, {len(self.pools)}) not sent yet, got "
+                             f"part {part!r} (sent: {self._sent})")
+        self.pools[part].send(np.asarray(actions))
+        self._sent[part] = True
+
+    def recv_part(self, part: int):
+        """Wait for the step of ``part`` sent last; returns its rows as :meth:`step` does (NextStep autoreset).
+
+        Raises:
+            ValueError: ``part`` was not sent.
+        """
+        if not 0 <= part < len(self.pools) or not self._sent[part]:
+            raise ValueError(f"EnvPoolVecEnv.recv_part: expected a part sent with send_part, got part {part!r} "
+                             f"(sent: {self._sent})")
+        obs, reward, term, trunc, info = self.pools[part].recv()
+        self._sent[part] = False
+        obs, reward, term, trunc = self._rows(part, obs, info, reward, term, trunc)
         return obs, reward.astype(np.float64), term.astype(bool, copy=False), trunc.astype(bool, copy=False), {}
 
+    def step(self, actions: Any):
+        """Step every sub-env (NextStep autoreset; every part at once); returns float32 obs, float64 rewards, bool
+        dones, ``{}``."""
+        actions = np.asarray(actions)
+        for h, rows in enumerate(self.part_rows):
+            self.send_part(h, actions[rows])
+        outs = [self.recv_part(h) for h in range(len(self.pools))]
+        if len(outs) == 1:
+            return outs[0]
+        return (*(np.concatenate([o[i] for o in outs]) for i in range(4)), {})
+
     def close_extras(self, **kwargs: Any) -> None:
-        """Close the pool (its threads)."""
-        pool = getattr(self, "pool", None)
-        if pool is not None:
-            pool.close()
+        """Close the pools (their threads)."""
+        self._close_pools()
 
     def __getstate__(self):
         raise TypeError("an EnvPool vector env cannot be pickled (its envs live in a C++ thread pool)")

@@ -23,6 +23,8 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
+from .parts import PartedStep
+
 __all__ = ["EnvGuard", "NonFiniteEnvError", "EnvWorkerDied", "NONFINITE_POLICIES", "flatten_observation"]
 
 NONFINITE_POLICIES = ("raise", "zero")
@@ -48,13 +50,16 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-class EnvGuard(gym.vector.VectorWrapper):
+class EnvGuard(PartedStep, gym.vector.VectorWrapper):
     """Check a vector env's observations and rewards for NaN / inf, and name dead async workers.
 
     Args:
         env: the vector env (observations: a float array [num_envs, ...] or a Dict/Tuple of arrays).
         nonfinite: ``"raise"``: raise :class:`NonFiniteEnvError`; ``"zero"``: replace each non-finite
             value by 0 and count it.
+
+    Steps in parts too (:mod:`mamba_rl.envs.parts`): a vector step counts when part 0 is received, and the
+    messages name the sub-env's index in the whole vector env.
 
     Attributes:
         nonfinite: the policy. steps: ``step`` calls so far (a reset does not count).
@@ -84,12 +89,16 @@ class EnvGuard(gym.vector.VectorWrapper):
         return self._check_obs(obs, "reset"), info
 
     def step(self, actions: Any):
-        obs, reward, term, trunc, info = self._call(lambda: self.env.step(actions))
         self.steps += 1
-        where = f"step {self.steps}"
-        obs = self._check_obs(obs, where)
-        reward = self._check_reward(reward, where)
-        return obs, reward, term, trunc, info
+        return self._post(slice(None), *self._call(lambda: self.env.step(actions)))
+
+    def recv_part(self, part: int):
+        self.steps += part == 0
+        return self._post(self.part_rows[part], *self.env.recv_part(part))
+
+    def _post(self, rows: slice, obs: Any, reward: Any, term: Any, trunc: Any, info: dict[str, Any]):
+        where, first = f"step {self.steps}", rows.start or 0
+        return self._check_obs(obs, where, first), self._check_reward(reward, where, first), term, trunc, info
 
     # ------------------------------------------------------------------ checks
     def _call(self, fn):
@@ -120,11 +129,12 @@ class EnvGuard(gym.vector.VectorWrapper):
         out[bad] = 0
         return out
 
-    def _check_obs(self, obs: Any, where: str) -> Any:
+    def _check_obs(self, obs: Any, where: str, first: int = 0) -> Any:
+        """``obs`` checked (policy "zero": fixed); ``first`` is the sub-env index of its row 0."""
         if isinstance(obs, dict):
-            return {k: self._check_obs(v, where) for k, v in obs.items()}
+            return {k: self._check_obs(v, where, first) for k, v in obs.items()}
         if isinstance(obs, tuple):
-            return tuple(self._check_obs(v, where) for v in obs)
+            return tuple(self._check_obs(v, where, first) for v in obs)
         arr = np.asarray(obs)
         if arr.dtype.kind != "f" or np.isfinite(arr).all():  # kind "f": every numpy floating type
             return obs
@@ -132,6 +142,7 @@ class EnvGuard(gym.vector.VectorWrapper):
         if self.nonfinite == "raise":
             rows = np.nonzero(bad.reshape(arr.shape[0], -1).any(axis=1))[0] if arr.ndim else np.array([0])
             vals = arr.reshape(arr.shape[0], -1)[rows[0]] if arr.ndim else arr.reshape(1)
+            rows = rows + first
             raise NonFiniteEnvError(
                 f"env {int(rows[0])} returned a non-finite observation at {where} of the vector env "
                 f"(expected finite values, got {vals[~np.isfinite(vals)][:4].tolist()} among {vals.size}; "
@@ -140,7 +151,7 @@ class EnvGuard(gym.vector.VectorWrapper):
         self.nonfinite_obs += int(bad.sum())
         return self._fix(arr, bad)
 
-    def _check_reward(self, reward: Any, where: str) -> Any:
+    def _check_reward(self, reward: Any, where: str, first: int = 0) -> Any:
         arr = np.asarray(reward)
         if arr.dtype.kind != "f" or np.isfinite(arr).all():
             return reward
@@ -148,9 +159,9 @@ class EnvGuard(gym.vector.VectorWrapper):
         if self.nonfinite == "raise":
             rows = np.nonzero(bad.reshape(-1))[0]
             raise NonFiniteEnvError(
-                f"env {int(rows[0])} returned a non-finite reward at {where} of the vector env (expected a "
+                f"env {int(rows[0]) + first} returned a non-finite reward at {where} of the vector env (expected a "
                 f"finite number, got {float(arr.reshape(-1)[rows[0]])}; envs with non-finite rewards: "
-                f"{rows.tolist()}). Fix the env, or pass nonfinite='zero' (mamba-rl train --nonfinite zero) "
+                f"{(rows + first).tolist()}). Fix the env, or pass nonfinite='zero' (mamba-rl train --nonfinite zero) "
                 f"to replace them by 0 and count them")
         self.nonfinite_rewards += int(bad.sum())
         return self._fix(arr, bad)

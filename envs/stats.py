@@ -12,7 +12,8 @@ gives bit-identical results with fewer numpy calls:
   each (:func:`mean_var`), the very reductions ``np.mean`` / ``np.var`` run, instead of two full calls.
 
 Both support gymnasium's three autoreset modes as the originals do; the tests compare them with the
-originals step by step over random episodes.
+originals step by step over random episodes. They, and :class:`VecNormalizeObservation` (gymnasium's vector
+``NormalizeObservation``), also step in parts (:mod:`mamba_rl.envs.parts`).
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from typing import Any
 
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.wrappers.vector import NormalizeReward, RecordEpisodeStatistics
+from gymnasium.wrappers.vector import NormalizeObservation, NormalizeReward, RecordEpisodeStatistics
 
-__all__ = ["VecEpisodeStatistics", "VecNormalizeReward", "mean_var"]
+from .parts import PartedStep
+
+__all__ = ["VecEpisodeStatistics", "VecNormalizeReward", "VecNormalizeObservation", "mean_var"]
 
 
 def mean_var(x: np.ndarray) -> tuple[np.generic, np.generic]:
@@ -46,7 +49,7 @@ def mean_var(x: np.ndarray) -> tuple[np.generic, np.generic]:
     return mean, t(np.add.reduce(d) / n)
 
 
-class VecEpisodeStatistics(RecordEpisodeStatistics):
+class VecEpisodeStatistics(PartedStep, RecordEpisodeStatistics):
     """gymnasium's vector ``RecordEpisodeStatistics`` (same attributes, queues and ``info["episode"]``),
     stepping without masked updates when no sub-env finished at the previous step.
 
@@ -55,45 +58,47 @@ class VecEpisodeStatistics(RecordEpisodeStatistics):
         stats_key: the info key of the statistics ("episode").
     """
 
-    def step(self, actions: Any):
-        """Step the envs and record the statistics (see gymnasium's ``RecordEpisodeStatistics.step``)."""
-        observations, rewards, terminations, truncations, infos = self.env.step(actions)
+    def _post(self, rows: slice, observations: Any, rewards: Any, terminations: Any, truncations: Any,
+              infos: dict[str, Any]):
+        """Record the statistics of the sub-envs ``rows`` (all: gymnasium's ``RecordEpisodeStatistics.step``)."""
         if not isinstance(infos, dict):
             raise ValueError(f"VecEpisodeStatistics needs the vector env's info to be a dict, got {type(infos).__name__}")
-        prev = self.prev_dones
-        self.episode_returns += rewards
-        self.episode_lengths += 1
+        prev = self.prev_dones[rows]
+        returns, lengths, starts = self.episode_returns[rows], self.episode_lengths[rows], self.episode_start_times[rows]
+        returns += rewards
+        lengths += 1
         if self._autoreset_mode != AutoresetMode.SAME_STEP and prev.any():
             # the NextStep reset step after a done starts the next episode's statistics at 0 (not counted)
-            np.copyto(self.episode_returns, 0.0, where=prev)
-            np.copyto(self.episode_lengths, 0, where=prev)
-            np.copyto(self.episode_start_times, time.perf_counter(), where=prev)
-        self.prev_dones = dones = np.logical_or(terminations, truncations)
+            np.copyto(returns, 0.0, where=prev)
+            np.copyto(lengths, 0, where=prev)
+            np.copyto(starts, time.perf_counter(), where=prev)
+        dones = np.logical_or(terminations, truncations)
+        self.prev_dones[rows] = dones
         if dones.any():
             num_dones = np.sum(dones)
             key = self._stats_key
             if key in infos or f"_{key}" in infos:
                 raise ValueError(f"Attempted to add episode stats with key '{key}' but this key already exists in "
                                  f"info: {list(infos.keys())}")
-            episode_time_length = np.round(time.perf_counter() - self.episode_start_times, 6)
-            infos[key] = {"r": np.where(dones, self.episode_returns, 0.0),
-                          "l": np.where(dones, self.episode_lengths, 0),
+            episode_time_length = np.round(time.perf_counter() - starts, 6)
+            infos[key] = {"r": np.where(dones, returns, 0.0),
+                          "l": np.where(dones, lengths, 0),
                           "t": np.where(dones, episode_time_length, 0.0)}
             infos[f"_{key}"] = dones
             self.episode_count += num_dones
             idx = np.nonzero(dones)[0]
-            for queue, values in ((self.time_queue, episode_time_length), (self.return_queue, self.episode_returns),
-                                  (self.length_queue, self.episode_lengths)):
+            for queue, values in ((self.time_queue, episode_time_length), (self.return_queue, returns),
+                                  (self.length_queue, lengths)):
                 # a bounded deque keeps its last maxlen items: extending with only those leaves the same deque
                 queue.extend(values[idx if queue.maxlen is None else idx[-queue.maxlen:]])
             if self._autoreset_mode == AutoresetMode.SAME_STEP:
-                self.episode_returns[dones] = 0
-                self.episode_lengths[dones] = 0
-                self.episode_start_times[dones] = time.perf_counter()
+                returns[dones] = 0
+                lengths[dones] = 0
+                starts[dones] = time.perf_counter()
         return observations, rewards, terminations, truncations, infos
 
 
-class VecNormalizeReward(NormalizeReward):
+class VecNormalizeReward(PartedStep, NormalizeReward):
     """gymnasium's vector ``NormalizeReward`` (same attributes: ``return_rms``, ``accumulated_reward``,
     ``gamma``, ``epsilon``, ``update_running_mean``), giving bit-identical rewards and statistics with fewer
     numpy calls per step.
@@ -118,23 +123,22 @@ class VecNormalizeReward(NormalizeReward):
         self._prev_dones[:] = 0
         return self.env.reset(seed=seed, options=options)
 
-    def step(self, actions: Any):
-        """Step the envs and scale the rewards by the running std of the discounted return."""
-        obs, reward, terminated, truncated, info = self.env.step(actions)
+    def _post(self, rows: slice, obs: Any, reward: Any, terminated: Any, truncated: Any, info: dict[str, Any]):
+        """Scale the rewards of the sub-envs ``rows`` by the running std of the discounted return."""
         same_step = self._autoreset_mode == AutoresetMode.SAME_STEP
-        acc = self.accumulated_reward
+        acc, prev_dones = self.accumulated_reward[rows], self._prev_dones[rows]
         update = acc * self.gamma * (1 - terminated) + reward  # the original's expression, for every sub-env
-        if same_step or not self._prev_dones.any():  # every sub-env active
+        if same_step or not prev_dones.any():  # every sub-env active
             acc[:] = update
             if self._update_running_mean:
                 self._update_rms(acc)
         else:  # the reset step of a NextStep env leaves its return alone
-            active = self._prev_dones == 0
+            active = prev_dones == 0
             np.copyto(acc, update, where=active, casting="same_kind")
             if self._update_running_mean and active.any():
                 self._update_rms(acc[active])
         dones = np.logical_or(terminated, truncated)
-        self._prev_dones = dones.astype(np.float32)
+        prev_dones[:] = dones
         if same_step:
             acc[dones] = 0
         return obs, reward / np.sqrt(self.return_rms.var + self.epsilon), terminated, truncated, info
@@ -143,3 +147,17 @@ class VecNormalizeReward(NormalizeReward):
         """``self.return_rms.update(x)`` with the batch moments of :func:`mean_var`."""
         mean, var = mean_var(x)
         self.return_rms.update_from_moments(mean, var, x.shape[0])
+
+
+class VecNormalizeObservation(PartedStep, NormalizeObservation):
+    """gymnasium's vector ``NormalizeObservation`` (same ``obs_rms``, ``epsilon``, ``update_running_mean`` and
+    results) that also steps in parts (:mod:`mamba_rl.envs.parts`: each part's rows update the shared ``obs_rms``
+    and are normalised with it).
+
+    Args:
+        env: the vector env. epsilon: added to the variance.
+    """
+
+    def _post(self, rows: slice, obs: Any, reward: Any, terminated: Any, truncated: Any, info: dict[str, Any]):
+        """Update the running statistics with the observations of ``rows`` and normalise them."""
+        return self.observations(obs), reward, terminated, truncated, info

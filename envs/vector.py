@@ -2,8 +2,8 @@
 
 The stack is gymnasium's: ``SyncVectorEnv`` / ``AsyncVectorEnv`` in the default NextStep autoreset
 mode (or, with ``backend="envpool"``, an EnvPool pool with the same semantics, :mod:`.envpool_backend`),
-``RecordEpisodeStatistics`` and ``NormalizeReward`` (as the bit-identical, cheaper subclasses of
-:mod:`.stats`), ``NormalizeObservation`` and ``RecordVideo``; observations are flattened by the picklable
+``RecordEpisodeStatistics``, ``NormalizeReward`` and ``NormalizeObservation`` (as the bit-identical subclasses
+of :mod:`.stats`, cheaper and able to step in parts) and ``RecordVideo``; observations are flattened by the picklable
 wrappers of :mod:`mamba_rl.envs.wrappers`.
 """
 
@@ -22,7 +22,7 @@ from gymnasium.vector import AutoresetMode
 from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_task
 from .guards import NONFINITE_POLICIES, EnvGuard
 from .registry import check_env_id
-from .stats import VecEpisodeStatistics, VecNormalizeReward
+from .stats import VecEpisodeStatistics, VecNormalizeObservation, VecNormalizeReward
 from .wrappers import FlattenObs, Float32Obs, flatten_vec_obs, needs_flatten, raw_observation_space
 
 __all__ = ["make_env", "make_vec_env", "check_start_method", "resolve_env_backend", "has_continuous_part"]
@@ -127,6 +127,7 @@ def make_vec_env(
     start_method: str | None = None,
     nonfinite: str = "raise",
     backend: str = "gymnasium",
+    env_parts: int = 1,
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
@@ -168,6 +169,8 @@ def make_vec_env(
         backend: "gymnasium" (the Sync/AsyncVectorEnv above), "envpool" (an :class:`EnvPoolVecEnv` in place
             of it, same semantics, ``env_kwargs`` go to ``envpool.make``; the wrappers above it are the same) or
             "auto" (:func:`resolve_env_backend`).
+        env_parts: 1, or 2: on the EnvPool backend two pools of fixed halves of the envs that the rollout can
+            step separately (:mod:`mamba_rl.envs.parts`); the gymnasium backend ignores it (one part).
 
     Returns:
         A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
@@ -182,9 +185,12 @@ def make_vec_env(
         raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
     if int(num_envs) < 1:
         raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    if env_parts not in (1, 2) or isinstance(env_parts, bool):
+        raise ValueError(f"env_parts must be 1 or 2, got {env_parts!r}")
     check_start_method(start_method)
     if resolve_env_backend(backend, env_id, async_, capture_video) == "envpool":
-        envs = EnvPoolVecEnv(env_id, int(num_envs), seed=0 if seed is None else int(seed), pool_kwargs=env_kwargs)
+        envs = EnvPoolVecEnv(env_id, int(num_envs), seed=0 if seed is None else int(seed), pool_kwargs=env_kwargs,
+                             parts=2 if env_parts == 2 and int(num_envs) >= 2 else 1)
         if flatten_obs:
             envs = flatten_vec_obs(envs)
     else:
@@ -194,7 +200,7 @@ def make_vec_env(
     envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = VecEpisodeStatistics(envs)
     if normalize_obs and has_continuous_part(raw_observation_space(envs, env_id, env_kwargs)):
-        envs = gym.wrappers.vector.NormalizeObservation(envs)
+        envs = VecNormalizeObservation(envs)
     if normalize_reward:
         envs = VecNormalizeReward(envs, gamma=gamma)
     if seed is not None:

@@ -7,7 +7,8 @@
 # 3. CartPoleNoVel-v1 learning: today's default (8 envs, gymnasium) next to EnvPool with 64 envs, all runs at
 #    once (one process and one torch thread each), each stopped at a mean return of 475 over 100 episodes.
 # Usage on the device: scripts/h200_scale.sh ; logs, JSON and the learning CSVs go to $OUT (or ./gpu_out).
-# Env knobs: SPS_TIMEOUT (s, default 125), SWEEP_TIMEOUT (s, default 50), SPS_ARGS, SWEEP_ARGS.
+# Env knobs: SPS_TIMEOUT (s, default 125), SWEEP_TIMEOUT (s, default 50; 0 skips the learning runs), SPS_ARGS,
+# SWEEP_ARGS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -28,6 +29,7 @@ timeout "${SPS_TIMEOUT:-125}" python3 benchmarks/sps.py --envs 16 64 256 1024 40
   --out "$OUT/sps.json" ${SPS_ARGS:-} >"$OUT/sps.log" 2>&1
 echo "sps rc=$? at $(( $(date +%s) - t0 )) s"
 grep '^|' "$OUT/sps.log" || tail -30 "$OUT/sps.log"
+if [ "${SWEEP_TIMEOUT:-50}" -eq 0 ]; then echo "done at $(( $(date +%s) - t0 )) s (no learning runs)"; exit 0; fi
 timeout "${SWEEP_TIMEOUT:-50}" python3 benchmarks/learning/sweep.py --env mamba_rl/CartPoleNoVel-v1 --seeds 1 2 \
   --total 100000 --device cuda --threshold 475 --stop-at 475 --eval-episodes 10 --parallel 4 \
   --timeout $(( ${SWEEP_TIMEOUT:-50} - 6 )) --variant default \

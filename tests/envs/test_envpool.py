@@ -13,8 +13,8 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from mamba_rl.envs import (EnvPoolVecEnv, envpool_available, envpool_task, find_vector_wrapper, make_vec_env,
-                           resolve_env_backend)
+from mamba_rl.envs import (EnvPoolVecEnv, VecNormalizeObservation, VecNormalizeReward, env_part_rows, envpool_available,
+                           envpool_task, find_vector_wrapper, make_vec_env, resolve_env_backend)
 
 needs_envpool = pytest.mark.skipif(not envpool_available(),
                                    reason="envpool is not installed (optional extra: pip install -e \".[envpool]\")")
@@ -122,7 +122,7 @@ def test_masked_ids_seeding_and_spaces():
     # a batch in another env order comes back in env order (masked and float32)
     raw = find_vector_wrapper(envs, EnvPoolVecEnv)
     full = np.arange(12, dtype=np.float64).reshape(3, 4)
-    obs, rew = raw._rows(full[[2, 0, 1]], {"env_id": np.array([2, 0, 1], np.int32)}, np.array([20.0, 0.0, 10.0]))
+    obs, rew = raw._rows(0, full[[2, 0, 1]], {"env_id": np.array([2, 0, 1], np.int32)}, np.array([20.0, 0.0, 10.0]))
     np.testing.assert_array_equal(obs, full[:, [0, 2]].astype(np.float32))
     np.testing.assert_array_equal(rew, [0.0, 10.0, 20.0])
     assert obs.dtype == np.float32
@@ -241,23 +241,37 @@ class FakePool:
         order = self._order()
         return obs[order], rew[order].astype(np.float32), term[order], trunc[order], {"env_id": order}
 
+    def send(self, actions):
+        self._sent = actions
+
+    def recv(self):
+        return self.step(self._sent)
+
     def close(self):
         for e in self.envs:
             e.close()
 
 
-def test_the_adapter_over_a_fake_pool_matches_the_gymnasium_path_bit_for_bit(monkeypatch):
-    """Runs everywhere: the EnvPool path's adapter and wrappers over FakePool (gymnasium's CartPole, so the
-    same seeds give the same episodes) against the gymnasium path, transition by transition."""
+def _fake_pools(monkeypatch):
+    """EnvPoolVecEnv over FakePools (one per part, sub-env seeds as EnvPool's: the part's first row + i)."""
     import mamba_rl.envs.envpool_backend as eb
 
     monkeypatch.setattr(eb, "envpool_available", lambda: True)
     monkeypatch.setattr(eb, "_envpool_ids", lambda: frozenset({"CartPole-v1"}))
-    monkeypatch.setattr(eb.EnvPoolVecEnv, "_make_pool",
-                        lambda self, seed: FakePool(self.task_id, self.num_envs, seed, **self.pool_kwargs))
+    monkeypatch.setattr(eb.EnvPoolVecEnv, "_make_pools", lambda self, seed: tuple(
+        FakePool(self.task_id, r.stop - r.start, seed + r.start, **self.pool_kwargs) for r in self.part_rows))
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_adapter_over_a_fake_pool_matches_the_gymnasium_path_bit_for_bit(monkeypatch, parts):
+    """Runs everywhere: the EnvPool path's adapter and wrappers over FakePool (gymnasium's CartPole, so the
+    same seeds give the same episodes) against the gymnasium path, transition by transition; with two parts
+    (two pools of 2 and 3 envs) a whole ``step`` is the same as with one."""
+    _fake_pools(monkeypatch)
     n, seed = 5, 7
-    kw = dict(seed=seed, normalize_reward=True, env_kwargs={"max_episode_steps": 30})
-    pool = make_vec_env("CartPole-v1", n, backend="envpool", **kw)
+    kw = dict(seed=seed, normalize_reward=True, normalize_obs=True, env_kwargs={"max_episode_steps": 30})
+    pool = make_vec_env("CartPole-v1", n, backend="envpool", env_parts=parts, **kw)
+    assert env_part_rows(pool) == (None if parts == 1 else (slice(0, 2), slice(2, 5)))
     ref = make_vec_env("CartPole-v1", n, backend="gymnasium", **kw)
     assert isinstance(pool.unwrapped, EnvPoolVecEnv)
     np.testing.assert_array_equal(pool.reset(seed=seed)[0], ref.reset(seed=seed)[0])
@@ -282,3 +296,73 @@ def test_the_adapter_over_a_fake_pool_matches_the_gymnasium_path_bit_for_bit(mon
     np.testing.assert_array_equal(pool.reset(seed=seed)[0], ref.reset(seed=seed)[0])  # reseeding: a new pool
     pool.close()
     ref.close()
+
+
+def test_stepping_in_parts_equals_whole_steps(monkeypatch):
+    """``send_part`` / ``recv_part`` through the whole wrapper stack (guard, statistics, both normalisations):
+    the same dones, episode statistics and, without normalisation, observations and rewards as whole steps, bit
+    for bit; with normalisation the running statistics after each step equal the whole step's up to rounding,
+    and so do the second half's observations and rewards (the first half is normalised before the second
+    half's rows are in: mamba_rl.envs.parts)."""
+    _fake_pools(monkeypatch)
+    n, seed = 6, 3
+    for norm in (False, True):
+        kw = dict(seed=seed, normalize_reward=norm, normalize_obs=norm, env_kwargs={"max_episode_steps": 20})
+        parted = make_vec_env("CartPole-v1", n, backend="envpool", env_parts=2, **kw)
+        whole = make_vec_env("CartPole-v1", n, backend="envpool", **kw)
+        rows = env_part_rows(parted)
+        assert rows == (slice(0, 3), slice(3, 6)) and env_part_rows(whole) is None
+        np.testing.assert_array_equal(parted.reset(seed=seed)[0], whole.reset(seed=seed)[0])
+        rng = np.random.default_rng(0)
+        ends = 0
+        for t in range(200):
+            a = rng.integers(0, 2, n)
+            for h, r in enumerate(rows):
+                parted.send_part(h, a[r])
+            got = [parted.recv_part(h) for h in range(len(rows))]
+            ow, rw, tew, trw, iw = whole.step(a)
+            o, r_, te, tr = (np.concatenate([g[i] for g in got]) for i in range(4))
+            np.testing.assert_array_equal(te, tew)
+            np.testing.assert_array_equal(tr, trw)
+            if norm:
+                np.testing.assert_allclose(o[rows[1]], ow[rows[1]], rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(r_[rows[1]], rw[rows[1]], rtol=1e-5, atol=1e-6)
+                for cls, w in ((VecNormalizeObservation, "obs_rms"), (VecNormalizeReward, "return_rms")):
+                    a_, b_ = (getattr(find_vector_wrapper(e, cls), w) for e in (parted, whole))
+                    np.testing.assert_allclose(a_.mean, b_.mean, rtol=1e-6, atol=1e-9)
+                    np.testing.assert_allclose(a_.var, b_.var, rtol=1e-6, atol=1e-9)
+                    assert a_.count == b_.count
+            else:
+                assert o.tobytes() == ow.tobytes() and r_.tobytes() == rw.tobytes()
+            none = [np.zeros(r.stop - r.start, bool) for r in rows]
+            done_p = np.concatenate([g[4].get("_episode", z) for g, z in zip(got, none)])
+            np.testing.assert_array_equal(done_p, iw.get("_episode", np.zeros(n, bool)))
+            if done_p.any():
+                for k in ("r", "l"):
+                    vals = np.concatenate([g[4]["episode"][k] if "episode" in g[4] else z for g, z in zip(got, none)])
+                    np.testing.assert_array_equal(vals, iw["episode"][k])
+                ends += int(done_p.sum())
+        with pytest.raises(ValueError, match=r"expected a part sent with send_part, got part 0"):
+            parted.recv_part(0)
+        parted.send_part(0, a[rows[0]])
+        with pytest.raises(ValueError, match=r"not sent yet, got part 0"):
+            parted.send_part(0, a[rows[0]])
+        parted.reset(seed=seed)  # drains the step sent and never received
+        assert ends > 20
+        parted.close()
+        whole.close()
+
+
+@needs_envpool
+def test_two_real_pools_step_as_one():
+    """EnvPool seeds sub-env i of a pool with seed + i: two pools of the halves give one pool's transitions."""
+    one = make_vec_env("CartPole-v1", 6, seed=2, backend="envpool")
+    two = make_vec_env("CartPole-v1", 6, seed=2, backend="envpool", env_parts=2)
+    np.testing.assert_array_equal(one.reset(seed=2)[0], two.reset(seed=2)[0])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        a = rng.integers(0, 2, 6)
+        for x, y in zip(one.step(a)[:4], two.step(a)[:4]):
+            assert x.tobytes() == y.tobytes()
+    one.close()
+    two.close()
