@@ -136,6 +136,10 @@ class _PPOFields:
         check_choice(name("backend"), self.backend, _BACKENDS)
         check_choice(name("env_backend"), self.env_backend, _ENV_BACKENDS)
         check_choice(name("env_overlap"), self.env_overlap, _ENV_OVERLAP)
+        if self.env_overlap == "on" and (self.env_backend != "envpool" or self.num_envs < 2):
+            raise ValueError(f"{name('env_overlap')} 'on' steps two EnvPool pools of half the envs each; expected "
+                             f"env_backend 'envpool' and num_envs >= 2 (or env_overlap 'auto' / 'off'), got "
+                             f"env_backend {self.env_backend!r} and num_envs {self.num_envs}")
         if self.env_backend == "envpool" and (self.async_envs or self.capture_video):
             what = "async_envs" if self.async_envs else "capture_video"
             raise ValueError(f"{name('env_backend')} 'envpool' runs its envs in EnvPool's own thread pool and records no "
@@ -206,7 +210,7 @@ class PPOConfig(_PPOFields):
         async_envs: one process per env (gymnasium AsyncVectorEnv).
         async_start_method: with async_envs, the workers' multiprocessing start method: fork | spawn | forkserver (None: the platform's default).
         env_backend: vector env: "gymnasium" (SyncVectorEnv / AsyncVectorEnv), "envpool" (EnvPool's C++ thread pool, same semantics; pip install -e ".[envpool]"; its ids and the mamba_rl/*NoVel* ids of its tasks; no async_envs or video) or "auto" (envpool when installed and it has the id, else gymnasium).
-        env_overlap: step the envs in two halves, acting on one half while the other half's EnvPool pool steps (mamba_rl.envs.parts): "on" (an error where it cannot: another env backend, fewer than 2 envs), "off", or "auto" (on with EnvPool from OVERLAP_MIN_ENVS envs). Per env the same semantics; the trajectories differ from "off" by rounding (the running normalisation statistics are updated per half) and, on CUDA, by the device sampling (two half-batch draws).
+        env_overlap: step the envs in two halves, acting on one half while the other half's EnvPool pool steps (mamba_rl.envs.parts): "on" (needs env_backend "envpool" and >= 2 envs), "off", or "auto" (on with EnvPool from OVERLAP_MIN_ENVS envs). Per env the same semantics; the trajectories differ from "off" by rounding (the running normalisation statistics are updated per half) and, on CUDA, by the device sampling (two half-batch draws).
         threads: torch CPU threads of this process, set before the model is built; 0 = auto: $OMP_NUM_THREADS when set, else 1, so that N runs on N cores never oversubscribe the machine.
         learning_rate: initial lr of backbone AdamW and head Adam.
         anneal_lr: decay both lrs linearly to 0 over the run.

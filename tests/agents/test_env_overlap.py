@@ -61,11 +61,17 @@ def test_overlapped_cpu_rollouts_and_updates_equal_the_plain_ones(monkeypatch, t
     b.close()
 
 
-def test_overlap_on_needs_envs_that_step_in_parts(tmp_path):
-    with pytest.raises(ValueError, match=r"env_overlap 'on' needs a vector env that steps in parts .*'gymnasium'"):
-        _agent(tmp_path, "on", env_backend="gymnasium")
+def test_overlap_on_needs_envs_that_step_in_parts(tmp_path, toy_envs):
+    with pytest.raises(ValueError, match=r"env_overlap 'on' steps two EnvPool pools .*got env_backend 'gymnasium'"):
+        PPOConfig(env_overlap="on")
+    with pytest.raises(ValueError, match=r"expected env_backend 'envpool' and num_envs >= 2 .*num_envs 1"):
+        PPOConfig(env_overlap="on", env_backend="envpool", num_envs=1, num_minibatches=1)
     with pytest.raises(ValueError, match=r"PPOConfig.env_overlap must be one of"):
         PPOConfig(env_overlap="yes")
+    with pytest.raises(ValueError, match=r"env_overlap 'on' needs a vector env that steps in parts"):
+        RecurrentPPO(toy_envs(), config=PPOConfig(env_id="toy", env_backend="envpool", env_overlap="on", num_envs=4,
+                                                  device="cpu", track=False, checkpoint_every=0,
+                                                  runs_dir=str(tmp_path / "r"), checkpoint_dir=str(tmp_path / "c")))
 
 
 def test_auto_overlap_starts_at_the_measured_env_count(monkeypatch, tmp_path):
