@@ -165,12 +165,17 @@ mrl::ScanFwdParams scan_params(const ScanShapes& s, const Tensor& x, const Tenso
 
 std::vector<Tensor> scan_fwd(const Tensor& x, const Tensor& dt, const Tensor& A_log, const Tensor& Bm,
                              const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
-                             const OptT& init, const OptT& starts, bool need_ckpt) {
+                             const OptT& init, const OptT& starts, bool need_ckpt, const OptT& final_out) {
   auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
+  if (final_out) {
+    check_f32(*final_out, "selective_scan: final_out", x, {s.B, s.D, s.N});
+    MRL_CHECK(!init || final_out->data_ptr() != init->data_ptr(), "selective_scan: final_out must not be the "
+              "initial state (it is read while the final state is written)");
+  }
   const c10::cuda::CUDAGuard guard(x.device());
   auto f32 = x.options().dtype(at::kFloat);
   auto out = new_empty({s.B, s.T, s.D}, x.options());
-  auto fin = new_empty({s.B, s.D, s.N}, f32);
+  auto fin = final_out ? *final_out : new_empty({s.B, s.D, s.N}, f32);
   const int64_t nC = (s.T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
   Tensor ckpt = need_ckpt ? new_empty({s.B, nC, s.D, s.N}, f32) : Tensor();
   auto ws = new_empty({mrl::scan_fwd_workspace((int)s.B, (int)s.T, (int)s.D, (int)s.N)}, f32);
@@ -795,7 +800,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dx_out and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
         py::arg("starts"), py::arg("dout"), py::arg("dfinal"), py::arg("need_dinit"), py::arg("dx_out") = py::none(),
         py::arg("dw_acc") = py::none(), py::arg("db_acc") = py::none());
-  m.def("scan_fwd", &scan_fwd, "selective scan forward -> (y, final_state, checkpoints)");
+  m.def("scan_fwd", &scan_fwd, "selective scan forward -> (y, final_state, checkpoints); optional final_out "
+        "[B, D, N] float32 (e.g. a layer's slice of a stacked state) receives the final state", py::arg("x"),
+        py::arg("dt"), py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"),
+        py::arg("dt_bias"), py::arg("init"), py::arg("starts"), py::arg("need_ckpt"),
+        py::arg("final_out") = py::none());
   m.def("scan_bwd", &scan_bwd, "selective scan backward -> (dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit); "
         "optional strided dz_out and acc=[dA_log, dD, ddt_bias] (added into)", py::arg("x"), py::arg("dt"),
         py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"), py::arg("dt_bias"),

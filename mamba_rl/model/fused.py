@@ -268,6 +268,7 @@ class _Backbone(torch.autograd.Function):
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
         use_xdt = _use_xdt(ext, net, BT)
         conv_stack = torch.empty_like(conv0) if _small_gemm_ok(ext, net) else None  # CUDA: conv_fwd's final_out
+        ssm_stack = torch.empty_like(ssm0) if conv_stack is not None else None  # and scan_fwd's (no stack copy)
         resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
         x2 = x.reshape(BT, -1).to(cdt)
         h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
@@ -294,9 +295,10 @@ class _Backbone(torch.autograd.Function):
                 dbc = torch.mm(xc.view(BT, di), w(p + "mixer.x_proj.weight").t())  # [BT, r+2n]
                 dt = torch.mm(dbc[:, :r], w(p + "mixer.dt_proj.weight").t())  # [BT, di]
             dbc3 = dbc.view(B, T, r + 2 * n)
+            kw = {} if ssm_stack is None else {"final_out": ssm_stack[i]}
             y, sf, ckpt = ext.scan_fwd(xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n],
                                        dbc3[..., r + n:], w(p + "mixer.D", M), z, w(p + "mixer.dt_proj.bias", M),
-                                       ssm0[i], starts, True)
+                                       ssm0[i], starts, True, **kw)
             h_in = h
             w_out = w(p + "mixer.out_proj.weight").t()
             if resid_copy:
@@ -312,7 +314,8 @@ class _Backbone(torch.autograd.Function):
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
         ctx.norm_bwd_ok = nb_ok
         ctx.use_xdt = use_xdt
-        return feat.view(B, T, -1), torch.stack(conv_f) if conv_stack is None else conv_stack, torch.stack(ssm_f)
+        return (feat.view(B, T, -1), torch.stack(conv_f) if conv_stack is None else conv_stack,
+                torch.stack(ssm_f) if ssm_stack is None else ssm_stack)
 
     @staticmethod
     def backward(ctx, dfeat, dconv_final, dssm_final):

@@ -223,6 +223,40 @@ def test_bwd_out_and_accumulate_args(ext):
         assert torch.equal(out[k], ref[k])
 
 
+def test_fwd_final_out_args(ext):
+    """conv_fwd(final_out=) and scan_fwd(final_out=) write the final state into the given slice of a stacked
+    state (what the fused backbone does instead of a torch.stack), the same bits as without it; scan_fwd's
+    final_out may not be its initial state."""
+    g = torch.Generator(device="cuda").manual_seed(43)
+    B, T, D, N, K = 3, 37, 80, 16, 4
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    nan = float("nan")
+    starts = starts_pattern(B, T, g)
+    x, w, cb, st = mk(B, T, D), mk(D, K), mk(D), mk(B, D, K - 1)
+    out, fin = ext.conv_fwd(x, w, cb, st, starts)
+    stack = torch.full((2, B, D, K - 1), nan, device="cuda")
+    out2, fin2 = ext.conv_fwd(x, w, cb, st, starts, final_out=stack[1])
+    assert torch.equal(out2, out) and torch.equal(stack[1], fin) and torch.isnan(stack[0]).all()
+    assert fin2.data_ptr() == stack[1].data_ptr()
+    xs, dt, z, Bm, Cm, s0 = mk(B, T, D), mk(B, T, D) - 1, mk(B, T, D), mk(B, T, N), mk(B, T, N), mk(B, D, N)
+    A_log, Dp, dtb = torch.zeros(D, N, device="cuda"), mk(D), mk(D)
+    args = (xs, dt, A_log, Bm, Cm, Dp, z, dtb, s0, starts, True)
+    try:
+        for seg in (1, 3, 0):  # the final state comes from the last segment's blocks
+            ext.scan_set_segments(seg)
+            y, sf, ck = ext.scan_fwd(*args)
+            sstack = torch.full((2, B, D, N), nan, device="cuda")
+            y2, sf2, ck2 = ext.scan_fwd(*args, final_out=sstack[0])
+            assert torch.equal(y2, y) and torch.equal(ck2, ck) and torch.equal(sstack[0], sf), seg
+            assert torch.isnan(sstack[1]).all() and sf2.data_ptr() == sstack[0].data_ptr()
+    finally:
+        ext.scan_set_segments(0)
+    with pytest.raises(ValueError, match="initial state"):
+        ext.scan_fwd(*args, final_out=s0)
+    with pytest.raises(ValueError, match="final_out"):
+        ext.scan_fwd(*args, final_out=torch.empty(B, D, N + 1, device="cuda"))
+
+
 # ---- the two-level split of the scan over T (segments of whole chunks, see csrc/scan_common.cuh) ----
 
 def _scan_case(B, T, D, N, dtype, seed):
