@@ -38,7 +38,7 @@ from mamba_rl.graphs import GraphSet, capture_restoring, snapshot
 
 from .gae import compute_gae_parallel, gae_discount_matrix
 from .policy import HostStager, Policy
-from .rollout import RolloutBuffer, check_parts
+from .rollout import RolloutBuffer, check_parts, join_state, split_state
 
 __all__ = ["GraphActor", "host_copies_capturable"]
 
@@ -162,9 +162,7 @@ class GraphActor:
     def _finish_body(self) -> None:
         buf, d, a = self.buffer, self.d, self.a
         state = self.stepper.state
-        if len(self.parts) > 1:  # the parts' states back into the stepper's rows
-            for rows, part_state in zip(self.parts, self.part_states):
-                state.index(rows).copy_(part_state)
+        join_state(state, self.parts, self.part_states)  # the parts' states back into the stepper's rows
         if self.copies_in_graph:
             self.dstage.copy_(self.stage_t, non_blocking=True)
             self.res_dev.copy_(self.res_pin, non_blocking=True)
@@ -210,9 +208,7 @@ class GraphActor:
         with torch.no_grad():
             self.t_idx.zero_()  # also after an interrupted rollout
             self.buffer.initial_state.copy_(self.stepper.state)
-            if len(self.parts) > 1:
-                for rows, part_state in zip(self.parts, self.part_states):
-                    part_state.copy_(self.stepper.state.index(rows))
+            split_state(self.stepper.state, self.parts, self.part_states)
             torch.cat([p.actor.linear.weight, p.critic.linear.weight], out=self.w_cat)
             torch.cat([p.actor.linear.bias, p.critic.linear.bias], out=self.b_cat)
 

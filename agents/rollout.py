@@ -42,7 +42,7 @@ from .gae import compute_gae
 from .policy import HostStager, Policy
 
 __all__ = ["RolloutBuffer", "RolloutCarry", "RolloutResult", "Actor", "EagerActor", "collect_rollout",
-           "adopt_vec_env", "check_parts"]
+           "adopt_vec_env", "check_parts", "split_state", "join_state"]
 
 Episode = tuple[int, float, int]  # (global step at its end, return, length)
 
@@ -215,9 +215,7 @@ class EagerActor:
     def begin(self) -> None:
         """Rollout start: store the stepper state as the update's initial state, refresh the fused heads."""
         self.buffer.initial_state.copy_(self.stepper.state)
-        if len(self.parts) > 1:
-            for rows, part in zip(self.parts, self.part_steppers):
-                part.state.copy_(self.stepper.state.index(rows))
+        split_state(self.stepper.state, self.parts, [s.state for s in self.part_steppers])
         self.w, self.bias = self.policy.fused_heads()
         self.log_std = self.policy.host_log_std()
 
@@ -260,14 +258,26 @@ class EagerActor:
     def finish(self) -> None:
         """V(next obs) with the carried state, without advancing it (exact V(final obs) after a done), then GAE."""
         buf = self.buffer
-        if len(self.parts) > 1:  # the parts' states back into the stepper's rows
-            for rows, part in zip(self.parts, self.part_steppers):
-                self.stepper.state.index(rows).copy_(part.state)
+        join_state(self.stepper.state, self.parts, [s.state for s in self.part_steppers])
         saved = self.stepper.get_state()
         next_value = self._heads(slice(None), self.stepper)[:, -1].clone()
         self.stepper.load_state(saved)
         buf.advantages, buf.returns = compute_gae(buf.rewards, buf.values, buf.terminations, buf.truncations,
                                                   buf.valid, next_value, self.gamma, self.gae_lambda)
+
+
+def split_state(state: RecurrentState, parts: tuple[slice, ...], part_states: list[RecurrentState]) -> None:
+    """Copy the rows ``parts[i]`` of ``state`` into ``part_states[i]`` (nothing with one part: it is ``state``)."""
+    if len(parts) > 1:
+        for rows, part in zip(parts, part_states):
+            part.copy_(state.index(rows))
+
+
+def join_state(state: RecurrentState, parts: tuple[slice, ...], part_states: list[RecurrentState]) -> None:
+    """Copy ``part_states[i]`` back into the rows ``parts[i]`` of ``state`` (nothing with one part)."""
+    if len(parts) > 1:
+        for rows, part in zip(parts, part_states):
+            state.index(rows).copy_(part)
 
 
 def check_parts(parts: tuple[slice, ...] | None, n: int, who: str) -> tuple[slice, ...]:
