@@ -43,8 +43,8 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer
-from mamba_rl.envs import (EnvGuard, env_part_rows, find_vector_wrapper, flatten_observation, make_vec_env,
-                           raw_observation_space, resolve_env_backend)
+from mamba_rl.envs import (EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
+                           flatten_observation, make_vec_env, raw_observation_space, resolve_env_backend)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
                          restore_agent, save_agent)
@@ -569,7 +569,7 @@ class RecurrentPPO:
             # saved with observation statistics that the rebuilt stack has no normaliser for: a run on
             # all-discrete observations from before make_vec_env stopped normalising them (2026-12-04). Its policy
             # was trained on normalised inputs, so the resumed run keeps the normaliser (statistics restored below)
-            agent.envs = norm(agent.envs)
+            agent.envs = VecNormalizeObservation(agent.envs)  # a PartedStep: the halves still step in parts
             if agent.stats_sync is not None:
                 agent.stats_sync = RunningStatsSync(agent.envs)
         try:

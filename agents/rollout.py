@@ -402,23 +402,38 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
             record(t, everything, *step)
     else:  # act on one part while the other parts' envs step (mamba_rl.envs.parts)
         stagers = actor.stagers
-        for t in range(num_steps + 1):
-            for h, rows in enumerate(parts):
-                if t:  # the step t - 1 of this part, sent below one step ago
+        sent = [False] * len(parts)
+        try:
+            for t in range(num_steps + 1):
+                for h, rows in enumerate(parts):
+                    if t:  # the step t - 1 of this part, sent below one step ago
+                        e0 = time.perf_counter()
+                        sent[h] = False
+                        step = envs.recv_part(h)
+                        env_s += time.perf_counter() - e0
+                        if h == 0:
+                            global_step = advance()
+                        record(t - 1, rows, *step)
+                    if t == num_steps:
+                        continue
+                    stagers[h].build(next_obs[rows], prev_action[rows], prev_reward[rows],
+                                     next_start[rows] | memoryless)
+                    valid[t, rows] = ~next_done[rows]
+                    prev_action[rows] = actor.act(t, h)
                     e0 = time.perf_counter()
-                    step = envs.recv_part(h)
+                    envs.send_part(h, stagers[h].to_env(prev_action[rows]))
+                    sent[h] = True
                     env_s += time.perf_counter() - e0
-                    if h == 0:
-                        global_step = advance()
-                    record(t - 1, rows, *step)
-                if t == num_steps:
-                    continue
-                stagers[h].build(next_obs[rows], prev_action[rows], prev_reward[rows], next_start[rows] | memoryless)
-                valid[t, rows] = ~next_done[rows]
-                prev_action[rows] = actor.act(t, h)
-                e0 = time.perf_counter()
-                envs.send_part(h, stagers[h].to_env(prev_action[rows]))
-                env_s += time.perf_counter() - e0
+        except BaseException:
+            # an interrupted rollout (Ctrl-C, an env error) leaves no step sent and unreceived: the envs stay
+            # usable for the next rollout, as after an interrupted whole step of the plain loop
+            for h in range(len(parts)):
+                if sent[h]:
+                    try:
+                        envs.recv_part(h)
+                    except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                        pass
+            raise
     for dst, src in zip(out, (rewards, terms, truncs, valid)):
         dst[:, :num_steps] = src.T
     if ep_steps:
