@@ -89,12 +89,14 @@ class EnvGuard(PartedStep, gym.vector.VectorWrapper):
         return self._check_obs(obs, "reset"), info
 
     def step(self, actions: Any):
+        out = self._call(lambda: self.env.step(actions))
         self.steps += 1
-        return self._post(slice(None), *self._call(lambda: self.env.step(actions)))
+        return self._post(slice(None), *out)
 
     def recv_part(self, part: int):
+        out = self.env.recv_part(part)
         self.steps += part == 0
-        return self._post(self.part_rows[part], *self.env.recv_part(part))
+        return self._post(self.part_rows[part], *out)
 
     def _post(self, rows: slice, obs: Any, reward: Any, term: Any, trunc: Any, info: dict[str, Any]):
         where, first = f"step {self.steps}", rows.start or 0
