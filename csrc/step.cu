@@ -4,9 +4,9 @@ namespace mrl {
 const char* backbone_step_f32(const StepParams&, int, cudaStream_t);
 const char* backbone_step_bf16(const StepParams&, int, cudaStream_t);
 const char* backbone_step_f16(const StepParams&, int, cudaStream_t);
-const char* backbone_step_cluster_f32(const StepParams&, int, cudaStream_t);
-const char* backbone_step_cluster_bf16(const StepParams&, int, cudaStream_t);
-const char* backbone_step_cluster_f16(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster_f32(const StepParams&, int, bool, cudaStream_t);
+const char* backbone_step_cluster_bf16(const StepParams&, int, bool, cudaStream_t);
+const char* backbone_step_cluster_f16(const StepParams&, int, bool, cudaStream_t);
 bool backbone_step_cluster_ok(const StepParams& p);
 
 // Dynamic shared memory of the one-block kernel for R rows (mirrors step_smem_bytes in step.cuh and
@@ -15,8 +15,9 @@ static size_t rows_smem(const StepParams& p, int R) {
   return sizeof(float) * (size_t)R * (2 * p.dm + 3 * p.D + (p.rank + 2 * p.N) + p.in_dim);
 }
 
-// rows_per_block R: > 0 the one-block-per-R-rows kernel; < 0 the cluster kernel with -R rows per cluster;
-// 0 = automatic (the cluster kernel where it applies; else the measured R, halved until R rows fit the
+// rows_per_block R: > 0 the one-block-per-R-rows kernel; -8..-1 the cluster kernel with -R rows per cluster;
+// -24..-17 the cluster kernel with -R - 16 rows and its RMSNorm as a pass behind a block barrier (the variant
+// before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the cluster kernel where it applies; else the measured R, halved until R rows fit the
 // device's opt-in shared memory per block).
 int backbone_step_rows(const StepParams& p, int R, const char** err) {
   *err = nullptr;
@@ -49,10 +50,12 @@ const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s
   }
   if (R < 0) {
     if (!backbone_step_cluster_ok(p)) return "backbone_step: the cluster kernel needs d_inner 256, d_conv 4, d_state 8/16";
+    const bool fused_norm = R >= -8;
+    const int rows = fused_norm ? -R : -R - 16;
     switch (wdtype) {
-      case kF32: return backbone_step_cluster_f32(p, -R, s);
-      case kBF16: return backbone_step_cluster_bf16(p, -R, s);
-      case kF16: return backbone_step_cluster_f16(p, -R, s);
+      case kF32: return backbone_step_cluster_f32(p, rows, fused_norm, s);
+      case kBF16: return backbone_step_cluster_bf16(p, rows, fused_norm, s);
+      case kF16: return backbone_step_cluster_f16(p, rows, fused_norm, s);
     }
     return "backbone_step: unsupported weight dtype";
   }

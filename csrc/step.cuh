@@ -25,9 +25,11 @@ __device__ __forceinline__ void load16(const WT* p, float (&v)[Vec16<WT>::n]) {
 
 // out[r][j] (+)= sum_k W[j][k] * in[r][k], j < rows, for R rows held in shared memory.
 // in: [R][in_ld] floats, out: [R][out_ld] floats. Warp per output row, RB rows in flight.
-template <typename WT, int R, bool ADD, int NWARPS = STEP_WARPS>
+// NORM: `in` holds the un-normalised rows h and the input is the RMSNorm (h[c] * rs[r]) * nw[c], formed as it is
+// read (the same products, in the same order, as rms_rows_w writes them into shared memory).
+template <typename WT, int R, bool ADD, int NWARPS = STEP_WARPS, bool NORM = false>
 __device__ void gemv_rows(const WT* __restrict__ W, int rows, int cols, const float* in, int in_ld, float* out,
-                          int out_ld) {
+                          int out_ld, const float* rs = nullptr, const float* nw = nullptr) {
   constexpr int V = Vec16<WT>::n;
   constexpr int RB = 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -50,7 +52,7 @@ __device__ void gemv_rows(const WT* __restrict__ W, int rows, int cols, const fl
         for (int r = 0; r < R; ++r) {
           float xv[V];
 #pragma unroll
-          for (int i = 0; i < V; ++i) xv[i] = in[r * in_ld + c + i];
+          for (int i = 0; i < V; ++i) xv[i] = NORM ? in[r * in_ld + c + i] * rs[r] * nw[c + i] : in[r * in_ld + c + i];
 #pragma unroll
           for (int q = 0; q < RB; ++q)
 #pragma unroll
@@ -64,7 +66,8 @@ __device__ void gemv_rows(const WT* __restrict__ W, int rows, int cols, const fl
           const int j = min(j0 + q, rows - 1);
           const float wv = to_f(W[(int64_t)j * cols + c]);
 #pragma unroll
-          for (int r = 0; r < R; ++r) acc[q][r] = fmaf(wv, in[r * in_ld + c], acc[q][r]);
+          for (int r = 0; r < R; ++r)
+            acc[q][r] = fmaf(wv, NORM ? in[r * in_ld + c] * rs[r] * nw[c] : in[r * in_ld + c], acc[q][r]);
         }
       }
     }
@@ -77,6 +80,19 @@ __device__ void gemv_rows(const WT* __restrict__ W, int rows, int cols, const fl
           if (ADD) out[r * out_ld + j0 + q] += v; else out[r * out_ld + j0 + q] = v;
         }
       }
+  }
+}
+
+// rs[r] = rsqrt(mean(h[r]^2) + eps) for every row, in the calling warp (the sum in rms_rows_w's order)
+template <int R>
+__device__ __forceinline__ void rms_scales(const float* h, int dm, float eps, float (&rs)[R]) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float ss = 0.f;
+    for (int c = lane; c < dm; c += 32) { const float v = h[r * dm + c]; ss = fmaf(v, v, ss); }
+    ss = group_sum<32>(ss);
+    rs[r] = rsqrtf(ss / dm + eps);
   }
 }
 

@@ -15,7 +15,10 @@ constexpr int STEPC_THREADS = 256;
 constexpr int STEPC_WARPS = STEPC_THREADS / 32;
 constexpr int STEPC_DS = 32;  // channels per block: d_inner = 256
 
-template <typename WT, int R, int N, int K>
+// FN (fused norm): every warp computes the layer's RMSNorm scales itself and in_proj forms the normalised input
+// as it reads h (no norm pass behind a block barrier: one barrier less per layer); the same products in the
+// same order, so the same bits as without it.
+template <typename WT, int R, int N, int K, bool FN>
 __global__ void __cluster_dims__(STEPC_CL, 1, 1) __launch_bounds__(STEPC_THREADS)
 backbone_step_cluster_kernel(StepParams p) {
   namespace cg = cooperative_groups;
@@ -85,13 +88,19 @@ backbone_step_cluster_kernel(StepParams p) {
 #pragma unroll
       for (int k = 0; k < 16; ++k) wdt[k] = k < rk ? to_f(Wdt[k]) : 0.f;
     }
-    // ---- RMSNorm (replicated)
-    rms_rows_w<R, STEPC_WARPS>(h, u, dm, ly.norm_w, p.eps);
-    __syncthreads();
-    // ---- in_proj: this block's xi and z channels
-    gemv_rows<WT, R, false, STEPC_WARPS>(reinterpret_cast<const WT*>(ly.in_w) + (int64_t)d0 * dm, DS, dm, u, dm, xi, DS);
-    gemv_rows<WT, R, false, STEPC_WARPS>(reinterpret_cast<const WT*>(ly.in_w) + (int64_t)(D + d0) * dm, DS, dm, u, dm,
-                                         zz, DS);
+    // ---- RMSNorm (replicated) and in_proj: this block's xi and z channels
+    const WT* w_in = reinterpret_cast<const WT*>(ly.in_w);
+    if (FN) {
+      float rs[R];
+      rms_scales<R>(h, dm, p.eps, rs);
+      gemv_rows<WT, R, false, STEPC_WARPS, true>(w_in + (int64_t)d0 * dm, DS, dm, h, dm, xi, DS, rs, ly.norm_w);
+      gemv_rows<WT, R, false, STEPC_WARPS, true>(w_in + (int64_t)(D + d0) * dm, DS, dm, h, dm, zz, DS, rs, ly.norm_w);
+    } else {
+      rms_rows_w<R, STEPC_WARPS>(h, u, dm, ly.norm_w, p.eps);
+      __syncthreads();
+      gemv_rows<WT, R, false, STEPC_WARPS>(w_in + (int64_t)d0 * dm, DS, dm, u, dm, xi, DS);
+      gemv_rows<WT, R, false, STEPC_WARPS>(w_in + (int64_t)(D + d0) * dm, DS, dm, u, dm, zz, DS);
+    }
     __syncthreads();
     // ---- conv step (own channels)
     float xc = 0.f;
@@ -199,10 +208,10 @@ inline bool stepc_supported(const StepParams& p) {
   return p.D == STEPC_CL * STEPC_DS && p.K == 4 && (p.N == 16 || p.N == 8) && p.rank <= 16 && p.dm % 8 == 0;
 }
 
-template <typename WT, int R, int N>
+template <typename WT, int R, int N, bool FN>
 const char* stepc_launch_rn(const StepParams& p, cudaStream_t s) {
   const size_t smem = stepc_smem_bytes(p, R);
-  auto kern = backbone_step_cluster_kernel<WT, R, N, 4>;
+  auto kern = backbone_step_cluster_kernel<WT, R, N, 4, FN>;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return cudaGetErrorString(e);
@@ -213,12 +222,15 @@ const char* stepc_launch_rn(const StepParams& p, cudaStream_t s) {
   return nullptr;
 }
 
+// fused_norm: the FN variant (the default) or the one with the norm pass behind a barrier (kept for the
+// in-process comparison and the bit-identity test)
 template <typename WT>
-const char* stepc_launch_t(const StepParams& p, int R, cudaStream_t s) {
-#define MRL_STEPC_CASE(RR)                                                    \
-  if (R == RR) {                                                              \
-    if (p.N == 16) return stepc_launch_rn<WT, RR, 16>(p, s);                  \
-    return stepc_launch_rn<WT, RR, 8>(p, s);                                  \
+const char* stepc_launch_t(const StepParams& p, int R, bool fused_norm, cudaStream_t s) {
+#define MRL_STEPC_CASE(RR)                                                                       \
+  if (R == RR) {                                                                                 \
+    if (p.N == 16) return fused_norm ? stepc_launch_rn<WT, RR, 16, true>(p, s)                   \
+                                     : stepc_launch_rn<WT, RR, 16, false>(p, s);                 \
+    return fused_norm ? stepc_launch_rn<WT, RR, 8, true>(p, s) : stepc_launch_rn<WT, RR, 8, false>(p, s); \
   }
   MRL_STEPC_CASE(1) MRL_STEPC_CASE(2) MRL_STEPC_CASE(4) MRL_STEPC_CASE(8)
 #undef MRL_STEPC_CASE

@@ -29,6 +29,8 @@ from .norm import rms_norm_ref
 __all__ = ["backbone_step", "backbone_step_packed", "pack_step_weights", "backbone_step_ref", "layer_step_ref",
            "LAYER_KEYS"]
 
+STEP_KERNELS = ("auto", "rows", "cluster", "cluster_normpass")
+
 LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
               "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias", "mixer.A_log", "mixer.D",
               "mixer.out_proj.weight")
@@ -107,13 +109,15 @@ def pack_step_weights(weights: dict, n_layers: int, d_inner: int) -> tuple:
 def backbone_step_packed(ext, x_t, packed: tuple, conv_state, ssm_state, episode_starts, eps: float,
                          kernel: str = "auto", rows_per_block: int = 0):
     """:func:`backbone_step` with the weights already packed by :func:`pack_step_weights`."""
-    if kernel not in ("auto", "rows", "cluster"):
-        raise ValueError(f"backbone_step: kernel must be 'auto', 'rows' or 'cluster', got {kernel!r}")
+    if kernel not in STEP_KERNELS:
+        raise ValueError(f"backbone_step: kernel must be one of {STEP_KERNELS}, got {kernel!r}")
     if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or rows_per_block < 0:
         raise ValueError(f"backbone_step: rows_per_block must be an int >= 0, got {rows_per_block!r}")
     starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
-    # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows.
-    code = 0 if kernel == "auto" else (-max(rows_per_block, 1) if kernel == "cluster" else max(rows_per_block, 1))
+    # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows,
+    # -R - 16 = the cluster kernel with its RMSNorm as a separate pass (the same bits).
+    r = max(rows_per_block, 1)
+    code = {"auto": 0, "rows": r, "cluster": -r, "cluster_normpass": -r - 16}[kernel]
     inp_w, inp_b, normf, layers = packed
     return ext.backbone_step(_f32(x_t), inp_w, inp_b, normf, layers, conv_state, ssm_state, starts, float(eps),
                              int(code))
@@ -127,8 +131,10 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
         ext: the CUDA or CPU extension (:func:`mamba_rl.ops.extension.kernels_for`); the CUDA kernel takes
             d_state 8 or 16 and d_conv 4.
         kernel: CUDA only. "auto" (measured choice), "rows" (one block per ``rows_per_block`` rows, every
-            layer in one block) or "cluster" (a thread-block cluster of 8 blocks splits d_inner, partial
-            sums exchanged through distributed shared memory, ``rows_per_block`` rows per cluster).
+            layer in one block), "cluster" (a thread-block cluster of 8 blocks splits d_inner, partial
+            sums exchanged through distributed shared memory, ``rows_per_block`` rows per cluster; every warp
+            forms each layer's RMSNorm as in_proj reads it) or "cluster_normpass" (the same kernel with the norm as
+            a pass behind a block barrier, as before: the same bits, kept for timing the two in one process).
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
     """
