@@ -30,8 +30,9 @@ BACKBONE_FIELDS = tuple(f.name for f in dataclasses.fields(MambaConfig) if f.ini
 
 _DEVICES = ("auto", "cpu", "cuda")
 MAX_THREADS = 1024
-# env_overlap="auto" turns the two-halves overlap on from this many envs (EnvPool, CUDA graph actor): below it a
-# vector step of EnvPool is shorter than the two half-batch act replays it would hide (benchmarks/README.md)
+# env_overlap="auto" turns the two-halves overlap on from this many envs (EnvPool): measured with the CUDA graph
+# actor on an H200, where below it a vector step of EnvPool is shorter than the two half-batch act replays it
+# would hide (benchmarks/README.md); the CPU's eager actor takes the same threshold (not measured there)
 OVERLAP_MIN_ENVS = 1024
 _DTYPES = ("f32", "tf32", "bf16", "f16")
 _BACKENDS = ("auto", "cuda", "cpu", "reference")

@@ -135,7 +135,7 @@ class RecurrentPPO:
         if self.dp is not None:
             self._sync_ranks()
         self.stepper = p.net.stepper(batch=config.num_envs)
-        graphs = self._graph_actor
+        graphs = config.cuda_graphs and self.device.type == "cuda"
         self.env_parts = self._env_parts()
         self._warned_pickle = False
 
@@ -221,11 +221,6 @@ class RecurrentPPO:
         return self.update + -(-left // (c.batch_size * self.world_size))
 
     # ------------------------------------------------------------------ envs
-    @property
-    def _graph_actor(self) -> bool:
-        """Whether the rollout acts through CUDA graphs (:class:`~mamba_rl.agents.device_actor.GraphActor`)."""
-        return self.config.cuda_graphs and self.device.type == "cuda"
-
     def _make_envs(self) -> gym.vector.VectorEnv:
         c = self.config
         overlap = c.env_overlap == "on" or (c.env_overlap == "auto" and c.num_envs >= OVERLAP_MIN_ENVS)
