@@ -31,7 +31,8 @@ For each env backend (``--env-backend``: gymnasium, plus envpool when installed)
 
 EnvPool rows run once per ``--env-overlap`` mode (PPOConfig.env_overlap; default "auto"; ``env_parts`` in the
 row: 2 where the two-halves rollout ran, the table's "halves"). Rows run in the order of ``--env-backend``
-(backends outer, env counts inner), then the ``--bf16-envs`` EnvPool rows (``dtype`` bf16); the JSON is rewritten after every row, so a run cut short keeps its rows.
+(backends outer, env counts inner), then the ``--bf16-envs`` EnvPool rows (``dtype`` bf16); the JSON is
+rewritten after every row, so a run cut short keeps its rows.
 ``must_show`` reads the throughput targets (``targets`` in the JSON) off the rows (:func:`must_show`).
 
 Ratios: ``agent_fraction_of_raw`` = agent_sps / raw_env_sps (target >= 0.5; EnvPool: agent_sps /
