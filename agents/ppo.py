@@ -44,7 +44,7 @@ import torch
 
 from mamba_rl import MambaTrainer
 from mamba_rl.envs import (EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
-                           flatten_observation, make_vec_env, raw_observation_space, resolve_env_backend)
+                           flatten_observation, make_vec_env, raw_observation_space)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
                          restore_agent, save_agent)
@@ -223,9 +223,8 @@ class RecurrentPPO:
     # ------------------------------------------------------------------ envs
     def _make_envs(self) -> gym.vector.VectorEnv:
         c = self.config
-        overlap = c.env_overlap == "on" or (c.env_overlap == "auto" and c.num_envs >= OVERLAP_MIN_ENVS)
-        halves = overlap and c.num_envs >= 2 and \
-            resolve_env_backend(c.env_backend, c.env_id, c.async_envs, c.capture_video) == "envpool"
+        # two halves where make_vec_env can (the EnvPool backend, >= 2 envs); it builds one part elsewhere
+        halves = c.env_overlap == "on" or (c.env_overlap == "auto" and c.num_envs >= OVERLAP_MIN_ENVS)
         return make_vec_env(c.env_id, c.num_envs, seed=self.env_seed, async_=c.async_envs,
                             capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),

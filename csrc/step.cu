@@ -17,8 +17,9 @@ static size_t rows_smem(const StepParams& p, int R) {
 
 // rows_per_block R: > 0 the one-block-per-R-rows kernel; -8..-1 the cluster kernel with -R rows per cluster;
 // -24..-17 the cluster kernel with -R - 16 rows and its RMSNorm as a pass behind a block barrier (the variant
-// before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the cluster kernel where it applies; else the measured R, halved until R rows fit the
-// device's opt-in shared memory per block).
+// before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the cluster
+// kernel where it applies; else the measured R, halved until R rows fit the device's opt-in shared memory per
+// block).
 int backbone_step_rows(const StepParams& p, int R, const char** err) {
   *err = nullptr;
   if (R != 0) return R;

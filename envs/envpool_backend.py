@@ -181,7 +181,6 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
                 self._seed = int(seed)
                 self.pools = self._make_pools(self._seed)
         self._stepped = True
-        self._sent = [False] * len(self.pools)
         with _QuietBounds():
             parts = [self._rows(h, *pool.reset())[0] for h, pool in enumerate(self.pools)]
         return (parts[0] if len(parts) == 1 else np.concatenate(parts)), {}
