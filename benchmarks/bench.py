@@ -10,14 +10,15 @@ Times (median µs per call, CUDA events around every call, graph replays, TF32 o
     the fused kernel alone at each rows-per-block setting, and the peers' one-token step.
 The same training and one-token rows for ``layer="Mamba3"`` (models ``mamba3_<dtype>`` / ``mamba3``; skip them
 with ``--no-mamba3``). Also the peak GPU memory and the kernels per captured graph (torch.profiler over one replay), with a
-per-kernel profile and the launch-order kernel list (``kernel_seq``) at the default model. ``--variants`` also
-times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully on
-(models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``). The one-token rows add the bare graph
-replay (``raw_graph_us``) and the host time to issue one call (``host_api_us``, ``host_replay_us``). Every row
-carries ``d_model``.
+per-kernel profile and the launch-order kernel list (``kernel_seq``) at the ``PROFILED`` rows. ``--variants``
+also times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully
+on (models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``); ``--stream-ab`` times each training row
+again with the weight gradients in the kernel chain instead of on their second stream (``mamba_rl_<dtype>_chain``,
+``fused.WGRAD_STREAM = "off"``). The one-token rows add the bare graph replay (``raw_graph_us``) and the host
+time to issue one call (``host_api_us``, ``host_replay_us``). Every row carries ``d_model``.
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
-    [--variants] [--no-step-kernels]
+    [--variants] [--stream-ab] [--no-step-kernels]
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ OBS, DM, L = 32, 128, 3
 ROWS = [(128, 16, 64), (128, 64, 128), (128, 256, 32), (128, 16, 512), (128, 16, 2048), (128, 64, 1024),
         (128, 4, 4096), (256, 64, 128), (512, 64, 128), (512, 16, 512), (1024, 64, 128)]
 INFER_B = [1, 16, 256]
+PROFILED = ((128, 16, 64), (128, 64, 128), (128, 4, 4096))  # rows with a per-kernel profile (and kernel_seq)
 PEERS = {"gru1": ("GRU", 1), "lstm1": ("LSTM", 1), "lstm3": ("LSTM", 3)}
 
 
@@ -121,11 +123,12 @@ VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("of
 MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer kind
 
 
-def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1"):
+def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto"):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
     fused.WGRAD, fused.XDT = VARIANTS[variant]
+    fused.WGRAD_STREAM = wgrad_stream
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -145,6 +148,8 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     del tr, net, graph
     fused.WGRAD, fused.XDT = VARIANTS[""]
+    fused.WGRAD_STREAM = "auto"
+    variant += "_chain" if wgrad_stream == "off" else ""
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:
@@ -339,6 +344,8 @@ def main(argv=None):
     ap.add_argument("--no-step-kernels", action="store_true", help="skip the one-token kernel's R / cluster sweep")
     ap.add_argument("--variants", action="store_true", help="also time the small-GEMM kernels forced off / on")
     ap.add_argument("--no-mamba3", action="store_true", help="skip the Mamba-3 rows (layer='Mamba3')")
+    ap.add_argument("--stream-ab", action="store_true",
+                    help="also time each training row with the weight gradients in the chain (models *_chain)")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "tf32", "bf16"], choices=["f32", "tf32", "bf16"],
                     help="trainer dtypes of the Mamba-1 training rows (tf32: the opt-in TF32 GEMMs; Mamba-3: f32 / bf16)")
     a = ap.parse_args(argv)
@@ -365,12 +372,15 @@ def main(argv=None):
     for dm, B, T in (ROWS[:a.rows] if a.only != "infer" else []):
         it = iters if B * T <= 16384 else max(20, iters // 3)
         for dt in a.dtypes:
-            record(lambda: bench_train(dm, B, T, dt, it, profile_it=dt != "tf32" and (dm, B, T) in ((128, 16, 64),
-                                                                                                  (128, 4, 4096))),
+            record(lambda: bench_train(dm, B, T, dt, it, profile_it=dt != "tf32" and (dm, B, T) in PROFILED),
                    dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
             for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants and dt != "tf32" else ()):
                 record(lambda: bench_train(dm, B, T, dt, it, variant=v),
                        dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
+            if a.stream_ab:
+                record(lambda: bench_train(dm, B, T, dt, it, wgrad_stream="off",
+                                           profile_it=dt != "tf32" and (dm, B, T) == (128, 64, 128)),
+                       dict(kind="train", model=f"mamba_rl_{dt}_chain", d_model=dm, B=B, T=T, graph=True))
             if not a.no_mamba3 and dt != "tf32":
                 record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
                        dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))

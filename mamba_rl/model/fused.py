@@ -93,6 +93,17 @@ XDT = "auto"
 # The grouped launch waits for the operands of several layers; past this many bytes of operands held only
 # for it, it runs at the end of the current layer instead (peak memory at long B*T).
 WGRAD_HOLD_BYTES = 64 << 20
+# WGRAD_STREAM: the weight gradients of the CUDA backward run on a second stream, each as soon as its operands
+# exist, beside the input-gradient chain (dy -> scan -> conv -> du -> norm, layer by layer) that every later
+# kernel waits on; the stream joins the caller's before the backward returns. "on": always on CUDA; "off": the
+# weight gradients run in the chain, in the same order; "auto": on from _WGRAD_STREAM_MIN_ROWS rows (B*T). In
+# one process on the H200 (benchmarks/NOTES.md): 2.5-4.4 % faster at 8192 rows (64 x 128, 256 x 32, 16 x 512,
+# f32 and bf16), within +-1.5 % at 16k-64k rows, 2.4 % (f32) / 4.1 % (bf16) slower at 1024 rows (16 x 64).
+# cuBLAS weight gradients give the same bits either way (the same GEMMs on the same operands); the grouped
+# kernel (WGRAD) launches once per layer on the side stream, once per step in the chain, and picks its K slices
+# per launch, so the two differ by float32 rounding.
+WGRAD_STREAM = "auto"
+_WGRAD_STREAM_MIN_ROWS = 8192
 # "auto": float32 only (bf16/f16 weight gradients run on cuBLAS's tensor-core kernels, which were faster than
 # this SIMT kernel even at B*T = 1024: 458 vs 427 us a step), and only up to this many rows (K = B*T) per GEMM
 # (f32: 498 vs 574 us at 1024 rows, 1613 vs 1509 at 8192).
@@ -123,20 +134,54 @@ def _use_xdt(ext, net, rows: int) -> bool:
     return XDT == "on" or (c.d_inner <= _XDT_MAX_D_INNER and rows <= _XDT_MAX_ROWS)
 
 
+_SIDE_STREAMS: dict = {}  # device index -> the weight gradients' second stream (WGRAD_STREAM)
+
+
+def _side_stream(device: torch.device, rows: int):
+    """The second stream of ``device`` for the weight gradients of a backward over ``rows`` = B*T rows, or None
+    where they stay in the chain (CPU, WGRAD_STREAM "off", "auto" below _WGRAD_STREAM_MIN_ROWS)."""
+    if device.type != "cuda" or WGRAD_STREAM == "off" or (WGRAD_STREAM == "auto" and rows < _WGRAD_STREAM_MIN_ROWS):
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    s = _SIDE_STREAMS.get(idx)
+    if s is None:
+        s = _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx)
+    return s
+
+
 class _WGrads:
     """Collects ``dst += a^T b`` weight-gradient jobs and runs them as one grouped launch (or, where the grouped
-    kernel is off, each as its GEMM at once)."""
+    kernel is off, each as its GEMM at once); with a side stream, every launch goes there, ordered after the
+    caller's stream's work so far, and :meth:`join` makes the caller's stream wait for all of them. The
+    operands of those launches are held until the join: freed earlier, their memory could be handed to a
+    later kernel of the caller's stream while the side stream still reads it."""
 
-    def __init__(self, ext, on: bool):
+    def __init__(self, ext, on: bool, side=None):
         self.ext, self.on, self.jobs, self.held, self.tiles = ext, on, [], 0, 0
+        self.side, self.keep, self.main = side, [], (torch.cuda.current_stream() if side is not None else None)
+
+    def _run(self, fn, *operands):
+        if self.side is None:
+            fn()
+            return
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            fn()
+        self.keep.extend(operands)
+
+    def join(self):
+        """The caller's stream waits for every weight gradient launched so far (call before the arena is read)."""
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+            self.keep.clear()
 
     def add(self, dst, a, b):
         """dst (float32 arena view) += a^T @ b (a [K, M], b [K, N] or None for column sums)."""
         if not self.on:
             if b is None:
-                dst.add_(a.sum(0, dtype=torch.float32).view(dst.shape))
+                self._run(lambda: dst.add_(a.sum(0, dtype=torch.float32).view(dst.shape)), a)
             else:
-                _acc_mm(dst, a.t(), b)
+                self._run(lambda: _acc_mm(dst, a.t(), b), a, b)
             return
         tiles = -(-a.shape[1] // 64) * (1 if b is None else -(-b.shape[1] // 64))  # csrc/wgrad.cu: 64 x 64
         if self.tiles + tiles > _WGRAD_MAX_TILES:
@@ -148,8 +193,10 @@ class _WGrads:
             self.flush()
 
     def flush(self, if_above: int = 0):
+        """Launch the collected jobs, if their operands hold at least ``if_above`` bytes (0: always)."""
         if self.jobs and self.held >= if_above:
-            self.ext.wgrad_grouped(self.jobs)
+            jobs = self.jobs
+            self._run(lambda: self.ext.wgrad_grouped(jobs), *[t for job in jobs for t in job[:2] if t is not None])
             self.jobs, self.held, self.tiles = [], 0, 0
 
 
@@ -339,7 +386,8 @@ class _Backbone(torch.autograd.Function):
 
         nb_ok = ctx.norm_bwd_ok
         use_xdt = ctx.use_xdt
-        wg = _WGrads(ext, _use_wgrad(ext, net, BT, cdt))
+        side = _side_stream(net.device, BT)
+        wg = _WGrads(ext, _use_wgrad(ext, net, BT, cdt), side)
         if dfeat is None:  # only the final states were differentiated
             dfeat = torch.zeros(B, T, c.d_model, device=ctx.h_last.device, dtype=torch.float32)
         dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
@@ -383,12 +431,15 @@ class _Backbone(torch.autograd.Function):
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
             dh, dh_c = _norm_bwd(ext, nb_ok, du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh,
                                  cdt)
-            wg.flush(if_above=WGRAD_HOLD_BYTES)  # long B*T: this layer's launch now rather than one at the end
+            # on a side stream, each layer's grouped launch runs beside the next layers' chain; in the chain, it
+            # waits for the end unless its operands grow large (long B*T: peak memory)
+            wg.flush(if_above=0 if side is not None else WGRAD_HOLD_BYTES)
         if dh_c is None:
             dh_c = dh
         wg.add(w("input_proj.weight", G), dh_c, ctx.x2)
         wg.add(w("input_proj.bias", G), dh, None)
         wg.flush()
+        wg.join()
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(dh_c, w("input_proj.weight")).view(B, T, -1).to(ctx.x_dtype)

@@ -107,6 +107,45 @@ def test_eager_vs_graph_fused_step_bit_identical(dtype):
         assert torch.equal(net_e.compute_arena, net_g.compute_arena)
 
 
+@pytest.mark.parametrize("dtype,wgrad,B,T", [("f32", "off", 16, 64), ("bf16", "auto", 16, 64),
+                                             ("f32", "off", 4, 1024), ("f32", "on", 16, 64), ("f32", "on", 4, 1024)])
+def test_weight_gradients_on_a_side_stream(dtype, wgrad, B, T):
+    """The weight gradients on their own stream (fused.WGRAD_STREAM) against the same step with them in the
+    chain, over steps whose operands are freed and reallocated in between (a buffer reused too early would show
+    here): cuBLAS weight gradients (f32 with the grouped kernel off, bf16) run the same GEMMs on the same operands,
+    so the same bits; the grouped kernel launches once per layer on the side stream and once per step in the
+    chain, with K slices chosen per launch, so float32 rounding apart (and eager = captured bit for bit)."""
+    from mamba_rl.model import fused
+    gen = torch.Generator().manual_seed(11)
+    data = [(torch.randn(B, T, IN, generator=gen).cuda(), torch.randn(B, T, CFG.d_model, generator=gen).cuda(),
+             (torch.rand(B, T, generator=gen) < 0.05).cuda()) for _ in range(4)]
+
+    def run(stream, capture):
+        fused.WGRAD_STREAM, fused.WGRAD = stream, wgrad
+        try:
+            net, tr = _trainer(dtype, seed=5, B=B, T=T)
+            if capture:
+                tr.capture_graph()
+            out = []
+            for x, d, s in data:
+                m = tr.step(x, d, episode_starts=s).to_dict()
+                m.pop("graph_replayed")
+                out.append(m)
+                torch.empty(1 << 20, device="cuda").fill_(float("nan"))  # reuse freed blocks with garbage
+            torch.cuda.synchronize()
+            return net.arena.clone(), tr.exp_avg_sq.clone(), out
+        finally:
+            fused.WGRAD_STREAM, fused.WGRAD = "auto", "auto"
+
+    chain, side, side_graph = run("off", False), run("on", False), run("on", True)
+    assert torch.isfinite(chain[0]).all()
+    assert torch.equal(side[0], side_graph[0]) and torch.equal(side[1], side_graph[1]) and side[2] == side_graph[2]
+    if wgrad == "on":
+        assert rel(side[0], chain[0]) < 1e-5 and rel(side[1], chain[1]) < 1e-4
+    else:
+        assert torch.equal(side[0], chain[0]) and torch.equal(side[1], chain[1]) and side[2] == chain[2]
+
+
 def test_eager_vs_graph_split_step_bit_identical():
     data = _batches(10)
     net_e, eager = _trainer()
