@@ -17,7 +17,7 @@ import torch
 from ..ops.capability import kernel_support
 from ..ops.step import pack_step_weights
 
-__all__ = ["fused_backbone"]
+__all__ = ["fused_backbone", "cpu_whole_applies", "cpu_whole_forward", "cpu_whole_backward"]
 
 # Per backbone: {(data_ptr, dtype, numel) of a flat arena: {parameter name: its view}}. Building the ~26 views
 # of each of the three arenas (weights, masters, grads) on every call was a measurable share of a CPU step
@@ -72,6 +72,30 @@ def _cpu_whole(ext, net, cdt) -> bool:
     return (CPU_WHOLE != "off" and net.device.type == "cpu" and cdt == torch.float32
             and net.arena.dtype == torch.float32 and type(net)._fused_node is fused_backbone
             and hasattr(ext, "backbone_fwd"))
+
+
+def cpu_whole_applies(net) -> bool:
+    """Does this backbone's fused node run as the CPU extension's whole-backbone calls (:func:`cpu_whole_forward`
+    / :func:`cpu_whole_backward`)? float32 Mamba-1 on the cpu backend."""
+    return net.backend == "cpu" and _cpu_whole(net.kernels, net, net.compute_dtype)
+
+
+def cpu_whole_forward(net, x, conv0, ssm0, starts):
+    """The fused node's forward on the CPU as one C++ call (``backbone_fwd``): x [B, T, input_dim], conv0
+    [L, B, d_inner, d_conv-1] and ssm0 [L, B, d_inner, d_state] float32 contiguous, starts [B, T] bool contiguous
+    -> (features [B, T, d_model], final conv, final ssm, saved: the handle :func:`cpu_whole_backward` takes).
+    Only where :func:`cpu_whole_applies`."""
+    inp_w, inp_b, normf, layers = _packed(net, net.arena)
+    return net.kernels.backbone_fwd(x.to(torch.float32), inp_w, inp_b, normf, layers, conv0, ssm0, starts,
+                                    net.cfg.rms_norm_eps)
+
+
+def cpu_whole_backward(net, saved, dfeat, dconv_final=None, dssm_final=None, need_dx=False):
+    """Backward of :func:`cpu_whole_forward` as one C++ call (``backbone_bwd``): every parameter gradient is
+    added into ``net.grad_arena``; returns dL/dx [B, T, input_dim] float32 when ``need_dx``, else None.
+    dfeat [B, T, d_model] float32 (None: only the final states get gradients, which then must be given)."""
+    iw, ib, nf, grads = _packed(net, net.grad_arena)
+    return net.kernels.backbone_bwd(saved, dfeat, dconv_final, dssm_final, iw, ib, nf, grads, need_dx)
 
 
 def _norm_flags(net, cdt):
@@ -295,9 +319,7 @@ class _Backbone(torch.autograd.Function):
         ctx.x_dtype = x.dtype
         ctx.set_materialize_grads(False)  # outputs that get no gradient (the final states) arrive as None
         if _cpu_whole(ext, net, net.compute_dtype):
-            inp_w, inp_b, normf, layers = _packed(net, net.arena)
-            feat, conv_f, ssm_f, ctx.cpp = ext.backbone_fwd(x.to(torch.float32), inp_w, inp_b, normf, layers, conv0,
-                                                            ssm0, starts, c.rms_norm_eps)
+            feat, conv_f, ssm_f, ctx.cpp = cpu_whole_forward(net, x, conv0, ssm0, starts)
             ctx.net = net
             return feat, conv_f, ssm_f
         ctx.cpp = None
@@ -369,8 +391,7 @@ class _Backbone(torch.autograd.Function):
         net = ctx.net
         ext = net.kernels
         if ctx.cpp is not None:
-            iw, ib, nf, grads = _packed(net, net.grad_arena)
-            dx = ext.backbone_bwd(ctx.cpp, dfeat, dconv_final, dssm_final, iw, ib, nf, grads, ctx.needs_input_grad[0])
+            dx = cpu_whole_backward(net, ctx.cpp, dfeat, dconv_final, dssm_final, ctx.needs_input_grad[0])
             return (None if dx is None else dx.to(ctx.x_dtype)), None, None, None, None, None
         c = net.cfg
         B, T = ctx.shape
