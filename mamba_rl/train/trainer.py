@@ -213,11 +213,15 @@ class MambaTrainer:
             self.extra_sq_buf.fill_(float(v))
 
     # -------------------------------------------------------------------------------------- bodies
-    def _forward_body(self):
+    def _take_state(self):
+        """_state_used <- the carried state (what this forward starts from)."""
         if self._state_flat is not None:
             self._state_used_flat.copy_(self._state_flat)  # = self._state_used.copy_(self.state), one launch
         else:
             self._state_used.copy_(self.state)
+
+    def _forward_body(self):
+        self._take_state()
         with _tf32_matmul(self.tf32):
             feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
         self.state.copy_(final.detach())
@@ -238,12 +242,11 @@ class MambaTrainer:
     def _step_cpu_direct(self):
         """The fused step's forward and backward as the two C++ calls the autograd node makes on the CPU, with
         the same arguments (so the same bits: test), without the node, the engine's pass and the node's hooks
-        (~1 ms of a 2 x 128 step at 1 thread); then the optimizer as in :meth:`_backward_body`."""
+        (~0.6 ms of a 2 x 128 step at 1 thread); then the optimizer as in :meth:`_backward_body`. Like the
+        autograd step it ends any pending split ``forward`` (``backward_step`` then asks for a new one)."""
         net = self.net
-        if self._state_flat is not None:
-            self._state_used_flat.copy_(self._state_flat)
-        else:
-            self._state_used.copy_(self.state)
+        self._feat = None
+        self._take_state()
         su = self._state_used
         _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm, self.starts_buf)
         self.state.conv.copy_(conv_f)
