@@ -44,6 +44,15 @@ def _tf32_matmul(on: bool):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def _module_hooks(net) -> bool:
+    """Would ``net(...)`` run any module hook (the net's own or a global one)? torch's Module.__call__ skips
+    straight to ``forward`` only when none is registered."""
+    from torch.nn.modules import module as m
+    return bool(net._forward_hooks or net._forward_pre_hooks or net._backward_hooks or net._backward_pre_hooks
+                or m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
 @dataclass
 class StepMetrics:
     """What one optimizer step reports. Tensor fields are 0-d device tensors: reading them as Python
@@ -232,12 +241,20 @@ class MambaTrainer:
 
     def _cpu_direct(self) -> bool:
         """Does the fused step run the CPU extension's whole-backbone calls without autograd
-        (:meth:`_step_cpu_direct`)? Exactly where ``net(...)`` would run them as its autograd node: the cpu
-        backend, float32 Mamba-1 (:func:`fused.cpu_whole_applies`), the parameters the arena's own and none
-        frozen or hooked (``net._use_fused``), ``forward`` not overridden by a subclass."""
+        (:meth:`_step_cpu_direct`)? Only where ``net(...)`` would call straight into that node and the autograd
+        step would backprop through it into the arena: the cpu backend, float32 Mamba-1
+        (:func:`fused.cpu_whole_applies`), the arena's own parameters with none frozen or hooked
+        (``net._use_fused``) and the node's output requiring grad (grad mode on, parameters trainable), no
+        module hook of the net's or global one and no ``forward`` / ``_forward_fused`` but the class's own, and
+        an ``x_buf`` without autograd history. Anything else takes the autograd step, as before."""
         net = self.net
-        return (self._cpu_kernels is not None and type(net).forward is MambaBackbone.forward
-                and fused.cpu_whole_applies(net) and net._use_fused(None, self.x_buf))
+        if self._cpu_kernels is None or not torch.is_grad_enabled() or self.x_buf.requires_grad:
+            return False
+        if (type(net).forward is not MambaBackbone.forward or "forward" in net.__dict__
+                or type(net)._forward_fused is not MambaBackbone._forward_fused or _module_hooks(net)):
+            return False
+        return (net.norm_f.weight.requires_grad and fused.cpu_whole_applies(net)
+                and bool(net._use_fused(None, self.x_buf)))
 
     def _step_cpu_direct(self):
         """The fused step's forward and backward as the two C++ calls the autograd node makes on the CPU, with
@@ -248,13 +265,16 @@ class MambaTrainer:
         self._feat = None
         self._take_state()
         su = self._state_used
-        _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm, self.starts_buf)
-        self.state.conv.copy_(conv_f)
-        self.state.ssm.copy_(ssm_f)
-        if self.skip_nonfinite:
-            self._keep_finite_rows()
-        self._attach_grads_cpu()
-        fused.cpu_whole_backward(net, saved, self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf)
+        g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
+        with torch.no_grad():  # the calls make no graph either way; this keeps a re-bound buffer's history out
+            _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
+                                                              self.starts_buf.contiguous())
+            self.state.conv.copy_(conv_f)
+            self.state.ssm.copy_(ssm_f)
+            if self.skip_nonfinite:
+                self._keep_finite_rows()
+            self._attach_grads_cpu()
+            fused.cpu_whole_backward(net, saved, g.to(torch.float32))  # autograd casts a re-bound d_buf too
         self._optimize()
 
     def _keep_finite_rows(self):
