@@ -227,39 +227,3 @@ def test_whole_backbone_entry_refuses_bad_arguments_by_name():
         ext.backbone_fwd(x, iw, ib, nf, [layers[0], layers[1][:4] + [layers[1][4][:-1]] + layers[1][5:]], conv0,
                          ssm0, None, 1e-5)
 
-
-@pytest.mark.parametrize("skip_nonfinite", [False, True])
-def test_trainer_step_without_autograd_is_the_autograd_path_bit_for_bit(skip_nonfinite):
-    """MambaTrainer.step on the cpu backend calls the whole-backbone C++ forward and backward itself (no autograd
-    node, engine or hooks); the same steps through the autograd path (forward_body + backward_body) give the very
-    same weights, moments, carried state and metrics, over steps with resets, an initial state and clipping.
-    A frozen parameter sends the step back to autograd (the node's own condition)."""
-    g = torch.Generator().manual_seed(5)
-    B, T = 3, 40
-    trainers = []
-    for _ in range(2):
-        net = MambaBackbone(CFG, IN, backend="cpu", seed=4)
-        trainers.append(MambaTrainer(net, B, T, lr=2e-3, weight_decay=0.01, max_grad_norm=0.05,
-                                     skip_nonfinite=skip_nonfinite))
-    direct, via_autograd = trainers
-    assert direct._cpu_direct()
-    s0 = RecurrentState(torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_conv - 1, generator=g),
-                        torch.randn(CFG.n_layers, B, CFG.d_inner, CFG.d_state, generator=g))
-    for i in range(4):
-        x = torch.randn(B, T, IN, generator=g)
-        d = torch.randn(B, T, CFG.d_model, generator=g)
-        starts = torch.rand(B, T, generator=g) < 0.1
-        init = s0 if i == 0 else None
-        m1 = direct.step(x, d, initial_state=init, episode_starts=starts).to_dict()
-        via_autograd._load(x, init, starts, "test")
-        via_autograd._load_grad(d, None, "test")
-        via_autograd.forward_body()
-        via_autograd.backward_body()
-        m2 = via_autograd._metrics(False).to_dict()
-        assert m1 == m2 and m1["clip_coef"] < 1
-    a, b = direct, via_autograd
-    assert torch.equal(a.net.arena, b.net.arena) and torch.equal(a.exp_avg_sq, b.exp_avg_sq)
-    assert torch.equal(a.state.conv, b.state.conv) and torch.equal(a.state.ssm, b.state.ssm)
-    assert torch.equal(a.net.grad_arena, b.net.grad_arena)
-    next(a.net.parameters()).requires_grad_(False)
-    assert not a._cpu_direct()
