@@ -121,8 +121,8 @@ WGRAD_HOLD_BYTES = 64 << 20
 # exist, beside the input-gradient chain (dy -> scan -> conv -> du -> norm, layer by layer) that every later
 # kernel waits on; the stream joins the caller's before the backward returns. "on": always on CUDA; "off": the
 # weight gradients run in the chain, in the same order; "auto": on from _WGRAD_STREAM_MIN_ROWS rows (B*T). In
-# one process on the H200 (benchmarks/NOTES.md): 2.5-4.4 % faster at 8192 rows (64 x 128, 256 x 32, 16 x 512,
-# f32 and bf16), within +-1.5 % at 16k-64k rows, 2.4 % (f32) / 4.1 % (bf16) slower at 1024 rows (16 x 64).
+# one process on the H200, two calls (benchmarks/NOTES.md): 2.2-6.1 % faster at 8192 rows (64 x 128, 256 x 32,
+# 16 x 512, f32 and bf16), -3 % to +1 % at 16k-64k rows, 2.4 % (f32) / 4.1 % (bf16) slower at 1024 rows (16 x 64).
 # cuBLAS weight gradients give the same bits either way (the same GEMMs on the same operands); the grouped
 # kernel (WGRAD) launches once per layer on the side stream, once per step in the chain, and picks its K slices
 # per launch, so the two differ by float32 rounding.
