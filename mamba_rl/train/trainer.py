@@ -222,6 +222,10 @@ class MambaTrainer:
             self.extra_sq_buf.fill_(float(v))
 
     # -------------------------------------------------------------------------------------- bodies
+    def _scaled_d(self) -> torch.Tensor:
+        """d_buf times the loss scale (f16), or d_buf itself: what the backward starts from."""
+        return self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
+
     def _take_state(self):
         """_state_used <- the carried state (what this forward starts from)."""
         if self._state_flat is not None:
@@ -265,7 +269,7 @@ class MambaTrainer:
         self._feat = None
         self._take_state()
         su = self._state_used
-        g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
+        g = self._scaled_d()
         with torch.no_grad():  # the calls make no graph either way; this keeps a re-bound buffer's history out
             _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
                                                               self.starts_buf.contiguous())
@@ -297,7 +301,7 @@ class MambaTrainer:
     def _backprop(self, retain_graph: bool = False):
         """d_buf (times the loss scale) back through the last forward, into the gradient arena."""
         net = self.net
-        g = self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
+        g = self._scaled_d()
         if net.device.type == "cpu":
             self._attach_grads_cpu()
         elif not torch.cuda.is_current_stream_capturing():
