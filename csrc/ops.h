@@ -54,6 +54,7 @@ struct ScanFwdParams {
   float* ws;                             // forward workspace: scan_fwd_workspace() floats
   int B, T, D, N;
   int nseg, seg_len;                     // time split (set by scan_fwd / scan_bwd, not by the caller)
+  bool wide;                             // scan_bwd: the 4-blocks-per-SM build (set by scan_bwd, see scan_common.cuh)
 };
 struct ScanBwdParams {
   ScanFwdParams f;                       // the forward's inputs (out/final_state unused); ckpt required

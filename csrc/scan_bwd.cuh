@@ -124,16 +124,17 @@ template <int N>
 struct ScanBwdSmem {
   static constexpr int CPB = ScanGeom<N>::CPB, TC = SCAN_TC, NW = ScanGeom<N>::NW;
   float4 S[TC + 1][SCAN_THREADS];  // S[i + 1]: this thread's 4 states after step i; S[0]: entering the chunk
+  // The reverse step i writes its outputs dx / ddt / dz over x / dl / gs at [i][channel]: every lane of the
+  // channel (one warp) has read them into registers before the group sums that the writing lane waits on.
   float x[TC][CPB], dl[TC][CPB], sig[TC][CPB], gs[TC][CPB], gd[TC][CPB];
-  float odx[TC][CPB], oddt[TC][CPB], odz[TC][CPB];
   __align__(16) float Bv[TC][N];
   __align__(16) float Cv[TC][N];
   float red[TC][NW][2 * N];
   bool st[TC];
 };
 
-template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS, SCAN_BWD_MINB) scan_bwd_kernel(ScanBwdParams q) {
+template <typename T, int N, int MINB>
+__global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdParams q) {
   using Gm = ScanGeom<N>;
   using SM = ScanBwdSmem<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NW = Gm::NW, NP = SCAN_NPT;
@@ -260,10 +261,10 @@ __global__ void __launch_bounds__(SCAN_THREADS, SCAN_BWD_MINB) scan_bwd_kernel(S
       ddel = group_sum<G>(ddel);
       dxp = group_sum<G>(dxp);
       const float ddt = ddel * sm.sig[i][cl];
-      if (gi == 0) {
-        sm.odx[i][cl] = fmaf(g, Dd, dxp);
-        sm.oddt[i][cl] = ddt;
-        sm.odz[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
+      if (gi == 0) {  // outputs over the consumed inputs (see ScanBwdSmem)
+        sm.x[i][cl] = fmaf(g, Dd, dxp);
+        sm.dl[i][cl] = ddt;
+        sm.gs[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
       }
       dDacc = fmaf(g * am, xv, dDacc);
       ddbacc = fmaf(ddt, am, ddbacc);
@@ -288,9 +289,9 @@ __global__ void __launch_bounds__(SCAN_THREADS, SCAN_BWD_MINB) scan_bwd_kernel(S
         const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
         if (i < len && d0 + ch < D) {
           const int64_t o = (int64_t)(t0 + i) * D + d0 + ch;
-          dxb[o] = from_f<T>(sm.odx[i][ch]);
-          ddtb[o] = from_f<T>(sm.oddt[i][ch]);
-          dzb[(int64_t)(t0 + i) * q.dz_st + d0 + ch] = from_f<T>(sm.odz[i][ch]);
+          dxb[o] = from_f<T>(sm.x[i][ch]);
+          ddtb[o] = from_f<T>(sm.dl[i][ch]);
+          dzb[(int64_t)(t0 + i) * q.dz_st + d0 + ch] = from_f<T>(sm.gs[i][ch]);
         }
       }
     }
@@ -310,12 +311,16 @@ template <typename T, int N>
 const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
   constexpr int CPB = ScanGeom<N>::CPB;
   constexpr int smem = (int)sizeof(ScanBwdSmem<N>);
-  static_assert(SCAN_BWD_MINB * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
+  constexpr int wide_minb = N == 16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB;  // d_state 8 spills at 128 registers
+  static_assert(wide_minb * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
   static bool attr_set[64] = {};  // per device: the > 48 KB dynamic shared memory opt-in, once
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
   if (!attr_set[dev]) {
-    if (cudaFuncSetAttribute(scan_bwd_kernel<T, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+    if (cudaFuncSetAttribute(scan_bwd_kernel<T, N, SCAN_BWD_MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem) != cudaSuccess ||
+        cudaFuncSetAttribute(scan_bwd_kernel<T, N, wide_minb>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             smem) != cudaSuccess) {
       (void)cudaGetLastError();
       return "selective_scan: the backward's shared memory cannot be reserved on this device";
     }
@@ -326,7 +331,11 @@ const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
     scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
     MRL_LAUNCH_CHECK();
   }
-  scan_bwd_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg), SCAN_THREADS, smem, s>>>(q);
+  const dim3 grid(tiles, q.f.B, q.f.nseg);
+  if (q.f.wide)
+    scan_bwd_kernel<T, N, wide_minb><<<grid, SCAN_THREADS, smem, s>>>(q);
+  else
+    scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

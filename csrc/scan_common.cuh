@@ -36,6 +36,13 @@ constexpr int SCAN_NPT = 4;       // states per thread
 // registers), so its forward targets 3.
 constexpr int scan_fwd_minb(int N) { return N == 8 ? 3 : 4; }
 constexpr int SCAN_BWD_MINB = 3;
+// The backward also has a 4-blocks-per-SM build at d_state 16 (128 registers without spills; its ~54 KB of
+// shared memory fits 4 times). It runs where one segment's grid overfills 3 blocks per SM (B * tiles >
+// 3 * SMs, e.g. 64 x 128 at d_model 128: 512 blocks, one wave instead of 1.3): there the 3-block build's
+// second, partial wave cost more than its extra registers save. Below that the grid is split over T
+// (more blocks of shorter segments) and the 167-register build, with more independent work per thread, is
+// faster per block (measured: one segment at 4 x 4096, 1.31 ms against 1.85 ms).
+constexpr int SCAN_BWD_MINB_WIDE = 4;
 
 __device__ __forceinline__ float ex2f_(float v) {
   float r;

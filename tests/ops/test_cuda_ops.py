@@ -365,3 +365,38 @@ def test_scan_segment_reset_clears_non_finite_state(ext, bad):
         assert rel(fin[row], rfin[row]) <= 1e-4
         assert rel(gx[row, t0:], rg[0][row, t0:]) <= 1e-4
         assert rel(gdt[row, t0 + 1:], rg[1][row, t0 + 1:]) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_scan_bwd_wide_build_gives_the_same_bits(ext, dtype):
+    """Where one segment's grid overfills 3 blocks per SM (B * channel tiles > 3 * SMs, d_state 16) the
+    backward runs its 4-blocks-per-SM build (csrc/scan_common.cuh, SCAN_BWD_MINB_WIDE): the float64
+    reference's results, and per-row results bit-equal to the 3-block build's, which runs the same rows
+    as two halves (each half's grid fits 3 blocks per SM)."""
+    from mamba_rl.ops import scan as scanmod
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    D, N, T = 256, 16, 40
+    tiles = D // 32  # channels per block at d_state 16: 128 threads / 4 lanes per channel
+    half = 3 * sms // tiles // 2 + 1
+    B = 2 * half
+    assert B * tiles > 3 * sms and half * tiles <= 3 * sms
+    ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=5)
+    batched = [True, True, False, True, True, False, True, False, True]  # x dt A_log B C D z dt_bias state0
+    per_row = ["y", "final_state", "dx", "ddt", None, "dB", "dC", None, "dz", None, "dstate"]
+    try:
+        ext.scan_set_segments(1)  # one segment for the whole batch and for each half
+        whole = _scan_run(ins, starts, dy, dfin)
+        halves = []
+        for sl in (slice(0, half), slice(half, B)):
+            part = [t[sl] if b else t for t, b in zip(ins, batched)]
+            halves.append(_scan_run(part, starts[sl], dy[sl], dfin[sl]))
+    finally:
+        ext.scan_set_segments(0)
+    for i, name in enumerate(per_row):
+        if name is not None:
+            assert torch.equal(whole[i], torch.cat([halves[0][i], halves[1][i]])), name
+    rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+    ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
+    ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
+    for i, (a, r) in enumerate(zip(whole, ref)):
+        assert rel(a, r) <= TOL[dtype], i
