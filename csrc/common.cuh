@@ -50,6 +50,15 @@ __global__ void __launch_bounds__(32 * COLSUM_RG) colsum_kernel(const float* __r
   float acc = 0.f;
   if (j < M) {
     int p = r;
+    // 16 loads in flight, then the same sums in the same order as the 4-row loop below (bit for bit): a
+    // thread's rows are P / 8, and one memory latency per 4 of them made the kernel latency-bound.
+    for (; p + 15 * COLSUM_RG < P; p += 16 * COLSUM_RG) {
+      float a[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) a[u] = ws[(int64_t)(p + u * COLSUM_RG) * M + j];
+#pragma unroll
+      for (int u = 0; u < 16; u += 4) acc += (a[u] + a[u + 1]) + (a[u + 2] + a[u + 3]);
+    }
     for (; p + 3 * COLSUM_RG < P; p += 4 * COLSUM_RG) {
       float a0 = ws[(int64_t)p * M + j], a1 = ws[(int64_t)(p + COLSUM_RG) * M + j];
       float a2 = ws[(int64_t)(p + 2 * COLSUM_RG) * M + j], a3 = ws[(int64_t)(p + 3 * COLSUM_RG) * M + j];

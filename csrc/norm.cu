@@ -64,8 +64,12 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
 #pragma unroll
   for (int k = 0; k < CPL; ++k) { const int c = lane + 32 * k; w[k] = c < p.C ? p.w[c] : 0.f; dw[k] = 0.f; }
   const int64_t r0 = ((int64_t)blockIdx.x * NORM_WARPS + warp) * NORM_ROWS_PER_WARP;
-  // all rows' loads first (one memory latency per warp, not one per row), then the math
-  float dyv[NORM_ROWS_PER_WARP][CPL], xv[NORM_ROWS_PER_WARP][CPL], rsv[NORM_ROWS_PER_WARP];
+  // all rows' loads first (one memory latency per warp, not one per row), then the math. The residual
+  // gradient too: loaded in the store loop, each row's load waited behind the previous row's stores (dx may
+  // alias dx_acc as far as the compiler knows), one memory latency per row.
+  float dyv[NORM_ROWS_PER_WARP][CPL], xv[NORM_ROWS_PER_WARP][CPL], av[NORM_ROWS_PER_WARP][CPL],
+      rsv[NORM_ROWS_PER_WARP];
+  const bool has_acc = p.dx_acc != nullptr;
 #pragma unroll
   for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
     const int64_t row = r0 + i;
@@ -77,6 +81,7 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
       const bool ok = rok && c < p.C;
       dyv[i][k] = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
       xv[i][k] = ok ? p.x[row * p.C + c] : 0.f;
+      av[i][k] = (ok && has_acc) ? p.dx_acc[row * p.C + c] : 0.f;
     }
   }
 #pragma unroll
@@ -99,7 +104,7 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
         const int c = lane + 32 * k;
         if (c < p.C) {
           float d = rs * (g[k] - xh[k] * dot);
-          if (p.dx_acc) d += p.dx_acc[row * p.C + c];
+          if (has_acc) d += av[i][k];
           p.dx[row * p.C + c] = d;
           if (p.dx_c) {  // uniform branch: the low-precision copy the next GEMM reads (saves a cast pass)
             if (p.dxc_dtype == kBF16) reinterpret_cast<__nv_bfloat16*>(p.dx_c)[row * p.C + c] = from_f<__nv_bfloat16>(d);
