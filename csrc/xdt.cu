@@ -16,10 +16,49 @@ constexpr size_t XDT_SMEM_MAX = 160 * 1024;
 static size_t xdt_smem(int E, int D) { return sizeof(float) * ((size_t)E * D + (size_t)XDT_RB * D + (size_t)XDT_RB * E); }
 int xdt_smem_ok(int E, int D) { return xdt_smem(E, D) <= XDT_SMEM_MAX ? 1 : 0; }
 
+// dst[i] = src[i] as float for i < nvalid, 0 for nvalid <= i < n. A thread's loads are all issued before the
+// first conversion and shared store (16-byte loads where src, dst and n allow): loading 8 scalars, storing
+// them, then loading the next 8 paid one L2 round trip per 8 elements, 5 for x_proj.weight at d_inner 256.
 template <typename T>
-__device__ __forceinline__ void xdt_stage(float* dst, const T* __restrict__ src, int n) {
-#pragma unroll 8
-  for (int i = threadIdx.x; i < n; i += XDT_THREADS) dst[i] = to_f(src[i]);
+__device__ __forceinline__ void xdt_stage(float* dst, const T* __restrict__ src, int n, int nvalid) {
+  constexpr int V = 16 / sizeof(T), U = 8;  // elements per 16-byte load, loads in flight per round
+  if (nvalid == n && n % V == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+    const int nv = n / V;
+    const uint4* __restrict__ sv = reinterpret_cast<const uint4*>(src);
+    for (int i0 = threadIdx.x; i0 < nv; i0 += U * XDT_THREADS) {
+      uint4 r[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (i0 + u * XDT_THREADS < nv) r[u] = __ldg(sv + i0 + u * XDT_THREADS);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * XDT_THREADS;
+        if (i < nv) {
+          T e[V];
+          memcpy(e, &r[u], 16);
+#pragma unroll
+          for (int j = 0; j < V; j += 4)
+            *reinterpret_cast<float4*>(dst + (size_t)i * V + j) =
+                make_float4(to_f(e[j]), to_f(e[j + 1]), to_f(e[j + 2]), to_f(e[j + 3]));
+        }
+      }
+    }
+    return;
+  }
+  for (int i0 = threadIdx.x; i0 < n; i0 += U * XDT_THREADS) {
+    T r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * XDT_THREADS;
+      if (i < nvalid) r[u] = src[i];
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * XDT_THREADS;
+      if (i < n) dst[i] = i < nvalid ? to_f(r[u]) : 0.f;
+    }
+  }
 }
 
 template <typename T>
@@ -35,11 +74,10 @@ __global__ void __launch_bounds__(XDT_THREADS) xdt_fwd_kernel(XdtFwdParams p) {
   const T* __restrict__ wdt = reinterpret_cast<const T*>(p.wdt);
   T* dbc = reinterpret_cast<T*>(p.dbc);
   T* dt = reinterpret_cast<T*>(p.dt);
-  xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D);
+  xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D, E * D);
   {
-    const int64_t nrow = p.rows - r0 < XDT_RB ? p.rows - r0 : XDT_RB;
-#pragma unroll 8
-    for (int i = threadIdx.x; i < XDT_RB * D; i += XDT_THREADS) xs[i] = i < nrow * D ? to_f(xc[r0 * D + i]) : 0.f;
+    const int nrow = (int)(p.rows - r0 < XDT_RB ? p.rows - r0 : XDT_RB);
+    xdt_stage<T>(xs, xc + r0 * D, XDT_RB * D, nrow * D);
   }
   __syncthreads();
   {  // phase 1: warp `warp` computes row r0 + warp of dbc, 8 outputs at a time (independent accumulators)
@@ -99,7 +137,7 @@ __global__ void __launch_bounds__(XDT_THREADS) xdt_bwd_kernel(XdtBwdParams p) {
   const T* __restrict__ wdt = reinterpret_cast<const T*>(p.wdt);
   T* ddbc = reinterpret_cast<T*>(p.ddbc);
   T* dxc = reinterpret_cast<T*>(p.dxc);
-  xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D);  // for phase 2; in flight during phase 1
+  xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D, E * D);  // for phase 2
   {  // phase 1: warp `warp` computes ddbc row r0 + warp: R dots over D (8 at a time), then copies dB, dC
     const int64_t row = r0 + warp;
     const bool rok = row < p.rows;
