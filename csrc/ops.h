@@ -54,7 +54,6 @@ struct ScanFwdParams {
   float* ws;                             // forward workspace: scan_fwd_workspace() floats
   int B, T, D, N;
   int nseg, seg_len;                     // time split (set by scan_fwd / scan_bwd, not by the caller)
-  bool wide;                             // scan_bwd: the 4-blocks-per-SM build (set by scan_bwd, see scan_common.cuh)
 };
 struct ScanBwdParams {
   ScanFwdParams f;                       // the forward's inputs (out/final_state unused); ckpt required
@@ -67,6 +66,7 @@ struct ScanBwdParams {
   bool accumulate;                       // add into dA_log / dD / ddt_bias instead of writing
   float* dinit;                          // [B, D, N] or nullptr
   float* ws;                             // workspace: scan_bwd_workspace() floats
+  bool wide;                             // the 4-blocks-per-SM build (set by scan_bwd, see scan_common.cuh)
 };
 int scan_chunk();                        // checkpoint interval (steps)
 int64_t scan_fwd_workspace(int B, int T, int D, int N);

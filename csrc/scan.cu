@@ -61,7 +61,6 @@ int64_t scan_bwd_workspace(int B, int T, int D, int N) {
 
 const char* scan_fwd(int dtype, const ScanFwdParams& p0, cudaStream_t s) {
   ScanFwdParams p = p0;
-  p.wide = false;
   const ScanSplit sp = scan_split(p.B, p.T, p.D, p.N, scan_fwd_minb(p.N));
   p.nseg = sp.nseg; p.seg_len = sp.seg_len;
   switch (dtype) {
@@ -125,7 +124,7 @@ const char* scan_bwd(int dtype, const ScanBwdParams& q0, cudaStream_t s) {
   const ScanSplit sp = scan_split(q.f.B, q.f.T, q.f.D, q.f.N, SCAN_BWD_MINB);
   q.f.nseg = sp.nseg; q.f.seg_len = sp.seg_len;
   // one segment that overfills 3 blocks per SM: the 4-block build (SCAN_BWD_MINB_WIDE; nseg is 1 either way)
-  q.f.wide = q.f.N == 16 && (int64_t)scan_tiles(q.f.D, q.f.N) * q.f.B > (int64_t)SCAN_BWD_MINB * sm_count();
+  q.wide = q.f.N == 16 && (int64_t)scan_tiles(q.f.D, q.f.N) * q.f.B > (int64_t)SCAN_BWD_MINB * sm_count();
   const char* err = nullptr;
   switch (dtype) {
     case kF32: err = scan_bwd_f32(q, s); if (!err) scan_bwd_finalize<float>(q, s); break;

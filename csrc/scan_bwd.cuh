@@ -332,7 +332,7 @@ const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
     MRL_LAUNCH_CHECK();
   }
   const dim3 grid(tiles, q.f.B, q.f.nseg);
-  if (q.f.wide)
+  if (q.wide)
     scan_bwd_kernel<T, N, wide_minb><<<grid, SCAN_THREADS, smem, s>>>(q);
   else
     scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
