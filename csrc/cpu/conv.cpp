@@ -87,7 +87,7 @@ void conv_fwd(const ConvFwdArgs& a) {
   const int nt = (int)std::max<int64_t>(1, std::min<int64_t>(a.nthreads, ntask));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    std::vector<float> buf(2 * K * kLanes);
+    Scratch64 buf((size_t)2 * K * kLanes);
     float* W = buf.data();
     float* wT = W + K * kLanes;
     alignas(64) float bias[kLanes], p[kLanes], o[kLanes];
@@ -119,18 +119,20 @@ void conv_bwd(const ConvBwdArgs& g) {
   std::vector<float> part((size_t)a.B * (K + 1) * D);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    std::vector<float> buf((size_t)(3 * K + (int64_t)T) * kLanes);
+    Scratch64 buf((size_t)(3 * K + (int64_t)T) * kLanes);
     float* W = buf.data();
     float* wT = W + K * kLanes;
     float* G = wT + K * kLanes;
     float* DP = G + K * kLanes;  // [T][kLanes] dL/dp_t
+    Scratch64 dwbuf((size_t)K * kLanes);
+    float* dw = dwbuf.data();
     alignas(64) float bias[kLanes], p[kLanes], go[kLanes], db[kLanes];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < ntask; ++task) {
       const int b = (int)(task / nblk), d0 = (int)(task % nblk) * kLanes, nd = std::min(kLanes, D - d0);
       load_weights(wT, bias, a, d0, nd);
       init_window(W, a, b, d0, nd);
-      std::vector<float> dw(K * kLanes, 0.0f);  // tiny, per task
+      std::fill(dw, dw + K * kLanes, 0.0f);
       std::fill(db, db + kLanes, 0.0f);
       // pass 1: forward, dp_t and the weight grads
       for (int t = 0; t < T; ++t) {
@@ -140,7 +142,7 @@ void conv_bwd(const ConvBwdArgs& g) {
         float* dp = DP + (int64_t)t * kLanes;
         lanes_dsilu(dp, db, go, p);
         for (int k = 0; k < K; ++k) {
-          float* dwk = dw.data() + k * kLanes;
+          float* dwk = dw + k * kLanes;
           const float* xk = W + k * kLanes;
 #pragma omp simd
           for (int j = 0; j < kLanes; ++j) dwk[j] += dp[j] * xk[j];
@@ -173,7 +175,7 @@ void conv_bwd(const ConvBwdArgs& g) {
         for (int j = 0; j < nd; ++j)
           for (int k = 1; k < K; ++k) g.dinit[((int64_t)b * D + d0 + j) * (K - 1) + (k - 1)] = G[k * kLanes + j];
       float* pb = part.data() + (size_t)b * (K + 1) * D;
-      for (int k = 0; k < K; ++k) store_lanes(pb + (int64_t)k * D + d0, dw.data() + k * kLanes, nd);
+      for (int k = 0; k < K; ++k) store_lanes(pb + (int64_t)k * D + d0, dw + k * kLanes, nd);
       store_lanes(pb + (int64_t)K * D + d0, db, nd);
     }
     // reduce the per-row partials over b (fixed order), write or add into dw [D, K] and dbias [D]

@@ -63,7 +63,7 @@ MRL_NOINLINE void step_state(float* __restrict s, float* __restrict y, float* __
                              const float* __restrict Bp, const float* __restrict Cp, int N) {
 #if defined(__AVX512F__) && MRL_CPU_LANES % 16 == 0
   // the same update with exp_neg_v16 (see kernels.h): kLanes / 16 vectors, held in registers across n;
-  // unaligned loads and stores (the backward's chunk buffers are std::vector storage)
+  // unaligned loads and stores (the forward's state buffer is std::vector storage)
   constexpr int V = kLanes / 16;
   __m512 dv[V], xv[V], acc[V];
   for (int v = 0; v < V; ++v) {
@@ -265,7 +265,7 @@ void scan_bwd(const ScanBwdArgs& g) {
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int CH = kScanChunk, NL = N * kLanes;
-    std::vector<float> buf((size_t)2 * CH * NL + 5 * (size_t)NL + 4 * (size_t)CH * kLanes);
+    Scratch64 buf((size_t)2 * CH * NL + 5 * (size_t)NL + 4 * (size_t)CH * kLanes);
     float* S = buf.data();          // [CH][N][L] s_t
     float* E = S + CH * NL;         // [CH][N][L] exp(delta_t A)
     float* At = E + CH * NL;        // [N][L]
