@@ -13,8 +13,8 @@
 // scan checkpoint interval (scan_chunk()) is the CPU kernel's own, so a ckpt tensor is only valid for the
 // backend that produced it. CUDA only: the small-GEMM kernels (wgrad_grouped, xdt_fwd, xdt_bwd), the scan's
 // segment control (scan_segments, scan_set_segments), Mamba-3's m3_step, and the optional arguments
-// conv_fwd(final_out), rmsnorm_fwd(x_copy) and adamw_step(zero_grad) (mamba_rl/ops zeroes the gradient after
-// the CPU pass). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in one call (on CUDA it is torch
+// conv_fwd(final_out) and rmsnorm_fwd(x_copy) (adamw_step(zero_grad) is on both: the pass zeroes the
+// gradient as it reads it). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in one call (on CUDA it is torch
 // GEMMs around m3_step). Both have backbone_step_prepare; its PreparedStep.launch writes into a given output
 // on CUDA (the captured graph's buffer) and returns a new tensor here (x, starts -> features or None).
 // This file is argument checking and pybind11 glue: nothing in it is hot. At -O3, GCC spends more time
@@ -291,8 +291,8 @@ void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_sca
                       hyper.data_ptr<double>(), scalars.data_ptr<double>(), nthreads());
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
-                const Tensor& scalars, int64_t n_decay, const OptT& compute) {
+void adamw_step(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
+                const Tensor& scalars, int64_t n_decay, const OptT& compute, bool zero_grad) {
   check_cpu(param, "adamw_step: param");
   MRL_CHECK(param.dim() == 1, "adamw_step: param: expected a flat [P] arena, got shape ", shape_str(param));
   const int64_t P = param.numel();
@@ -317,10 +317,10 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& exp_avg, Tensor& exp_
   }
   const double* h = hyper.data_ptr<double>();
   const double* s = scalars.data_ptr<double>();
-  if (s[5] > 0.0 && h[6] > 0.0) return;  // skipped step: nothing changes, the compute copy included
+  const bool skipped = s[5] > 0.0 && h[6] > 0.0;  // nothing changes, the compute copy included (grad zeroed)
   mrl_cpu::adamw_step(param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                      exp_avg_sq.data_ptr<float>(), comp, P, n_decay, h, s, nthreads());
-  if (cast_after) compute->copy_(param);
+                      exp_avg_sq.data_ptr<float>(), comp, P, n_decay, h, s, nthreads(), zero_grad);
+  if (cast_after && !skipped) compute->copy_(param);
 }
 
 // ---------------- one-token backbone step ----------------
@@ -961,7 +961,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections into scalars "
         "(in place; counter is ignored on the CPU)", py::arg("grad"), py::arg("extra_grad_sq"), py::arg("loss_scale"),
         py::arg("hyper"), py::arg("scalars"), py::arg("counter") = py::none());
-  m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place)");
+  m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place); zero_grad "
+        "leaves grad all zeros (zeroed in the same pass, also on a skipped step)", py::arg("param"), py::arg("grad"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("hyper"), py::arg("scalars"), py::arg("n_decay"),
+        py::arg("compute") = py::none(), py::arg("zero_grad") = false);
   m.def("scan_chunk", &scan_chunk, "checkpoint interval of the scan backward (steps)");
   // Mamba-3 (mamba3.cpp, mamba3_step.cpp)
   m.def("m3_fwd", &m3_fwd, "Mamba-3 SISO mixer core forward -> [y [B,T,d_inner], final carry [B,H,R+N+P], final ssm "

@@ -288,11 +288,12 @@ namespace mrl_cpu {
 // hyper / scalars: float64 [8] (layout in mamba_rl/ops/optim.py). grad_stats writes scalars[0..6] from the
 // flat float32 gradient (times 1/loss_scale), the optional head term extra_sq[0] (already unscaled), and
 // hyper; adamw_step applies one AdamW step over [0, P) (decay on [0, n_decay)), writing compute[i] = param[i]
-// when compute is not null, and nothing at all when scalars[5] (found_inf) and hyper[6] (skip) are set.
+// when compute is not null, and nothing at all when scalars[5] (found_inf) and hyper[6] (skip) are set;
+// zero_grad: leave grad all zeros (each element is zeroed once read, in the same pass; also on a skipped step).
 void grad_stats(const float* grad, int64_t P, const float* extra_sq, float loss_scale, const double* hyper,
                 double* scalars, int nthreads);
-void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, float* compute, int64_t P,
-                int64_t n_decay, const double* hyper, const double* scalars, int nthreads);
+void adamw_step(float* param, float* grad, float* exp_avg, float* exp_avg_sq, float* compute, int64_t P,
+                int64_t n_decay, const double* hyper, const double* scalars, int nthreads, bool zero_grad);
 }  // namespace mrl_cpu
 
 namespace mrl_cpu {

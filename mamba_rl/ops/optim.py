@@ -181,14 +181,13 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, comput
     exp_avg_sq: contiguous [P]; compute: [P] float32 written in the same pass, or bf16/f16 cast after it);
     None runs the reference there. Ignored on CUDA. ``zero_grad``: leave ``grad`` all zeros afterwards (also
     on a skipped overflow step); on CUDA the kernel zeroes each element once it has read it, which saves the
-    separate memset launch of a ``grad.zero_()``. The C++ pass raises ValueError naming a wrong shape,
-    dtype, device or an n_decay outside [0, P].
+    separate memset launch of a ``grad.zero_()``, and the C++ pass on the CPU does the same (one pass over the
+    arena instead of two, the zeroing spread over its threads). The C++ pass raises ValueError naming a wrong
+    shape, dtype, device or an n_decay outside [0, P].
     """
     cpu = _cpu_kernels(kernels, param)
     if cpu is not None:
-        cpu.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute)
-        if zero_grad:
-            grad.zero_()
+        cpu.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute, bool(zero_grad))
         return None
     ext = _cuda_ext(param)
     if ext is None:

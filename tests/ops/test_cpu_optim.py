@@ -168,3 +168,40 @@ def test_bad_arguments_raise_value_errors_naming_them(cpu_ext):
         cpu_ext.grad_stats(grad, None, torch.ones(1, dtype=torch.float64), hyper, s)
     with pytest.raises(ValueError, match=r"grad_stats: grad: expected a contiguous tensor"):
         cpu_ext.grad_stats(torch.randn(2 * P)[::2], None, torch.ones(1), hyper, s)
+
+
+@pytest.mark.parametrize("skip_step", [False, True])
+@pytest.mark.parametrize("P,n_decay,compute", [(1, 1, None), (100_003, 60_001, "f32"), (350_720, 300_000, "bf16")])
+def test_zero_grad_in_the_pass_is_the_step_then_a_zeroed_arena(cpu_ext, P, n_decay, compute, skip_step):
+    """adamw_step(zero_grad=True) zeroes the gradient in the same pass: param, moments and the compute copy are
+    bit for bit those of the step without it, and the arena is all zeros after it, on a skipped overflow step
+    too (whose weights, moments and compute copy stay as they were), for 1 and 2 threads."""
+    old = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            p, grad, m, v = _case(P, seed=P + nt)
+            if skip_step:
+                grad[P // 2] = float("inf")
+            hyper = make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.1, 0.5, skip_step, "cpu")
+            s = _scalars(2.0)
+            grad_stats(grad, None, torch.ones(1), hyper, s, kernels=cpu_ext)
+            dt = {None: None, "f32": torch.float32, "bf16": torch.bfloat16}[compute]
+            outs = []
+            for zero in (False, True):
+                st = [t.clone() for t in (p, grad, m, v)]
+                comp = None if dt is None else torch.full((P,), 7.0, dtype=dt)
+                adamw_step(st[0], st[1], st[2], st[3], hyper, s.clone(), n_decay, comp, kernels=cpu_ext,
+                           zero_grad=zero)
+                outs.append((st, comp))
+            (a, ca), (b, cb) = outs
+            for k in (0, 2, 3):
+                assert torch.equal(a[k], b[k]), k
+            if compute is not None:
+                assert torch.equal(ca, cb)
+            assert torch.equal(a[1], grad)  # without zero_grad the arena is left as it was
+            assert not b[1].any() and not torch.signbit(b[1]).any()  # +0.0 everywhere
+            if skip_step:
+                assert torch.equal(b[0], p) and torch.equal(b[2], m) and torch.equal(b[3], v)
+    finally:
+        torch.set_num_threads(old)
