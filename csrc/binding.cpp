@@ -535,7 +535,7 @@ void check_mat(const Tensor& t, const char* name, const Tensor& ref, int64_t row
 
 // jobs: [(a [K, M], b [K, N] or None, c [M, N] float32)]: c += a^T b (b None: c [M] or [M, 1] += column
 // sums of a). One launch for every job.
-void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs) {
+void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs, int64_t slice) {
   const int64_t nj = (int64_t)jobs.size();
   MRL_CHECK(nj >= 1 && nj <= mrl::WGRAD_MAX_JOBS, "wgrad_grouped: expected 1..", mrl::WGRAD_MAX_JOBS,
             " jobs, got ", nj);
@@ -571,7 +571,8 @@ void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs) {
                              c.data_ptr<float>(), c.dim() == 2 ? ldc : 1, (int)M, (int)N, K, 0, 0, 0, 0, 0, 0};
   }
   const c10::cuda::CUDAGuard guard(ref.device());
-  const int64_t ws_floats = mrl::wgrad_plan(p, sm_count(ref));
+  MRL_CHECK(slice >= 0, "wgrad_grouped: slice: expected 0 (the plan's choice) or a K-slice length > 0, got ", slice);
+  const int64_t ws_floats = mrl::wgrad_plan(p, sm_count(ref), slice);
   MRL_CHECK(p.n_tiles <= WGRAD_COUNTERS, "wgrad_grouped: ", p.n_tiles, " output tiles, at most ", WGRAD_COUNTERS);
   Tensor ws;
   if (ws_floats > 0) {
@@ -829,7 +830,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("wgrad_grouped", &wgrad_grouped, "grouped weight gradients, one launch: for each (a [K, M], b [K, N] or "
-        "None, c [M, N] float32) c += a^T b (None: column sums of a)");
+        "None, c [M, N] float32) c += a^T b (None: column sums of a); slice > 0 forces the K-slice length "
+        "(benchmarks; 0: the plan's choice)", py::arg("jobs"), py::arg("slice") = 0);
   m.def("xdt_fwd", &xdt_fwd, "x_proj + dt_proj forward of one layer -> (dbc [rows, E], dt [rows, d_inner])");
   m.def("xdt_bwd", &xdt_bwd, "x_proj + dt_proj backward of one layer -> ddbc [rows, E]; dxc += ddbc @ x_proj.weight "
         "in place");

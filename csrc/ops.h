@@ -181,6 +181,7 @@ struct WGradJob {
   int M, N; int64_t K;
   // set by wgrad_plan:
   int tiles_n, tiles, splits, item0, tile0; int64_t slice;
+  int a_vec, b_vec;  // 16-byte row loads possible (alignment, row stride and width): see wgrad_plan
 };
 struct WGradParams {
   WGradJob job[WGRAD_MAX_JOBS];
@@ -189,7 +190,7 @@ struct WGradParams {
   unsigned int* counters;  // [n_tiles], zero on entry; the kernel leaves them zero
 };
 // Fills the plan fields for sm_count SMs; returns the workspace floats needed (0 when no tile is split).
-int64_t wgrad_plan(WGradParams& p, int sm_count);
+int64_t wgrad_plan(WGradParams& p, int sm_count, int64_t force_slice = 0);  // force_slice > 0: that slice (benchmarks)
 const char* wgrad(const WGradParams& p, cudaStream_t s);
 
 // x_proj + dt_proj of one layer, forward: dbc[r, :] = xc[r, :] @ Wx^T (rounded to the dtype),

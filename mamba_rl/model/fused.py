@@ -128,10 +128,14 @@ WGRAD_HOLD_BYTES = 64 << 20
 # per launch, so the two differ by float32 rounding.
 WGRAD_STREAM = "auto"
 _WGRAD_STREAM_MIN_ROWS = 8192
-# "auto": float32 only (bf16/f16 weight gradients run on cuBLAS's tensor-core kernels, which were faster than
-# this SIMT kernel even at B*T = 1024: 458 vs 427 us a step), and only up to this many rows (K = B*T) per GEMM
-# (f32: 498 vs 574 us at 1024 rows, 1613 vs 1509 at 8192).
-_WGRAD_F32_MAX_ROWS = 4096
+# "auto": the grouped kernel up to this many rows (K = B*T) per GEMM, by compute dtype. float32: the step at
+# 1024 rows 416-452 vs 537 us with cuBLAS; the kernel alone (the default model's 14 jobs) 46 / 129 / 231 us at
+# 1024 / 4096 / 8192 rows vs 103 / 203 / 289 us through torch, but the 8192-row step is slower with it (1401 vs
+# 1297 us: cuBLAS's weight gradients overlap the chain on the side stream better). bf16 / f16: the step at 1024
+# rows 382 vs 394-398 us with cuBLAS's tensor-core kernels (59 launches instead of 74); the kernel alone 48 / 157
+# / 293 us at 1024 / 4096 / 8192 rows vs 115 / 174 / 200 through torch, so it stops below 4096 rows
+# (benchmarks/NOTES.md, "the grouped weight gradients rewritten").
+_WGRAD_MAX_ROWS = {torch.float32: 4096, torch.bfloat16: 2048, torch.float16: 2048}
 _XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
 # "auto": x_proj + dt_proj kernels only up to this many rows (B*T): measured faster than cuBLAS at 1024 rows
 # (f32 574 vs 591 us a step, bf16 equal) and slower at 8192 (f32 1509 vs 1426, bf16 1107 vs 989)
@@ -145,7 +149,7 @@ def _small_gemm_ok(ext, net) -> bool:
 def _use_wgrad(ext, net, rows: int, cdt) -> bool:
     if WGRAD == "off" or not _small_gemm_ok(ext, net):
         return False
-    return WGRAD == "on" or (cdt == torch.float32 and rows <= _WGRAD_F32_MAX_ROWS)
+    return WGRAD == "on" or rows <= _WGRAD_MAX_ROWS.get(cdt, 0)
 
 
 def _use_xdt(ext, net, rows: int) -> bool:

@@ -80,6 +80,37 @@ def test_wgrad_strided_operands_and_mixed_dtypes(ext):
     assert torch.equal(big[outside], big_before[outside])  # nothing written outside the view
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_wgrad_load_paths(ext, dtype):
+    """Operands read with 16-byte loads (aligned base, row stride and width) next to ones that must be read element
+    by element (a base off by one element, an odd row stride, a width not a multiple of 4 / 8), every forced
+    K-slice length and the plan's: all within float32 rounding of the float64 reference."""
+    from mamba_rl.ops.small_gemm import wgrad_grouped_ref
+    gen = torch.Generator().manual_seed(11)
+    K = 301
+    big = torch.randn(K, 300, generator=gen).to("cuda", dtype)
+    cases = [(big[:, :64], big[:, 64:192]),         # aligned: 16-byte loads
+             (big[:, 1:65], big[:, 200:264]),       # base off by one element: element loads for a
+             (big[:, 8:20], big[:, 24:40]),         # width 12: 16-byte loads for f32 only
+             (big[::2, :36][:150], big[1::2, 40:45][:150]),  # row stride 600, width 5
+             (big[:, 100:103], None)]
+    for sl in (0, 16, 48, 64, 1024):
+        jobs, ref = [], []
+        for a, b in cases:
+            c = torch.randn(a.shape[1], 1 if b is None else b.shape[1], generator=gen).cuda()
+            c = c.view(-1) if b is None else c
+            jobs.append((a, b, c))
+            ref.append((a, b, c.clone()))
+        ext.wgrad_grouped([(a, b, c) for a, b, c in jobs], slice=sl)
+        wgrad_grouped_ref(ref)
+        for (a, b, c), (_, _, cr) in zip(jobs, ref):
+            scale = a.double().abs().t() @ (torch.ones_like(a[:, :1]) if b is None else b).double().abs()
+            scale = scale.reshape(c.shape) + cr.double().abs()
+            assert ((c.double() - cr.double()).abs() <= 2e-6 * scale).all(), (sl, a.shape, a.stride())
+    with pytest.raises(ValueError, match="slice"):
+        ext.wgrad_grouped([(big[:, :4], None, torch.zeros(4, device="cuda"))], slice=-1)
+
+
 def test_wgrad_deterministic_and_capturable(ext):
     from mamba_rl.ops.small_gemm import wgrad_grouped
     gen = torch.Generator().manual_seed(9)
