@@ -8,6 +8,7 @@ after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``fo
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,24 @@ __all__ = ["MambaTrainer", "StepMetrics", "DTYPES"]
 
 # compute dtype of the GEMMs; "tf32": float32 operands and outputs, cuBLAS GEMMs on TF32 tensor cores (CUDA only)
 DTYPES = {"f32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+# glibc heap policy of a process that trains on the cpu backend (see _retain_cpu_heap); set once per process
+_HEAP_RETAINED: list = []
+_HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's largest: every activation of a training step comes from the heap
+_HEAP_TRIM_THRESHOLD = 256 << 20  # the heap keeps up to this much free memory at its top
+
+
+def _retain_cpu_heap(kernels) -> None:
+    """Once per process, where a trainer runs the cpu backend: glibc keeps the memory a training step frees
+    for the next one (``kernels.retain_heap``, process-wide ``mallopt``: allocations below 32 MiB from the
+    heap, its free top returned to the OS past 256 MiB). With glibc's dynamic defaults the heap top was
+    trimmed after a step and faulted back in during the next in some processes: up to ~1,000 minor faults and
+    1-2 ms of system time per [2, 128] step at 2 threads (benchmarks/NOTES.md, 2026-12-04 night).
+    ``MAMBA_RL_RETAIN_HEAP=0`` leaves the allocator's settings alone."""
+    if _HEAP_RETAINED or os.environ.get("MAMBA_RL_RETAIN_HEAP", "1") == "0" or not hasattr(kernels, "retain_heap"):
+        return
+    _HEAP_RETAINED.append(bool(kernels.retain_heap(_HEAP_MMAP_THRESHOLD, _HEAP_TRIM_THRESHOLD)))
 
 
 @contextlib.contextmanager
@@ -164,6 +183,8 @@ class MambaTrainer:
         self._graphs = GraphSet("MambaTrainer", self._graph_buffers)
         # the CPU extension for grad_stats / AdamW (C++ passes) when the backbone runs the cpu backend
         self._cpu_kernels = net.kernels if net.backend == "cpu" and dev.type == "cpu" else None
+        if self._cpu_kernels is not None:
+            _retain_cpu_heap(self._cpu_kernels)
         self._grad_views = None  # (grad arena, [(param, its grad view)]) as last attached (the CPU check)
 
     def _flat_state(self, batch: int):
