@@ -27,6 +27,7 @@ import datetime
 import json
 import math
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -341,6 +342,8 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--only", choices=["train", "infer"], default=None)
     ap.add_argument("--rows", type=int, default=None, help="only the first N rows of the training table")
+    ap.add_argument("--select", nargs="+", default=None, metavar="DMxBxT",
+                    help="only these training rows, e.g. 128x16x2048 (d_model x B x T; with --rows: within the first N)")
     ap.add_argument("--no-step-kernels", action="store_true", help="skip the one-token kernel's R / cluster sweep")
     ap.add_argument("--variants", action="store_true", help="also time the small-GEMM kernels forced off / on")
     ap.add_argument("--no-mamba3", action="store_true", help="skip the Mamba-3 rows (layer='Mamba3')")
@@ -359,7 +362,8 @@ def main(argv=None):
     def record(fn, fallback):
         try:
             r = fn()
-        except Exception as e:  # record and keep going
+        except Exception as e:  # record and keep going; the traceback goes to stderr
+            traceback.print_exc()
             r = dict(fallback, us=float("nan"), err=repr(e)[:300])
         rows.extend(r if isinstance(r, list) else [r])
         for x in (r if isinstance(r, list) else [r]):
@@ -369,7 +373,17 @@ def main(argv=None):
             if x.get("kernel_seq"):
                 print("    seq: " + " | ".join(k[:28] for k in x["kernel_seq"]), flush=True)
 
-    for dm, B, T in (ROWS[:a.rows] if a.only != "infer" else []):
+    train_rows = ROWS[:a.rows] if a.only != "infer" else []
+    if a.select:
+        try:
+            wanted = {tuple(int(v) for v in r.lower().split("x")) for r in a.select}
+        except ValueError:
+            ap.error(f"--select: expected rows like 128x16x2048, got {a.select}")
+        unknown = wanted - set(ROWS)
+        if unknown:
+            ap.error(f"--select: {sorted(unknown)} not among the training rows {ROWS}")
+        train_rows = [r for r in train_rows if r in wanted]
+    for dm, B, T in train_rows:
         it = iters if B * T <= 16384 else max(20, iters // 3)
         for dt in a.dtypes:
             record(lambda: bench_train(dm, B, T, dt, it, profile_it=dt != "tf32" and (dm, B, T) in PROFILED),
