@@ -7,6 +7,7 @@ would read freed memory, so it raises instead (docs/architecture.md, "CUDA graph
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -100,10 +101,22 @@ class GraphSet:
         """Capture ``body`` as graph ``name`` (in memory pool ``pool`` when given) and return its result
         (the graph's static outputs). ``mode``: torch.cuda.graph's ``capture_error_mode`` ("thread_local"
         lets other threads, e.g. NCCL's watchdog, query events meanwhile). Call :meth:`seal` once every
-        graph is captured."""
+        graph is captured.
+
+        Python's cyclic garbage collector is run before the capture and kept off during it: a collection inside
+        the body could destroy a dead owner's CUDA graphs, events or memory pool mid-capture, CUDA calls that
+        may invalidate a global-mode capture ("operation failed due to a previous error during capture"; the
+        intermittent failures of benchmarks/NOTES.md), and torch.cuda.graph no longer collects by itself."""
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
-            out = body()
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
+                out = body()
+        finally:
+            if was_enabled:
+                gc.enable()
         self._graphs[name] = g
         return out
 

@@ -127,6 +127,11 @@ class MambaTrainer:
             keep the state they started from. The RL agent sets it, so one bad minibatch never reaches the
             weights.
 
+    Process-wide effect: the first trainer on the cpu backend sets glibc's heap policy for the whole process
+    (``mallopt``: allocations below 32 MiB from the heap, up to 256 MiB of its free top kept), so a step's
+    ~6 MB of activations are not handed back to the OS and faulted in again every step; ``MAMBA_RL_RETAIN_HEAP=0``
+    leaves the allocator alone (see ``_retain_cpu_heap``).
+
     Raises:
         ValueError: on bad arguments, or an input of the wrong shape, dtype or device.
     """

@@ -177,6 +177,39 @@ def test_graph_buffers_moved_raises():
         tr.step(x, d, episode_starts=s)
 
 
+def test_capture_keeps_the_garbage_collector_out_and_restores_it():
+    """GraphSet.capture collects before the capture, keeps Python's collector off during it (a collection
+    mid-capture could destroy a dead trainer's graphs and pool) and restores the collector's state after, also
+    when the body raises; a trainer left in a dead reference cycle does not break the next one's capture."""
+    import gc
+
+    from mamba_rl.graphs import GraphSet
+    seen = []
+    gs = GraphSet("test", lambda: ())
+    x = torch.ones(4, device="cuda")
+    gs.capture("a", lambda: seen.append(gc.isenabled()) or x.mul_(2.0))
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(ValueError, match="boom"):
+        gs.capture("b", lambda: (_ for _ in ()).throw(ValueError("boom")))
+    assert gc.isenabled()
+    torch.cuda.synchronize()
+    gc.disable()
+    try:  # a collector the caller turned off stays off
+        gs.capture("c", lambda: x.add_(1.0))
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    for _ in range(3):  # dead cycles that hold captured trainers, then a fresh capture
+        net, tr = _trainer()
+        tr.capture_graph()
+        tr.cycle = tr
+        del net, tr
+        net2, tr2 = _trainer()
+        tr2.capture_graph()
+        x2, d2, s2 = _batches(1)[0]
+        assert tr2.step(x2, d2, episode_starts=s2).graph_replayed
+
+
 def test_A_log_reaches_scan_in_graph_mode():
     net, tr = _trainer()
     tr.set_lr(5e-2)
