@@ -524,10 +524,12 @@ mrl_cpu::ScanFwdArgs scan_args_saved(const BackboneSaved& s, int64_t l) {
 // backbone_step's; conv0 [L, B, d_inner, d_conv-1] and ssm0 [L, B, d_inner, d_state] contiguous float32 (the
 // initial state; zeros for none); starts [B, T] bool or None. -> (features [B, T, d_model], final conv
 // [L, B, d_inner, d_conv-1], final ssm [L, B, d_inner, d_state], the saved activations for backbone_bwd).
+// conv_out / ssm_out: contiguous float32 tensors of the final states' shapes (not conv0 / ssm0) to write them
+// into (and return) instead of new tensors; None: new tensors.
 std::tuple<Tensor, Tensor, Tensor, std::shared_ptr<BackboneSaved>> backbone_fwd(
     const Tensor& x, const Tensor& inp_w, const Tensor& inp_b, const Tensor& normf_w,
     const std::vector<std::vector<Tensor>>& layers, const Tensor& conv0, const Tensor& ssm0, const OptT& starts,
-    double eps) {
+    double eps, const OptT& conv_out, const OptT& ssm_out) {
   const std::string fn = "backbone_fwd";
   check_cpu(x, "backbone_fwd: x");
   MRL_CHECK(x.dim() == 3 && x.size(0) >= 1 && x.size(1) >= 1 && x.size(2) >= 1, "backbone_fwd: x: expected shape "
@@ -569,8 +571,19 @@ std::tuple<Tensor, Tensor, Tensor, std::shared_ptr<BackboneSaved>> backbone_fwd(
   s->x2 = x.reshape({BT, s->in_dim});
   s->conv0 = conv0; s->ssm0 = ssm0; s->starts = starts; s->inp_w = inp_w; s->normf_w = normf_w; s->layers = layers;
   const auto f32 = x.options();
-  auto conv_f = new_empty({L, B, D, K - 1}, f32);
-  auto ssm_f = new_empty({L, B, D, N}, f32);
+  // the final states into the caller's tensors (the trainer's carried state: no copy after the call), or new ones
+  auto out_state = [&](const OptT& o, at::IntArrayRef shape, const Tensor& in, const char* name) -> Tensor {
+    if (!o) return new_empty(shape, f32);
+    check_cpu(*o, name);
+    check_dtype_f32(*o, name);
+    MRL_CHECK(o->sizes() == shape && o->is_contiguous(), name, ": expected a contiguous ", shape_str(in),
+              " tensor, got shape ", shape_str(*o));
+    MRL_CHECK(in.numel() == 0 || o->data_ptr() != in.data_ptr(), name, ": must not be the initial state itself "
+              "(the backward reads it)");
+    return *o;
+  };
+  auto conv_f = out_state(conv_out, {L, B, D, K - 1}, conv0, "backbone_fwd: conv_out");
+  auto ssm_f = out_state(ssm_out, {L, B, D, N}, ssm0, "backbone_fwd: ssm_out");
   const bool* st = ptr_or_null<bool>(starts);
   const int nt = nthreads();
   const int64_t nC = num_chunks(T);
@@ -969,9 +982,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // both release the GIL for the call (a whole forward or backward: other Python threads, e.g. a progress bar,
   // and signal handling run meanwhile, as they do during torch's own GEMMs)
   m.def("backbone_fwd", &backbone_fwd, "the whole Mamba-1 backbone forward of a training step -> (features [B, T, "
-        "d_model], final conv, final ssm, saved)", py::call_guard<py::gil_scoped_release>(), py::arg("x"),
+        "d_model], final conv, final ssm, saved); conv_out / ssm_out: write the final states there (returned)", py::call_guard<py::gil_scoped_release>(), py::arg("x"),
         py::arg("inp_w"), py::arg("inp_b"), py::arg("normf_w"),
-        py::arg("layers"), py::arg("conv0"), py::arg("ssm0"), py::arg("starts"), py::arg("eps"));
+        py::arg("layers"), py::arg("conv0"), py::arg("ssm0"), py::arg("starts"), py::arg("eps"),
+        py::arg("conv_out") = py::none(), py::arg("ssm_out") = py::none());
   m.def("backbone_bwd", &backbone_bwd, "backward of backbone_fwd's call: parameter gradients added into the given "
         "gradient views -> dx or None", py::call_guard<py::gil_scoped_release>(), py::arg("saved"), py::arg("dfeat"),
         py::arg("dconv_final"),

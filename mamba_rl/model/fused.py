@@ -80,14 +80,16 @@ def cpu_whole_applies(net) -> bool:
     return net.backend == "cpu" and _cpu_whole(net.kernels, net, net.compute_dtype)
 
 
-def cpu_whole_forward(net, x, conv0, ssm0, starts):
+def cpu_whole_forward(net, x, conv0, ssm0, starts, conv_out=None, ssm_out=None):
     """The fused node's forward on the CPU as one C++ call (``backbone_fwd``): x [B, T, input_dim], conv0
     [L, B, d_inner, d_conv-1] and ssm0 [L, B, d_inner, d_state] float32 contiguous, starts [B, T] bool contiguous
     -> (features [B, T, d_model], final conv, final ssm, saved: the handle :func:`cpu_whole_backward` takes).
-    Only where :func:`cpu_whole_applies`."""
+    ``conv_out`` / ``ssm_out``: contiguous float32 tensors shaped like conv0 / ssm0 (other storage) that receive
+    the final states and are returned (the trainer's carried state, so no copy follows); None: new tensors.
+    Only where :func:`cpu_whole_applies`. Raises ValueError on a wrong shape, dtype or device."""
     inp_w, inp_b, normf, layers = _packed(net, net.arena)
     return net.kernels.backbone_fwd(x.to(torch.float32), inp_w, inp_b, normf, layers, conv0, ssm0, starts,
-                                    net.cfg.rms_norm_eps)
+                                    net.cfg.rms_norm_eps, conv_out, ssm_out)
 
 
 def cpu_whole_backward(net, saved, dfeat, dconv_final=None, dssm_final=None, need_dx=False):

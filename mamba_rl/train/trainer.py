@@ -184,13 +184,20 @@ class MambaTrainer:
         # autograd): conv and ssm of each are views of one flat buffer, so the per-step copy is one launch
         self.state, self._state_flat = self._flat_state(batch)
         self._state_used, self._state_used_flat = self._flat_state(batch)
+        # (conv, ssm) of the carried state while they are views of _state_flat (contiguous float32), else None
+        self._state_own = (self.state.conv, self.state.ssm) if self._state_flat is not None else None
         self._feat = None
         self._graphs = GraphSet("MambaTrainer", self._graph_buffers)
         # the CPU extension for grad_stats / AdamW (C++ passes) when the backbone runs the cpu backend
         self._cpu_kernels = net.kernels if net.backend == "cpu" and dev.type == "cpu" else None
         if self._cpu_kernels is not None:
             _retain_cpu_heap(self._cpu_kernels)
-        self._grad_views = None  # (grad arena, [(param, its grad view)]) as last attached (the CPU check)
+        # (grad arena, [(param, its grad view)], (the grad views in net._param_slots order)) as last attached
+        self._grad_views = None
+        self._grads_seen = False  # _cpu_direct saw every .grad as attached (this step only)
+        # _cpu_direct: the key of the checks that read only the class, the config and the dtypes, as they last
+        # passed (None: not passed yet); the per-parameter checks run on every step
+        self._direct_static = None
 
     def _flat_state(self, batch: int):
         """(zero state for ``batch`` rows whose conv and ssm are views of one buffer, that buffer)."""
@@ -276,34 +283,68 @@ class MambaTrainer:
         (:func:`fused.cpu_whole_applies`), the arena's own parameters with none frozen or hooked
         (``net._use_fused``) and the node's output requiring grad (grad mode on, parameters trainable), no
         module hook of the net's or global one and no ``forward`` / ``_forward_fused`` but the class's own, and
-        an ``x_buf`` without autograd history. Anything else takes the autograd step, as before."""
+        an ``x_buf`` without autograd history. Anything else takes the autograd step, as before.
+
+        Per step this serial Python runs while the OpenMP team waits, after a step has pushed the interpreter's
+        data out of the caches (~120 µs there against ~15 µs in a loop), so the checks that read only the
+        class, the config and the dtypes (``cpu_whole_applies``, the size check of ``kernel_support``) are
+        done again only when their key changes, and the per-parameter ones (``params_are_arena``,
+        ``autograd_support``: every parameter the arena's own, requiring grad, without hooks) are one loop."""
         net = self.net
         if self._cpu_kernels is None or not torch.is_grad_enabled() or self.x_buf.requires_grad:
             return False
-        if (type(net).forward is not MambaBackbone.forward or "forward" in net.__dict__
-                or type(net)._forward_fused is not MambaBackbone._forward_fused or _module_hooks(net)):
+        cls = type(net)
+        if (cls.forward is not MambaBackbone.forward or "forward" in net.__dict__
+                or cls._forward_fused is not MambaBackbone._forward_fused or _module_hooks(net)):
             return False
-        return (net.norm_f.weight.requires_grad and fused.cpu_whole_applies(net)
-                and bool(net._use_fused(None, self.x_buf)))
+        arena = net.arena
+        key = (cls, cls._fused_node, fused.CPU_WHOLE, net.backend, net.compute_dtype, arena.dtype, arena.device)
+        if key != self._direct_static:
+            if not (net.norm_f.weight.requires_grad and fused.cpu_whole_applies(net)
+                    and bool(net._use_fused(None, self.x_buf))):
+                return False
+            self._direct_static = key
+        # = params_are_arena() and autograd_support(...) with norm_f.weight requiring grad (so none frozen), and
+        # in the same loop _attach_grads_cpu's check (every .grad still its grad-arena view)
+        seen = self._grad_views
+        views = seen[2] if seen is not None and seen[0] is net.grad_arena else None
+        attached = views is not None
+        for i, (params, name, p) in enumerate(net._param_slots):
+            if (params.get(name) is not p or not p.requires_grad or p._backward_hooks
+                    or getattr(p, "_post_accumulate_grad_hooks", None)):
+                return False
+            if attached and p.grad is not views[i]:
+                attached = False
+        self._grads_seen = attached
+        return True
 
     def _step_cpu_direct(self):
         """The fused step's forward and backward as the two C++ calls the autograd node makes on the CPU, with
         the same arguments (so the same bits: test), without the node, the engine's pass and the node's hooks
         (~0.6 ms of a 2 x 128 step at 1 thread); then the optimizer as in :meth:`_backward_body`. Like the
-        autograd step it ends any pending split ``forward`` (``backward_step`` then asks for a new one)."""
+        autograd step it ends any pending split ``forward`` (``backward_step`` then asks for a new one). The
+        forward writes the final states straight into the carried state (no copy after it)."""
         net = self.net
         self._feat = None
         self._take_state()
-        su = self._state_used
+        su, st = self._state_used, self.state
+        own = self._state_own  # the trainer's own state views (contiguous float32): the forward writes them
+        direct = own is not None and st.conv is own[0] and st.ssm is own[1]
         g = self._scaled_d()
         with torch.no_grad():  # the calls make no graph either way; this keeps a re-bound buffer's history out
-            _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
-                                                              self.starts_buf.contiguous())
-            self.state.conv.copy_(conv_f)
-            self.state.ssm.copy_(ssm_f)
+            if direct:
+                _, _, _, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
+                                                         self.starts_buf.contiguous(), own[0], own[1])
+            else:
+                _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
+                                                                  self.starts_buf.contiguous())
+                st.conv.copy_(conv_f)
+                st.ssm.copy_(ssm_f)
             if self.skip_nonfinite:
                 self._keep_finite_rows()
-            self._attach_grads_cpu()
+            if not self._grads_seen:  # _cpu_direct found some .grad not its grad-arena view (or never looked)
+                self._attach_grads_cpu()
+            self._grads_seen = False
             fused.cpu_whole_backward(net, saved, g.to(torch.float32))  # autograd casts a re-bound d_buf too
         self._optimize()
 
@@ -357,10 +398,11 @@ class MambaTrainer:
         if seen is not None and seen[0] is net.grad_arena and all(p.grad is g for p, g in seen[1]):
             return
         net.attach_grads()
-        self._grad_views = (net.grad_arena, [(p, p.grad) for p in net.parameters()])
+        self._grad_views = (net.grad_arena, [(p, p.grad) for p in net.parameters()],
+                            tuple(p.grad for _, _, p in net._param_slots))
 
     def _metrics(self, replayed: bool) -> StepMetrics:
-        s = self.scalars.clone()  # one copy: the metrics never change under later steps
+        s = self.scalars.clone().unbind(0)  # one copy (the metrics never change under later steps), 0-d views
         skipped = s[FOUND_INF] if self.scaler.enabled or self.skip_nonfinite else self._zero
         return StepMetrics(step=s[STEP], grad_norm=s[GRAD_NORM], clip_coef=s[CLIP_COEF], loss_scale=s[LOSS_SCALE],
                            overflow_skipped=skipped, graph_replayed=replayed)
