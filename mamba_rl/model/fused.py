@@ -88,7 +88,8 @@ def cpu_whole_forward(net, x, conv0, ssm0, starts, conv_out=None, ssm_out=None):
     the final states and are returned (the trainer's carried state, so no copy follows); None: new tensors.
     Only where :func:`cpu_whole_applies`. Raises ValueError on a wrong shape, dtype or device."""
     inp_w, inp_b, normf, layers = _packed(net, net.arena)
-    return net.kernels.backbone_fwd(x.to(torch.float32), inp_w, inp_b, normf, layers, conv0, ssm0, starts,
+    x = x if x.dtype == torch.float32 else x.to(torch.float32)
+    return net.kernels.backbone_fwd(x, inp_w, inp_b, normf, layers, conv0, ssm0, starts,
                                     net.cfg.rms_norm_eps, conv_out, ssm_out)
 
 

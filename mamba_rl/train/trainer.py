@@ -198,6 +198,7 @@ class MambaTrainer:
         # _cpu_direct: the key of the checks that read only the class, the config and the dtypes, as they last
         # passed (None: not passed yet); the per-parameter checks run on every step
         self._direct_static = None
+        self._extra_sq1 = None  # (extra_sq_buf, its [1] float32 view) for the C++ grad_stats
 
     def _flat_state(self, batch: int):
         """(zero state for ``batch`` rows whose conv and ssm are views of one buffer, that buffer)."""
@@ -345,7 +346,8 @@ class MambaTrainer:
             if not self._grads_seen:  # _cpu_direct found some .grad not its grad-arena view (or never looked)
                 self._attach_grads_cpu()
             self._grads_seen = False
-            fused.cpu_whole_backward(net, saved, g.to(torch.float32))  # autograd casts a re-bound d_buf too
+            # autograd casts a re-bound d_buf too (no call when it is float32 already)
+            fused.cpu_whole_backward(net, saved, g if g.dtype == torch.float32 else g.to(torch.float32))
         self._optimize()
 
     def _keep_finite_rows(self):
@@ -382,10 +384,22 @@ class MambaTrainer:
         if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
             net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
         cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
-        grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars, kernels=cpu)
-        # zero_grad: the CUDA kernel zeroes the gradient arena as it reads it (one memset launch fewer)
-        adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                   self.n_decay, net.compute_arena, kernels=cpu, zero_grad=True)
+        if cpu is not None:
+            # what grad_stats / adamw_step(kernels=cpu) call for the trainer's float32 CPU arenas, without their
+            # Python (the argument checks there, two reshape views per step: serial time the OpenMP team waits)
+            ex = self._extra_sq1
+            if ex is None or ex[0] is not self.extra_sq_buf:
+                ex = self._extra_sq1 = (self.extra_sq_buf, self.extra_sq_buf.reshape(1).float())
+            scale = self.scaler.scale
+            cpu.grad_stats(net.grad_arena, ex[1], scale if scale.dim() == 1 else scale.reshape(1), self.hyper,
+                           self.scalars)
+            cpu.adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
+                           self.n_decay, net.compute_arena, True)
+        else:
+            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
+            # zero_grad: the CUDA kernel zeroes the gradient arena as it reads it (one memset launch fewer)
+            adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
+                       self.n_decay, net.compute_arena, zero_grad=True)
         if self.scaler.enabled:
             self.scaler.update(self.scalars[FOUND_INF])
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]

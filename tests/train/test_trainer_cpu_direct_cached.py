@@ -103,3 +103,20 @@ def test_backbone_fwd_out_arguments_checked():
         _, c2, s2, _ = fused.cpu_whole_forward(net, x, su.conv, su.ssm, st)
     assert c is tr.state.conv and s is tr.state.ssm
     assert torch.equal(c, c2) and torch.equal(s, s2)
+
+
+def test_optimizer_sees_extra_grad_sq_and_a_rebound_buffer():
+    """_optimize calls the C++ grad_stats with a cached [1] view of extra_sq_buf: a new value, and a re-bound
+    buffer, must both reach the norm (same clip as a trainer that never cached the view)."""
+    a, b = _pair(max_grad_norm=0.01)
+    (x, d, s), (x2, d2, s2) = data(3, 20, IN, CFG.d_model, n=2)
+    for tr in (a, b):
+        tr.forward(x, episode_starts=s)
+        tr.backward_step(d, extra_grad_sq=4.0)
+    b._extra_sq1 = None
+    a.extra_sq_buf = torch.zeros((), dtype=torch.float32)  # re-bound between steps
+    for tr in (a, b):
+        tr.forward(x2, episode_starts=s2)
+        m = tr.backward_step(d2, extra_grad_sq=9.0)
+        assert m.grad_norm.item() >= 3.0
+    assert torch.equal(a.net.arena, b.net.arena) and torch.equal(a.scalars, b.scalars)
