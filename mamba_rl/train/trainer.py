@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from operator import attrgetter, is_
 
 import torch
 
@@ -61,6 +62,14 @@ def _tf32_matmul(on: bool):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old
+
+
+# _cpu_direct's per-parameter reads (C getters, mapped over a tuple)
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_GRAD_HOOKS = attrgetter("_backward_hooks")
+_GRAD = attrgetter("grad")
+_POST_ACC_HOOKS = (attrgetter("_post_accumulate_grad_hooks") if hasattr(torch.Tensor, "_post_accumulate_grad_hooks")
+                   else (lambda p: getattr(p, "_post_accumulate_grad_hooks", None)))
 
 
 def _module_hooks(net) -> bool:
@@ -198,6 +207,7 @@ class MambaTrainer:
         # _cpu_direct: the key of the checks that read only the class, the config and the dtypes, as they last
         # passed (None: not passed yet); the per-parameter checks run on every step
         self._direct_static = None
+        self._slots = None  # (net._param_slots, their dicts, names, parameters) for _cpu_direct's checks
         self._extra_sq1 = None  # (extra_sq_buf, its [1] float32 view) for the C++ grad_stats
 
     def _flat_state(self, batch: int):
@@ -307,16 +317,19 @@ class MambaTrainer:
             self._direct_static = key
         # = params_are_arena() and autograd_support(...) with norm_f.weight requiring grad (so none frozen), and
         # in the same loop _attach_grads_cpu's check (every .grad still its grad-arena view)
+        # (map / attrgetter: the loops run in C, no bytecode per parameter)
+        slots = self._slots
+        if slots is None or slots[0] is not net._param_slots:
+            ps = net._param_slots
+            slots = self._slots = (ps, tuple(d for d, _, _ in ps), tuple(n for _, n, _ in ps),
+                                   tuple(p for _, _, p in ps))
+        _, dicts, names, params = slots
+        if (not all(map(is_, map(dict.get, dicts, names), params)) or not all(map(_REQUIRES_GRAD, params))
+                or any(map(_GRAD_HOOKS, params)) or any(map(_POST_ACC_HOOKS, params))):
+            return False
         seen = self._grad_views
-        views = seen[2] if seen is not None and seen[0] is net.grad_arena else None
-        attached = views is not None
-        for i, (params, name, p) in enumerate(net._param_slots):
-            if (params.get(name) is not p or not p.requires_grad or p._backward_hooks
-                    or getattr(p, "_post_accumulate_grad_hooks", None)):
-                return False
-            if attached and p.grad is not views[i]:
-                attached = False
-        self._grads_seen = attached
+        self._grads_seen = (seen is not None and seen[0] is net.grad_arena
+                            and all(map(is_, map(_GRAD, params), seen[2])))
         return True
 
     def _step_cpu_direct(self):
