@@ -208,7 +208,7 @@ class MambaTrainer:
         # passed (None: not passed yet); the per-parameter checks run on every step
         self._direct_static = None
         self._slots = None  # (net._param_slots, their dicts, names, parameters) for _cpu_direct's checks
-        self._extra_sq1 = None  # (extra_sq_buf, its [1] float32 view) for the C++ grad_stats
+        self._extra_sq1 = None  # (extra_sq_buf, its [1] view) for the C++ grad_stats
 
     def _flat_state(self, batch: int):
         """(zero state for ``batch`` rows whose conv and ssm are views of one buffer, that buffer)."""
@@ -402,9 +402,11 @@ class MambaTrainer:
             # Python (the argument checks there, two reshape views per step: serial time the OpenMP team waits)
             ex = self._extra_sq1
             if ex is None or ex[0] is not self.extra_sq_buf:
-                ex = self._extra_sq1 = (self.extra_sq_buf, self.extra_sq_buf.reshape(1).float())
+                ex = self._extra_sq1 = (self.extra_sq_buf, self.extra_sq_buf.reshape(1))
+            # a float32 buffer's view is cached; any other dtype is cast per step (a cached cast would go stale)
+            extra = ex[1] if ex[1].dtype == torch.float32 else ex[1].float()
             scale = self.scaler.scale
-            cpu.grad_stats(net.grad_arena, ex[1], scale if scale.dim() == 1 else scale.reshape(1), self.hyper,
+            cpu.grad_stats(net.grad_arena, extra, scale if scale.dim() == 1 else scale.reshape(1), self.hyper,
                            self.scalars)
             cpu.adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
                            self.n_decay, net.compute_arena, True)
