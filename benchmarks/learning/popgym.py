@@ -7,6 +7,8 @@ Methods:
   its configured value at the first update to V at the last (set on ``agent.config`` between updates);
   ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
   observation normaliser's statistics freeze once N env steps are done.
+  ``--set obs_norm_discrete=True`` normalises all-discrete (one-hot) observations too, the rule before
+  :func:`mamba_rl.envs.make_vec_env` went continuous-only.
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -173,6 +175,16 @@ def _adv_norm_over_rollout() -> None:
     U.PPOUpdate._load_rollout, U.categorical_ppo_grads, U.ppo_loss = _load_rollout, _grads, _loss
 
 
+def _obs_norm_discrete() -> None:
+    """``--set obs_norm_discrete=True`` (harness only, no agent change; with ``normalize_obs``): the observation
+    normaliser also runs on all-discrete observation spaces (their one-hot codes), as it did before the
+    continuous-only rule of :func:`mamba_rl.envs.make_vec_env`. It patches this process's
+    ``has_continuous_part`` (one process per run, so nothing else sees it)."""
+    from mamba_rl.envs import vector as V
+
+    V.has_continuous_part = lambda space: True
+
+
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -193,6 +205,8 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         sets["obs_norm_freeze_steps"] = sets.pop("obs_norm_freeze_step")
     if sets.pop("adv_norm_batch", False):
         _adv_norm_over_rollout()
+    if sets.pop("obs_norm_discrete", False):
+        _obs_norm_discrete()
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
     start = {f: getattr(agent.config, f) for f in sched}
