@@ -8,6 +8,7 @@ after :meth:`MambaTrainer.capture_graph`, CUDA graphs of the fused step, of ``fo
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
 from operator import attrgetter, is_
@@ -210,6 +211,31 @@ class MambaTrainer:
         self._slots = None  # (net._param_slots, their dicts, names, parameters) for _cpu_direct's checks
         self._extra_sq1 = None  # (extra_sq_buf, its [1] view) for the C++ grad_stats
 
+    def __deepcopy__(self, memo: dict) -> "MambaTrainer":
+        """An independent copy (backbone, arenas, moments, state, buffers; their views stay views of the copies).
+        The CPU extension module is shared, not copied (a module cannot be). Captured CUDA graphs cannot be.
+
+        Raises:
+            RuntimeError: when CUDA graphs are captured.
+        """
+        if self._graphs._graphs:
+            raise RuntimeError("MambaTrainer: a trainer with captured CUDA graphs cannot be deep-copied")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = v if k == "_cpu_kernels" else copy.deepcopy(v, memo)
+        return new
+
+    def __copy__(self) -> "MambaTrainer":
+        """A shallow copy (every buffer shared), as ``copy.copy`` made before pickling was refused."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("MambaTrainer cannot be pickled (its buffers are views of the backbone's arenas, which "
+                        "unpickle separately): save trainer.state_dict() (mamba_rl.train.checkpoint) or deep-copy it")
+
     def _flat_state(self, batch: int):
         """(zero state for ``batch`` rows whose conv and ssm are views of one buffer, that buffer)."""
         s = self.net.initial_state(batch)
@@ -228,7 +254,8 @@ class MambaTrainer:
                                  f"not episode_starts")
             if initial_state is not None:
                 net.check_inputs(self.x_buf, initial_state, None, where=where)
-                self.state.copy_(initial_state)
+                with torch.no_grad():  # a state with autograd history (net(...)'s) is taken as its values
+                    self.state.copy_(initial_state)
             return
         check_tensor(f"{where}: x", x, shape=(B, T, net.input_dim), device=self.device, floating=True)
         if episode_starts is not None:
@@ -242,7 +269,8 @@ class MambaTrainer:
         else:
             self.starts_buf.copy_(episode_starts)
         if initial_state is not None:
-            self.state.copy_(initial_state)
+            with torch.no_grad():  # the carried state never has autograd history (no gradient flows into it)
+                self.state.copy_(initial_state)
 
     def _load_grad(self, d_temporal, extra_grad_sq, where):
         if d_temporal is None:  # zero-copy: the caller wrote d_buf itself
@@ -271,19 +299,24 @@ class MambaTrainer:
         return self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
 
     def _take_state(self):
-        """_state_used <- the carried state (what this forward starts from)."""
-        if self._state_flat is not None:
+        """_state_used <- the carried state (what this forward starts from). One flat copy while ``state`` is
+        still the trainer's own views of ``_state_flat``; a ``state`` the caller re-bound is copied from (without
+        autograd history: no gradient flows into the carried state)."""
+        own, st = self._state_own, self.state
+        if own is not None and st.conv is own[0] and st.ssm is own[1]:
             self._state_used_flat.copy_(self._state_flat)  # = self._state_used.copy_(self.state), one launch
         else:
-            self._state_used.copy_(self.state)
+            with torch.no_grad():
+                self._state_used.copy_(st)
 
     def _forward_body(self):
         self._take_state()
         with _tf32_matmul(self.tf32):
             feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
-        self.state.copy_(final.detach())
-        if self.skip_nonfinite:
-            self._keep_finite_rows()
+        with torch.no_grad():  # as the direct step: a re-bound state that requires grad is written too
+            self.state.copy_(final.detach())
+            if self.skip_nonfinite:
+                self._keep_finite_rows()
         self._feat = feat
         return feat
 
@@ -400,8 +433,8 @@ class MambaTrainer:
         if cpu is not None:
             # what grad_stats / adamw_step(kernels=cpu) call for the trainer's float32 CPU arenas, without their
             # Python (the argument checks there, two reshape views per step: serial time the OpenMP team waits)
-            ex = self._extra_sq1
-            if ex is None or ex[0] is not self.extra_sq_buf:
+            ex = self._extra_sq1  # re-made when the buffer is re-bound or its storage swapped (``.data =``, set_)
+            if ex is None or ex[0] is not self.extra_sq_buf or ex[1].data_ptr() != ex[0].data_ptr():
                 ex = self._extra_sq1 = (self.extra_sq_buf, self.extra_sq_buf.reshape(1))
             # a float32 buffer's view is cached; any other dtype is cast per step (a cached cast would go stale)
             extra = ex[1] if ex[1].dtype == torch.float32 else ex[1].float()
@@ -450,7 +483,8 @@ class MambaTrainer:
                 ``starts_buf`` in place (zero-copy: the static buffers the graphs read).
             d_temporal: [B, T, d_model] float, dLoss/dfeatures of the caller's loss; None when written
                 into ``d_buf`` in place.
-            initial_state: the state to start from, or None to continue from the carried state.
+            initial_state: the state to start from (its values, copied into ``state``: no gradient flows into
+                it, so one with autograd history is fine), or None to continue from the carried state.
             episode_starts: [B, T] bool or None (see :meth:`MambaBackbone.forward`).
         Returns:
             :class:`StepMetrics` (device tensors; no sync).
