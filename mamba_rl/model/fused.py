@@ -132,11 +132,11 @@ WGRAD_HOLD_BYTES = 64 << 20
 WGRAD_STREAM = "auto"
 _WGRAD_STREAM_MIN_ROWS = 8192
 # "auto": the grouped kernel up to this many rows (K = B*T) per GEMM, by compute dtype. float32: the step at
-# 1024 rows 416-452 vs 537 us with cuBLAS; the kernel alone (the default model's 14 jobs) 46 / 129 / 231 us at
+# 1024 rows 416-452 vs 537 us with cuBLAS; the kernel alone (the default model's 14 jobs) 46 / 128 / 230 us at
 # 1024 / 4096 / 8192 rows vs 103 / 203 / 289 us through torch, but the 8192-row step is slower with it (1401 vs
 # 1297 us: cuBLAS's weight gradients overlap the chain on the side stream better). bf16 / f16: the step at 1024
-# rows 382 vs 394-398 us with cuBLAS's tensor-core kernels (59 launches instead of 74); the kernel alone 48 / 157
-# / 293 us at 1024 / 4096 / 8192 rows vs 115 / 174 / 200 through torch, so it stops below 4096 rows
+# rows 382 vs 394-398 us with cuBLAS's tensor-core kernels (59 launches instead of 74); the kernel alone 48 / 152
+# / 269 us at 1024 / 4096 / 8192 rows vs 115 / 174 / 200 through torch, so it stops below 4096 rows
 # (benchmarks/NOTES.md, "the grouped weight gradients rewritten").
 _WGRAD_MAX_ROWS = {torch.float32: 4096, torch.bfloat16: 2048, torch.float16: 2048}
 _XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
