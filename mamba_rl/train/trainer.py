@@ -298,16 +298,20 @@ class MambaTrainer:
         """d_buf times the loss scale (f16), or d_buf itself: what the backward starts from."""
         return self.d_buf * self.scaler.scale if self.scaler.enabled else self.d_buf
 
+    def _state_is_own(self) -> bool:
+        """Is ``state`` still the trainer's own views of ``_state_flat`` (contiguous float32, not re-bound)?"""
+        own, st = self._state_own, self.state
+        return own is not None and st.conv is own[0] and st.ssm is own[1]
+
     def _take_state(self):
         """_state_used <- the carried state (what this forward starts from). One flat copy while ``state`` is
         still the trainer's own views of ``_state_flat``; a ``state`` the caller re-bound is copied from (without
         autograd history: no gradient flows into the carried state)."""
-        own, st = self._state_own, self.state
-        if own is not None and st.conv is own[0] and st.ssm is own[1]:
+        if self._state_is_own():
             self._state_used_flat.copy_(self._state_flat)  # = self._state_used.copy_(self.state), one launch
         else:
             with torch.no_grad():
-                self._state_used.copy_(st)
+                self._state_used.copy_(self.state)
 
     def _forward_body(self):
         self._take_state()
@@ -375,13 +379,12 @@ class MambaTrainer:
         self._feat = None
         self._take_state()
         su, st = self._state_used, self.state
-        own = self._state_own  # the trainer's own state views (contiguous float32): the forward writes them
-        direct = own is not None and st.conv is own[0] and st.ssm is own[1]
+        direct = self._state_is_own()  # the forward writes the final states straight into them
         g = self._scaled_d()
         with torch.no_grad():  # the calls make no graph either way; this keeps a re-bound buffer's history out
             if direct:
                 _, _, _, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
-                                                         self.starts_buf.contiguous(), own[0], own[1])
+                                                         self.starts_buf.contiguous(), st.conv, st.ssm)
             else:
                 _, conv_f, ssm_f, saved = fused.cpu_whole_forward(net, self.x_buf, su.conv, su.ssm,
                                                                   self.starts_buf.contiguous())
