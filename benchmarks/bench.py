@@ -124,12 +124,14 @@ VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("of
 MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer kind
 
 
-def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto"):
+def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
+                tensor_cores=True):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
     fused.WGRAD, fused.XDT = VARIANTS[variant]
     fused.WGRAD_STREAM = wgrad_stream
+    fused.WGRAD_TENSOR_CORES = tensor_cores
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -150,7 +152,8 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     del tr, net, graph
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
-    variant += "_chain" if wgrad_stream == "off" else ""
+    fused.WGRAD_TENSOR_CORES = True
+    variant += ("_chain" if wgrad_stream == "off" else "") + ("" if tensor_cores else "_notc")
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:
@@ -349,6 +352,8 @@ def main(argv=None):
     ap.add_argument("--no-mamba3", action="store_true", help="skip the Mamba-3 rows (layer='Mamba3')")
     ap.add_argument("--stream-ab", action="store_true",
                     help="also time each training row with the weight gradients in the chain (models *_chain)")
+    ap.add_argument("--tc-ab", action="store_true",
+                    help="also time bf16 rows with the grouped weight-gradient kernel's tensor cores off")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "tf32", "bf16"], choices=["f32", "tf32", "bf16"],
                     help="trainer dtypes of the Mamba-1 training rows (tf32: the opt-in TF32 GEMMs; Mamba-3: f32 / bf16)")
     a = ap.parse_args(argv)
@@ -395,6 +400,10 @@ def main(argv=None):
                 record(lambda: bench_train(dm, B, T, dt, it, wgrad_stream="off",
                                            profile_it=dt != "tf32" and (dm, B, T) == (128, 64, 128)),
                        dict(kind="train", model=f"mamba_rl_{dt}_chain", d_model=dm, B=B, T=T, graph=True))
+            if a.tc_ab and dt == "bf16":
+                record(lambda: bench_train(dm, B, T, dt, it, tensor_cores=False,
+                                           profile_it=(dm, B, T) in PROFILED),
+                       dict(kind="train", model=f"mamba_rl_{dt}_notc", d_model=dm, B=B, T=T, graph=True))
             if not a.no_mamba3 and dt != "tf32":
                 record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
                        dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))

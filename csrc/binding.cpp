@@ -512,6 +512,19 @@ int sm_count(const Tensor& ref) {
   return cache[dev];
 }
 
+int cc_major(const Tensor& ref) {
+  static std::vector<int> cache(64, 0);
+  const int dev = ref.get_device();
+  MRL_CHECK(dev >= 0 && dev < 64, "cc_major: bad device");
+  if (!cache[dev]) {
+    int n = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev);
+    MRL_RAISE_IF(e == cudaSuccess ? nullptr : cudaGetErrorString(e));
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
 // Tile counters of the grouped weight-gradient kernel: zero once, left zero by every launch.
 constexpr int64_t WGRAD_COUNTERS = 1 << 16;
 unsigned int* wgrad_counters(const Tensor& ref) {
@@ -535,7 +548,7 @@ void check_mat(const Tensor& t, const char* name, const Tensor& ref, int64_t row
 
 // jobs: [(a [K, M], b [K, N] or None, c [M, N] float32)]: c += a^T b (b None: c [M] or [M, 1] += column
 // sums of a). One launch for every job.
-void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs, int64_t slice) {
+void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs, int64_t slice, bool tensor_cores) {
   const int64_t nj = (int64_t)jobs.size();
   MRL_CHECK(nj >= 1 && nj <= mrl::WGRAD_MAX_JOBS, "wgrad_grouped: expected 1..", mrl::WGRAD_MAX_JOBS,
             " jobs, got ", nj);
@@ -572,7 +585,9 @@ void wgrad_grouped(const std::vector<std::tuple<Tensor, OptT, Tensor>>& jobs, in
   }
   const c10::cuda::CUDAGuard guard(ref.device());
   MRL_CHECK(slice >= 0, "wgrad_grouped: slice: expected 0 (the plan's choice) or a K-slice length > 0, got ", slice);
-  const int64_t ws_floats = mrl::wgrad_plan(p, sm_count(ref), slice);
+  // tensor cores (mma.sync bf16 / f16) from compute capability 8.0
+  const bool mma = tensor_cores && cc_major(ref) >= 8;
+  const int64_t ws_floats = mrl::wgrad_plan(p, sm_count(ref), slice, mma);
   MRL_CHECK(p.n_tiles <= WGRAD_COUNTERS, "wgrad_grouped: ", p.n_tiles, " output tiles, at most ", WGRAD_COUNTERS);
   Tensor ws;
   if (ws_floats > 0) {
@@ -831,7 +846,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
   m.def("wgrad_grouped", &wgrad_grouped, "grouped weight gradients, one launch: for each (a [K, M], b [K, N] or "
         "None, c [M, N] float32) c += a^T b (None: column sums of a); slice > 0 forces the K-slice length "
-        "(benchmarks; 0: the plan's choice)", py::arg("jobs"), py::arg("slice") = 0);
+        "(benchmarks; 0: the plan's choice); tensor_cores=False keeps bf16 / f16 jobs on the FFMA path "
+        "(comparisons)", py::arg("jobs"), py::arg("slice") = 0, py::arg("tensor_cores") = true);
   m.def("xdt_fwd", &xdt_fwd, "x_proj + dt_proj forward of one layer -> (dbc [rows, E], dt [rows, d_inner])");
   m.def("xdt_bwd", &xdt_bwd, "x_proj + dt_proj backward of one layer -> ddbc [rows, E]; dxc += ddbc @ x_proj.weight "
         "in place");

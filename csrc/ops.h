@@ -171,8 +171,9 @@ namespace mrl {
 // ---------------- small GEMMs of the fused training step (csrc/wgrad.cu, csrc/xdt.cu) ----------------
 // Grouped weight gradients: for each job, C[M, N] += A^T B with A [K, M] (row stride lda) and B [K, N]
 // (row stride ldb; b == nullptr: B is a column of ones, N must be 1 -> column sums of A, e.g. a bias grad).
-// One launch for every job; f32 accumulation; K split into fixed slices whose partials the last slice of a
-// tile sums in slice order (deterministic for a given plan; the plan depends only on the shapes).
+// One launch for every job; f32 accumulation (FFMA, or tensor cores for bf16 / f16 jobs with 16-byte row loads);
+// K split into fixed slices whose partials the last slice of a tile sums in slice order (deterministic for a
+// given plan; the plan depends only on the shapes, dtypes and operand layouts).
 constexpr int WGRAD_MAX_JOBS = 24;
 struct WGradJob {
   const void* a; int64_t lda; int a_dtype;
@@ -182,15 +183,19 @@ struct WGradJob {
   // set by wgrad_plan:
   int tiles_n, tiles, splits, item0, tile0; int64_t slice;
   int a_vec, b_vec;  // 16-byte row loads possible (alignment, row stride and width): see wgrad_plan
+  int path;  // 0: FFMA; 1: tensor cores (both operands bf16, or both f16, with 16-byte row loads); 2: column sums
 };
 struct WGradParams {
   WGradJob job[WGRAD_MAX_JOBS];
   int n_jobs, n_items, n_tiles;
+  int smem_bytes;          // set by wgrad_plan: dynamic shared memory of the launch (the largest path's staging)
   float* ws;               // wgrad_plan()'s floats: one BM x BN partial per work item of a split tile
   unsigned int* counters;  // [n_tiles], zero on entry; the kernel leaves them zero
 };
 // Fills the plan fields for sm_count SMs; returns the workspace floats needed (0 when no tile is split).
-int64_t wgrad_plan(WGradParams& p, int sm_count, int64_t force_slice = 0);  // force_slice > 0: that slice (benchmarks)
+// force_slice > 0: that K slice for every job (benchmarks); use_mma: the tensor-core path for the jobs that
+// allow it (needs compute capability >= 8.0; false: every job on the FFMA path, for comparisons).
+int64_t wgrad_plan(WGradParams& p, int sm_count, int64_t force_slice = 0, bool use_mma = true);
 const char* wgrad(const WGradParams& p, cudaStream_t s);
 
 // x_proj + dt_proj of one layer, forward: dbc[r, :] = xc[r, :] @ Wx^T (rounded to the dtype),

@@ -132,13 +132,17 @@ WGRAD_HOLD_BYTES = 64 << 20
 WGRAD_STREAM = "auto"
 _WGRAD_STREAM_MIN_ROWS = 8192
 # "auto": the grouped kernel up to this many rows (K = B*T) per GEMM, by compute dtype. float32: the step at
-# 1024 rows 416-452 vs 537 us with cuBLAS; the kernel alone (the default model's 14 jobs) 46 / 128 / 230 us at
-# 1024 / 4096 / 8192 rows vs 103 / 203 / 289 us through torch, but the 8192-row step is slower with it (1401 vs
-# 1297 us: cuBLAS's weight gradients overlap the chain on the side stream better). bf16 / f16: the step at 1024
-# rows 382 vs 394-398 us with cuBLAS's tensor-core kernels (59 launches instead of 74); the kernel alone 48 / 152
-# / 269 us at 1024 / 4096 / 8192 rows vs 115 / 174 / 200 through torch, so it stops below 4096 rows
-# (benchmarks/NOTES.md, "the grouped weight gradients rewritten").
+# 1024 rows 410-452 vs 537 us with cuBLAS; the kernel alone (the default model's 14 jobs) 46-51 / 128 / 230 us at
+# 1024 / 4096 / 8192 rows vs 103-112 / 203 / 289 us through torch, but the 8192-row step is slower with it (1401 vs
+# 1297 us: cuBLAS's weight gradients overlap the chain on the side stream better). bf16 / f16, on its tensor-core
+# path: the step at 1024 rows 355-371 vs 365-391 us with the same kernel's FFMA path and 387-389 for the version
+# before (cuBLAS's 13 tensor-core GEMMs: 394-398); the kernel alone on a real step's jobs 34 / 41 us at 1024 / 2048
+# rows vs 110 / 134 through torch. Not yet timed inside a step above 2048 rows, so "auto" stops there for now
+# (benchmarks/NOTES.md, "tensor cores for the bf16 weight gradients").
 _WGRAD_MAX_ROWS = {torch.float32: 4096, torch.bfloat16: 2048, torch.float16: 2048}
+# The grouped kernel's bf16 / f16 jobs on tensor cores (mma.sync, compute capability >= 8.0) where both operands
+# allow 16-byte row loads; False keeps them on its FFMA path (comparisons: bench.py --tc-ab).
+WGRAD_TENSOR_CORES = True
 _XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
 # "auto": x_proj + dt_proj kernels only up to this many rows (B*T): measured faster than cuBLAS at 1024 rows
 # (f32 574 vs 591 us a step, bf16 equal) and slower at 8192 (f32 1509 vs 1426, bf16 1107 vs 989)
@@ -227,7 +231,9 @@ class _WGrads:
         """Launch the collected jobs, if their operands hold at least ``if_above`` bytes (0: always)."""
         if self.jobs and self.held >= if_above:
             jobs = self.jobs
-            self._run(lambda: self.ext.wgrad_grouped(jobs), *[t for job in jobs for t in job[:2] if t is not None])
+            tc = WGRAD_TENSOR_CORES
+            self._run(lambda: self.ext.wgrad_grouped(jobs, tensor_cores=tc),
+                      *[t for job in jobs for t in job[:2] if t is not None])
             self.jobs, self.held, self.tiles = [], 0, 0
 
 

@@ -35,18 +35,25 @@ def _jobs(K, shapes, dtype, gen):
     return jobs
 
 
-# the default model's weight-gradient shapes (out_proj, dt_proj, x_proj, in_proj, input_proj, its bias) and odd ones
-SHAPES = [(128, 256), (256, 8), (40, 256), (512, 128), (128, 32), (128, None), (1, 1), (65, 3), (7, 130)]
+# the default model's weight-gradient shapes (out_proj, dt_proj, x_proj, in_proj, input_proj, its bias), odd ones
+# (element loads), and widths that are multiples of 8 but not of the 64-wide tile (tensor cores, partial tiles)
+SHAPES = [(128, 256), (256, 8), (40, 256), (512, 128), (128, 32), (128, None), (1, 1), (65, 3), (7, 130), (72, 136),
+          (8, 8)]
 
 
 @pytest.mark.parametrize("K", [1, 7, 1024, 5000])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-6)])
-def test_wgrad_grouped_vs_ref(ext, K, dtype, tol):
-    from mamba_rl.ops.small_gemm import wgrad_grouped, wgrad_grouped_ref
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-6), (torch.float16, 2e-6)])
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_wgrad_grouped_vs_ref(ext, K, dtype, tol, tensor_cores):
+    """Both paths of the kernel (bf16 / f16 jobs with aligned rows on tensor cores, or every job on FFMA) within
+    float32 rounding of the float64 reference."""
+    from mamba_rl.ops.small_gemm import wgrad_grouped_ref
+    if dtype == torch.float32 and not tensor_cores:
+        pytest.skip("float32 jobs never use tensor cores")
     gen = torch.Generator().manual_seed(K)
     jobs = _jobs(K, SHAPES, dtype, gen)
     ref = [(a, b, c.clone()) for a, b, c in jobs]
-    wgrad_grouped(ext, jobs)
+    ext.wgrad_grouped(jobs, tensor_cores=tensor_cores)
     wgrad_grouped_ref(ref)
     for (a, b, c), (_, _, cr) in zip(jobs, ref):
         assert torch.isfinite(c).all()
@@ -81,18 +88,20 @@ def test_wgrad_strided_operands_and_mixed_dtypes(ext):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_wgrad_load_paths(ext, dtype):
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_wgrad_load_paths(ext, dtype, tensor_cores):
     """Operands read with 16-byte loads (aligned base, row stride and width) next to ones that must be read element
     by element (a base off by one element, an odd row stride, a width not a multiple of 4 / 8), every forced
     K-slice length and the plan's: all within float32 rounding of the float64 reference."""
     from mamba_rl.ops.small_gemm import wgrad_grouped_ref
     gen = torch.Generator().manual_seed(11)
     K = 301
-    big = torch.randn(K, 300, generator=gen).to("cuda", dtype)
-    cases = [(big[:, :64], big[:, 64:192]),         # aligned: 16-byte loads
+    big = torch.randn(K, 304, generator=gen).to("cuda", dtype)
+    cases = [(big[:, :64], big[:, 64:192]),         # aligned: 16-byte loads (bf16 / f16: tensor cores)
              (big[:, 1:65], big[:, 200:264]),       # base off by one element: element loads for a
              (big[:, 8:20], big[:, 24:40]),         # width 12: 16-byte loads for f32 only
-             (big[::2, :36][:150], big[1::2, 40:45][:150]),  # row stride 600, width 5
+             (big[:, 16:24], big[:, 200:272]),      # widths 8 and 72: partial tiles (bf16 / f16: tensor cores)
+             (big[::2, :36][:150], big[1::2, 40:45][:150]),  # row stride 608, width 5
              (big[:, 100:103], None)]
     for sl in (0, 16, 48, 64, 1024):
         jobs, ref = [], []
@@ -101,7 +110,7 @@ def test_wgrad_load_paths(ext, dtype):
             c = c.view(-1) if b is None else c
             jobs.append((a, b, c))
             ref.append((a, b, c.clone()))
-        ext.wgrad_grouped([(a, b, c) for a, b, c in jobs], slice=sl)
+        ext.wgrad_grouped([(a, b, c) for a, b, c in jobs], slice=sl, tensor_cores=tensor_cores)
         wgrad_grouped_ref(ref)
         for (a, b, c), (_, _, cr) in zip(jobs, ref):
             scale = a.double().abs().t() @ (torch.ones_like(a[:, :1]) if b is None else b).double().abs()
@@ -111,10 +120,11 @@ def test_wgrad_load_paths(ext, dtype):
         ext.wgrad_grouped([(big[:, :4], None, torch.zeros(4, device="cuda"))], slice=-1)
 
 
-def test_wgrad_deterministic_and_capturable(ext):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wgrad_deterministic_and_capturable(ext, dtype):
     from mamba_rl.ops.small_gemm import wgrad_grouped
     gen = torch.Generator().manual_seed(9)
-    jobs = _jobs(20000, SHAPES[:6], torch.float32, gen)
+    jobs = _jobs(20000, SHAPES[:6], dtype, gen)
     c0 = [c.clone() for _, _, c in jobs]
     outs = []
     for _ in range(3):
