@@ -33,7 +33,10 @@ def wgrad_grouped_ref(jobs) -> None:
 
 
 def wgrad_grouped(ext, jobs) -> None:
-    """``c += a^T b`` for every job, in one CUDA launch.
+    """``c += a^T b`` for every job, in one CUDA launch (``csrc/wgrad.cu``), float32 accumulation: float32 jobs on
+    FFMA tiles; bf16 / f16 jobs whose operands allow 16-byte row loads (aligned base, row stride and width multiples
+    of 8 elements) on tensor cores (``mma.sync``, compute capability >= 8.0); column sums a thread per column. K is
+    cut into slices fixed by the shapes and summed in slice order, so the same jobs give the same bits every call.
 
     Args:
         ext: the CUDA extension (``mamba_rl.ops.extension.extension("cuda")``).
