@@ -499,31 +499,23 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
 
 
 // ---------------- small GEMMs of the fused training step (wgrad.cu, xdt.cu) ----------------
-int sm_count(const Tensor& ref) {
-  static std::vector<int> cache(64, 0);
+// An attribute of ref's device, read once per device (slot: which of the cached attributes; fallback where the
+// driver reports <= 0).
+int device_attr(const Tensor& ref, cudaDeviceAttr attr, int slot, int fallback) {
+  static std::vector<std::array<int, 2>> cache(64, {0, 0});
   const int dev = ref.get_device();
-  MRL_CHECK(dev >= 0 && dev < 64, "sm_count: bad device");
-  if (!cache[dev]) {
+  MRL_CHECK(dev >= 0 && dev < 64, "device_attr: bad device ", dev);
+  int& v = cache[dev][slot];
+  if (!v) {
     int n = 0;
-    cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+    cudaError_t e = cudaDeviceGetAttribute(&n, attr, dev);
     MRL_RAISE_IF(e == cudaSuccess ? nullptr : cudaGetErrorString(e));
-    cache[dev] = n > 0 ? n : 132;
+    v = n > 0 ? n : fallback;
   }
-  return cache[dev];
+  return v;
 }
-
-int cc_major(const Tensor& ref) {
-  static std::vector<int> cache(64, 0);
-  const int dev = ref.get_device();
-  MRL_CHECK(dev >= 0 && dev < 64, "cc_major: bad device");
-  if (!cache[dev]) {
-    int n = 0;
-    cudaError_t e = cudaDeviceGetAttribute(&n, cudaDevAttrComputeCapabilityMajor, dev);
-    MRL_RAISE_IF(e == cudaSuccess ? nullptr : cudaGetErrorString(e));
-    cache[dev] = n;
-  }
-  return cache[dev];
-}
+int sm_count(const Tensor& ref) { return device_attr(ref, cudaDevAttrMultiProcessorCount, 0, 132); }
+int cc_major(const Tensor& ref) { return device_attr(ref, cudaDevAttrComputeCapabilityMajor, 1, 0); }
 
 // Tile counters of the grouped weight-gradient kernel: zero once, left zero by every launch.
 constexpr int64_t WGRAD_COUNTERS = 1 << 16;
