@@ -7,6 +7,7 @@ Methods:
   its configured value at the first update to V at the last (set on ``agent.config`` between updates);
   ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
   observation normaliser's statistics freeze once N env steps are done.
+  ``--set obs_norm_clip=V`` clips the normalised observations to [-V, V] (sb3's ``clip_obs``).
   ``--set obs_norm_discrete=True`` normalises all-discrete (one-hot) observations too, the rule before
   :func:`mamba_rl.envs.make_vec_env` went continuous-only.
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
@@ -185,6 +186,21 @@ def _obs_norm_discrete() -> None:
     V.has_continuous_part = lambda space: True
 
 
+def _obs_norm_clip(bound: float) -> None:
+    """``--set obs_norm_clip=V`` (harness only, no agent change; with ``normalize_obs``): the observation normaliser's
+    output clipped to [-V, V], as sb3's ``VecNormalize(clip_obs=V)`` does. It patches this process's
+    ``VecNormalizeObservation.observations`` (one process per run, so nothing else sees it)."""
+    import numpy as np
+    from gymnasium.wrappers.vector import NormalizeObservation
+
+    from mamba_rl.envs import stats as S
+
+    def observations(self, obs):
+        return np.clip(NormalizeObservation.observations(self, obs), -bound, bound)
+
+    S.VecNormalizeObservation.observations = observations
+
+
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -207,6 +223,8 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         _adv_norm_over_rollout()
     if sets.pop("obs_norm_discrete", False):
         _obs_norm_discrete()
+    if "obs_norm_clip" in sets:
+        _obs_norm_clip(float(sets.pop("obs_norm_clip")))
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
     start = {f: getattr(agent.config, f) for f in sched}
