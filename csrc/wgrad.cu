@@ -35,7 +35,7 @@ constexpr int WG_BM = 64, WG_BN = 64, WG_BK = 16, WG_THREADS = 64;
 constexpr int WG_TILE = WG_BM * WG_BN;
 constexpr int WG_PER = WG_BK * WG_BM / WG_THREADS;  // operand elements per thread per K step (16)
 // how a job's operand is read (wgrad_plan): element by element, 16-byte loads of 4 float32 or of 8 bf16 / f16,
-// or the all-ones column of a bias gradient (b == nullptr)
+// or the all-ones column of a bias gradient (b == nullptr: such a job takes the column-sum path)
 enum WgMode : int { kWgScalar = 0, kWgVec32 = 1, kWgVec16 = 2, kWgOnes = 3 };
 // which code computes a job's items (WGradJob::path, set by wgrad_plan)
 enum WgPath : int { kWgFfma = 0, kWgMma = 1, kWgColsum = 2 };
@@ -91,7 +91,7 @@ __device__ __forceinline__ void wg_load(float (&r)[WG_PER], const void* p, int d
       const int e = i * WG_THREADS + t, kk = e >> 6, c = e & 63;
       const int64_t k = k0 + kk;
       const bool in = k < ke && c0 + c < ncol;
-      r[i] = mode == kWgOnes ? (in ? 1.f : 0.f) : (in ? wg_ld(p, k * ld + c0 + c, dt) : 0.f);
+      r[i] = in ? wg_ld(p, k * ld + c0 + c, dt) : 0.f;  // (ones columns take the column-sum path, not this one)
     }
   }
 }
