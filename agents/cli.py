@@ -65,6 +65,13 @@ def _int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an int or 'auto', got {text!r}") from None
 
 
+def _bool_or_auto(text: str) -> bool | str:
+    t = text.lower()
+    if t in ("auto", "on", "off", "true", "false", "1", "0", "yes", "no"):
+        return "auto" if t == "auto" else t in ("on", "true", "1", "yes")
+    raise argparse.ArgumentTypeError(f"expected on, off or auto, got {text!r}")
+
+
 def _optional_str(text: str) -> str | None:
     return None if text.lower() in ("none", "null", "default") else text
 
@@ -113,6 +120,7 @@ _TYPE_KW: list[tuple[Any, dict[str, Any]]] = [
     (float, dict(type=float, metavar="FLOAT")),
     (float | None, dict(type=_optional_float, metavar="FLOAT|none")),
     (int | str, dict(type=_int_or_auto, metavar="INT|auto")),
+    (bool | str, dict(type=_bool_or_auto, nargs="?", const=True, metavar="on|off|auto")),
     (str | None, dict(type=_optional_str, metavar="STR|none")),
 ]
 
@@ -147,6 +155,9 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         kw.update(next((dict(k) for t, k in _TYPE_KW if hint == t), dict(type=str, metavar="STR")))
         flags = [flag, "--env"] if f.name == "env_id" else [flag]
         groups[group].add_argument(*flags, **kw)
+        if hint == bool | str:  # --prev-action [on|off|auto]; --no-prev-action as for the plain bool flags
+            groups[group].add_argument("--no-" + flag[2:], dest=f.name, action="store_const", const=False,
+                                       default=argparse.SUPPRESS, help=f"same as {flag} off")
 
 
 def _config_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -44,7 +44,8 @@ import torch
 
 from mamba_rl import MambaTrainer
 from mamba_rl.envs import (EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
-                           flatten_observation, make_vec_env, raw_observation_space)
+                           flatten_observation, make_vec_env, raw_observation_space,
+                           requires_prev_action)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
                          restore_agent, save_agent)
@@ -117,9 +118,11 @@ class RecurrentPPO:
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
+        use_prev_action = bool(config.prev_action) if config.prev_action != "auto" else \
+            requires_prev_action(self.envs, config.env_id if env is None or isinstance(env, str) else None)
         self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
-                                 prev_action=config.prev_action, prev_reward=config.prev_reward,
+                                 prev_action=use_prev_action, prev_reward=config.prev_reward,
                                  memoryless=config.memoryless)
         # the heads' Adam over one flat arena: on CUDA a device step inside the update graph (no sync per step),
         # on the CPU one host-side step of torch.optim.Adam's arithmetic over the whole arena (bit for bit)

@@ -20,11 +20,12 @@ from .parts import PartedStep, env_part_rows
 from .stats import VecEpisodeStatistics, VecNormalizeObservation, VecNormalizeReward
 from .vector import check_start_method, make_env, make_vec_env, resolve_env_backend
 from .wrappers import (FlattenObs, FlattenVecObs, Float32Obs, find_vector_wrapper, finished_episode_arrays,
-                       finished_episodes, flatten_vec_obs, needs_flatten, raw_observation_space)
+                       finished_episodes, flatten_vec_obs, needs_flatten, raw_observation_space,
+                       requires_prev_action)
 
 __all__ = [
     "make_env", "make_vec_env", "check_start_method", "check_env_id", "list_env_ids", "finished_episodes",
-    "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "FlattenObs", "FlattenVecObs", "Float32Obs",
+    "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "requires_prev_action", "FlattenObs", "FlattenVecObs", "Float32Obs",
     "MaskObservation", "POMDP_ENV_IDS", "make_masked_env", "register_pomdp_envs", "EnvGuard", "EnvWorkerDied",
     "NonFiniteEnvError", "flatten_observation", "ENV_BACKENDS", "EnvPoolVecEnv", "envpool_available", "envpool_task",
     "resolve_env_backend", "VecEpisodeStatistics", "VecNormalizeReward", "VecNormalizeObservation", "PartedStep",

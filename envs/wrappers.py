@@ -17,7 +17,7 @@ from gymnasium import spaces
 from .envpool_backend import EnvPoolVecEnv
 
 __all__ = ["FlattenObs", "Float32Obs", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
-           "finished_episodes", "finished_episode_arrays", "raw_observation_space"]
+           "finished_episodes", "finished_episode_arrays", "raw_observation_space", "requires_prev_action"]
 
 
 class FlattenObs(gym.ObservationWrapper):
@@ -137,3 +137,25 @@ def raw_observation_space(envs: gym.vector.VectorEnv, env_id: str | None = None,
             return e._inner_space
         e = getattr(e, "env", None)
     return first.observation_space
+
+
+def requires_prev_action(envs: gym.vector.VectorEnv, env_id: str | None = None,
+                         env_kwargs: dict[str, Any] | None = None) -> bool:
+    """Whether the env declares that its observation alone is not enough without the previous action: POPGym's
+    ``obs_requires_prev_action`` (Morad et al. 2023; True for MultiarmedBandit, Battleship, Concentration and
+    their levels), read off the base env (``env.unwrapped``). A SyncVectorEnv is asked directly (True if any
+    sub-env says so); an AsyncVectorEnv's sub-envs live in its workers, so one env of ``env_id`` (with
+    ``env_kwargs``) is built here and asked, and without an id the answer is False, as for an EnvPool vector env
+    (no POPGym task runs there) and for any env that does not define the attribute."""
+    base = envs.unwrapped
+    if isinstance(base, gym.vector.SyncVectorEnv):
+        return any(bool(getattr(e.unwrapped, "obs_requires_prev_action", False)) for e in base.envs)
+    if isinstance(base, EnvPoolVecEnv) or env_id is None:
+        return False
+    from .vector import make_env  # vector imports this module
+
+    env = make_env(env_id, flatten_obs=False, env_kwargs=env_kwargs)
+    try:
+        return bool(getattr(env.unwrapped, "obs_requires_prev_action", False))
+    finally:
+        env.close()

@@ -95,3 +95,20 @@ def test_ctrl_c_saves_a_checkpoint(tmp_path):
 def test_python_dash_m():
     r = subprocess.run([sys.executable, "-m", "mamba_rl", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "train" in r.stdout and "eval" in r.stdout
+
+
+@pytest.mark.parametrize("argv, want", [(["--prev-action"], True), (["--prev-action", "auto"], "auto"),
+                                        (["--prev-action", "off"], False), (["--no-prev-action"], False),
+                                        (["--prev-action", "on"], True), ([], None)])
+def test_prev_action_flag_takes_on_off_auto(argv, want):
+    from mamba_rl.agents.cli import build_parser
+
+    ns = build_parser().parse_args(["train", *argv])
+    assert getattr(ns, "prev_action", None) == want and type(getattr(ns, "prev_action", None)) is type(want)
+
+
+def test_prev_action_flag_refuses_other_words(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--prev-action", "maybe"])
+    assert exit_.value.code == 2
+    assert "expected on, off or auto, got 'maybe'" in capsys.readouterr().err

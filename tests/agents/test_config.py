@@ -120,3 +120,50 @@ def test_mamba3_takes_every_backend():
     """Mamba-3 has CPU and CUDA kernels: every backend is a valid config (the device checks come later)."""
     for backend in ("auto", "reference", "cpu", "cuda"):
         assert PPOConfig(layer="Mamba3", backend=backend).backend == backend
+
+
+@pytest.mark.parametrize("bad", ["yes", "on", 1, 0, None, 2.0])
+def test_prev_action_takes_a_bool_or_auto(bad):
+    assert PPOConfig().prev_action == "auto"
+    assert PPOConfig(prev_action=True).prev_action is True
+    with pytest.raises(ValueError, match=r"PPOConfig.prev_action must be True, False or 'auto', got"):
+        PPOConfig(prev_action=bad)
+
+
+def test_prev_action_auto_follows_the_env_declaration():
+    """'auto' turns the previous-action input on only for an env that declares it needs it
+    (POPGym's ``obs_requires_prev_action``); True / False override the declaration."""
+    import gymnasium as gym
+    from gymnasium import spaces
+
+    class NeedsPrev(gym.Env):
+        obs_requires_prev_action = True
+        observation_space, action_space = spaces.Discrete(2), spaces.Discrete(3)
+
+        def reset(self, *, seed=None, options=None):
+            super().reset(seed=seed)
+            return 0, {}
+
+        def step(self, action):
+            return int(action == 1), 1.0, False, False, {}
+
+    gym.register("mamba_rl_test/NeedsPrevAgent-v0", entry_point=NeedsPrev, max_episode_steps=8)
+    tiny = dict(d_model=16, n_layers=1, d_state=4, num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1,
+                total_timesteps=16, device="cpu", track=False, checkpoint_every=0)
+    try:
+        for env_id, prev, want in [("mamba_rl_test/NeedsPrevAgent-v0", "auto", True),
+                                   ("mamba_rl_test/NeedsPrevAgent-v0", False, False),
+                                   ("mamba_rl/CartPoleNoVel-v1", "auto", False),
+                                   ("mamba_rl/CartPoleNoVel-v1", True, True)]:
+            agent = RecurrentPPO(env_id, prev_action=prev, **tiny)
+            try:
+                from mamba_rl.agents.heads import action_input_dim
+
+                pol = agent.policy
+                assert pol.use_prev_action is want, (env_id, prev)
+                assert pol.input_dim == pol.obs_dim + (action_input_dim(pol.action_space) if want else 0)
+                agent.learn()  # one rollout and update through that input
+            finally:
+                agent.envs.close()
+    finally:
+        del gym.registry["mamba_rl_test/NeedsPrevAgent-v0"]

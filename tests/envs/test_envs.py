@@ -174,3 +174,54 @@ def test_normalize_obs_skips_all_discrete_observations(async_):
             envs.step(np.zeros(2, dtype=np.int64))
         finally:
             envs.close()
+
+
+class _NeedsPrevActionEnv(gym.Env):
+    """An env that declares, as POPGym's bandit does, that its observation needs the previous action."""
+
+    obs_requires_prev_action = True
+    observation_space = spaces.Discrete(2)
+    action_space = spaces.Discrete(3)
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return 0, {}
+
+    def step(self, action):
+        return int(action == 1), 0.0, False, False, {}
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_requires_prev_action_reads_the_base_envs_declaration(async_):
+    from mamba_rl.envs import requires_prev_action
+
+    gym.register("mamba_rl_test/NeedsPrev-v0", entry_point=_NeedsPrevActionEnv, max_episode_steps=5)
+    try:
+        envs = make_vec_env("mamba_rl_test/NeedsPrev-v0", num_envs=2, seed=0, async_=async_)
+        try:  # through TimeLimit, the flattening and the vector wrappers to the base env
+            assert requires_prev_action(envs, "mamba_rl_test/NeedsPrev-v0") is True
+            # an async env's sub-envs live in its workers: without the id there is nothing to ask
+            assert requires_prev_action(envs) is (not async_)
+        finally:
+            envs.close()
+    finally:
+        del gym.registry["mamba_rl_test/NeedsPrev-v0"]
+    envs = make_vec_env("mamba_rl/CartPoleNoVel-v1", num_envs=2, seed=0, async_=async_)
+    try:  # no declaration: False
+        assert requires_prev_action(envs, "mamba_rl/CartPoleNoVel-v1") is False
+    finally:
+        envs.close()
+
+
+def test_popgym_declares_which_tasks_need_the_previous_action():
+    pytest.importorskip("popgym")
+    from mamba_rl.envs import requires_prev_action
+
+    got = {}
+    for task in ("MultiarmedBanditEasy", "ConcentrationEasy", "BattleshipEasy", "AutoencodeEasy",
+                 "RepeatPreviousEasy"):
+        envs = make_vec_env(f"popgym-{task}-v0", num_envs=1, seed=0)
+        got[task] = requires_prev_action(envs)
+        envs.close()
+    assert got == {"MultiarmedBanditEasy": True, "ConcentrationEasy": True, "BattleshipEasy": True,
+                   "AutoencodeEasy": False, "RepeatPreviousEasy": False}
