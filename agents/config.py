@@ -196,9 +196,10 @@ class PPOConfig(_PPOFields):
     against 2 of 10 before, PendulumNoVel 3 of 3 >= -200 at 150k, 0.65x the CPU time per update): learning rate
     2e-3 annealed to 0, 2 epochs of 4 minibatches, no entropy bonus, advantages not normalised per minibatch,
     observations with a continuous part normalised with statistics frozen after 20,000 env steps, rewards scaled
-    (NormalizeReward), and the previous action as input where the env declares that its observation needs it
-    (``prev_action="auto"``: POPGym's MultiarmedBanditEasy 0.155 -> 0.363 MMER at 200k, 6 seeds; Concentration and
-    Battleship unchanged; the gymnasium tasks declare nothing and run as before).
+    (NormalizeReward), and the previous action as input for discrete actions and where the env declares that its
+    observation needs it (``prev_action="auto"``, :func:`mamba_rl.agents.policy.prev_action_input`: POPGym's
+    NoisyPositionOnlyCartPoleEasy 0.673 -> 0.894 and MultiarmedBanditEasy 0.155 -> 0.363 MMER at 200k, 6 seeds
+    each; off for Box actions, where it cost PendulumNoVel 40 of return).
     On POPGym's all-discrete tasks ``norm_adv=True`` (``--norm-adv``) scored higher (MultiarmedBanditEasy 0.240 vs
     0.155, ConcentrationEasy -0.150 vs -0.166 MMER at 200k, 6 seeds each) and on its Box tasks lower (Noisy
     PositionOnly CartPole 0.646 vs 0.673, PositionOnly Pendulum 0.846 vs 0.886, 3 seeds each).
@@ -241,7 +242,7 @@ class PPOConfig(_PPOFields):
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /
             ``replace(d_state=8)`` set them inside ``backbone`` (``--d-model 64`` on the command line).
-        prev_action: append the previous action (one-hot when discrete, clipped for Box; zero at an episode start) to the input: True, False or "auto" (on when the env declares ``obs_requires_prev_action``, as POPGym's MultiarmedBandit, Battleship and Concentration do: mamba_rl.envs.requires_prev_action).
+        prev_action: append the previous action (one-hot when discrete, clipped for Box; zero at an episode start) to the input: True, False or "auto" (on for Discrete / MultiDiscrete actions and where the env declares ``obs_requires_prev_action``, as POPGym's MultiarmedBandit, Battleship and Concentration do; off for other Box-action envs: mamba_rl.agents.policy.prev_action_input).
         prev_reward: append the previous reward to the input.
         normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation) of observation spaces with a continuous part; all-discrete ones (one-hot codes) are left as they are (:func:`mamba_rl.envs.make_vec_env`).
         obs_norm_freeze_steps: with normalize_obs (ignored without it), the env step [all ranks] after which the normaliser's mean / std stop updating (0: never); a frozen normaliser removed the late collapses of CartPoleNoVel runs (benchmarks/learning/README.md).

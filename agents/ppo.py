@@ -44,8 +44,7 @@ import torch
 
 from mamba_rl import MambaTrainer
 from mamba_rl.envs import (EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
-                           flatten_observation, make_vec_env, raw_observation_space,
-                           requires_prev_action)
+                           flatten_observation, make_vec_env, raw_observation_space)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
                          restore_agent, save_agent)
@@ -58,7 +57,7 @@ from .evaluate import EvalResult, evaluate_policy
 from .head_optim import FlatHeadAdam
 from .interrupts import deferred_signals, interrupt_once
 from .logger import TensorBoardLogger
-from .policy import Policy, PolicyState
+from .policy import Policy, PolicyState, prev_action_input
 from .progress import StepProgress, apply_thread_policy, notice
 from .rollout import EagerActor, RolloutBuffer, RolloutCarry, adopt_vec_env, collect_rollout
 from .runs import Progress, Run, claim_run, new_run_name
@@ -118,8 +117,8 @@ class RecurrentPPO:
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
-        use_prev_action = bool(config.prev_action) if config.prev_action != "auto" else \
-            requires_prev_action(self.envs, config.env_id if env is None or isinstance(env, str) else None)
+        use_prev_action = prev_action_input(config.prev_action, self.envs,
+                                            config.env_id if env is None or isinstance(env, str) else None)
         self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                                  prev_action=use_prev_action, prev_reward=config.prev_reward,

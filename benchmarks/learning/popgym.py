@@ -1,7 +1,8 @@
 """POPGym memory tasks x seeds x methods, many runs in parallel, a table of MMER and one PNG of curves.
 
 Methods:
-* ``mamba``: :class:`mamba_rl.agents.RecurrentPPO` with its defaults (8 envs x 128 steps) plus any
+* ``mamba``: :class:`mamba_rl.agents.RecurrentPPO` with its defaults (8 envs x 128 steps; since the eighth session's
+  ``prev_action="auto"`` the previous action is an input on every discrete-action task) plus any
   ``--set name=value`` overrides (a named configuration: ``--variant``). ``--set ent_coef_end=V`` (and
   ``clip_coef_end``) is the harness's own schedule, not a PPOConfig field: the coefficient goes linearly from
   its configured value at the first update to V at the last (set on ``agent.config`` between updates);

@@ -130,22 +130,23 @@ def test_prev_action_takes_a_bool_or_auto(bad):
         PPOConfig(prev_action=bad)
 
 
-def test_prev_action_auto_follows_the_env_declaration():
-    """'auto' turns the previous-action input on only for an env that declares it needs it
-    (POPGym's ``obs_requires_prev_action``); True / False override the declaration."""
+def test_prev_action_auto_follows_the_action_space_and_the_env_declaration():
+    """'auto' turns the previous-action input on for discrete actions and for an env that declares it needs it
+    (POPGym's ``obs_requires_prev_action``), off for Box actions otherwise; True / False override both."""
     import gymnasium as gym
+    import numpy as np
     from gymnasium import spaces
 
     class NeedsPrev(gym.Env):
-        obs_requires_prev_action = True
-        observation_space, action_space = spaces.Discrete(2), spaces.Discrete(3)
+        obs_requires_prev_action = True  # with Box actions: only the declaration turns "auto" on
+        observation_space, action_space = spaces.Discrete(2), spaces.Box(-1.0, 1.0, (1,), np.float32)
 
         def reset(self, *, seed=None, options=None):
             super().reset(seed=seed)
             return 0, {}
 
         def step(self, action):
-            return int(action == 1), 1.0, False, False, {}
+            return int(action[0] > 0), 1.0, False, False, {}
 
     gym.register("mamba_rl_test/NeedsPrevAgent-v0", entry_point=NeedsPrev, max_episode_steps=8)
     tiny = dict(d_model=16, n_layers=1, d_state=4, num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1,
@@ -153,8 +154,10 @@ def test_prev_action_auto_follows_the_env_declaration():
     try:
         for env_id, prev, want in [("mamba_rl_test/NeedsPrevAgent-v0", "auto", True),
                                    ("mamba_rl_test/NeedsPrevAgent-v0", False, False),
-                                   ("mamba_rl/CartPoleNoVel-v1", "auto", False),
-                                   ("mamba_rl/CartPoleNoVel-v1", True, True)]:
+                                   ("mamba_rl/CartPoleNoVel-v1", "auto", True),  # discrete actions
+                                   ("mamba_rl/CartPoleNoVel-v1", False, False),
+                                   ("mamba_rl/PendulumNoVel-v1", "auto", False),  # Box actions, no declaration
+                                   ("mamba_rl/PendulumNoVel-v1", True, True)]:
             agent = RecurrentPPO(env_id, prev_action=prev, **tiny)
             try:
                 from mamba_rl.agents.heads import action_input_dim
@@ -167,3 +170,12 @@ def test_prev_action_auto_follows_the_env_declaration():
                 agent.envs.close()
     finally:
         del gym.registry["mamba_rl_test/NeedsPrevAgent-v0"]
+
+
+def test_prev_action_input_refuses_other_settings():
+    from mamba_rl.agents.policy import prev_action_input
+
+    envs = None  # never read for True / False, nor before the setting is refused
+    assert prev_action_input(True, envs) is True and prev_action_input(False, envs) is False
+    with pytest.raises(ValueError, match="prev_action must be True, False or 'auto', got 'on'"):
+        prev_action_input("on", envs)
