@@ -21,7 +21,7 @@ from typing import Any
 
 from mamba_rl import MambaConfig
 
-from .validation import check_bool, check_choice, check_int, check_real
+from .validation import check_bool, check_bool_or_auto, check_choice, check_int, check_real
 
 __all__ = ["PPOConfig", "BACKBONE_FIELDS", "OVERLAP_MIN_ENVS"]
 
@@ -39,7 +39,8 @@ _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
 _ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
 _ENV_OVERLAP = ("auto", "on", "off")
-_BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_reward", "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
+_BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_reward",
+                "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
 # (field, lo, hi, lo open, None allowed)
 _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0, True, False),
                 ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
@@ -114,9 +115,7 @@ class _PPOFields:
             check_int(name(f), getattr(self, f), lo=1)
         for f in _BOOL_FIELDS:
             check_bool(name(f), getattr(self, f))
-        if not ((isinstance(self.prev_action, str) and self.prev_action == "auto") or isinstance(self.prev_action, bool)
-                or type(self.prev_action).__name__ == "bool_"):
-            raise ValueError(f"{name('prev_action')} must be True, False or 'auto', got {self.prev_action!r}")
+        check_bool_or_auto(name("prev_action"), self.prev_action)
         if self.async_start_method is not None:
             import multiprocessing
 

@@ -28,6 +28,7 @@ from mamba_rl import MambaBackbone, MambaConfig, RecurrentState, Stepper
 from mamba_rl.envs import requires_prev_action
 
 from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim
+from .validation import check_bool_or_auto
 
 __all__ = ["Policy", "PolicyState", "HostStager"]
 
@@ -242,10 +243,9 @@ def prev_action_input(setting: bool | str, envs: gym.vector.VectorEnv, env_id: s
     Raises:
         ValueError: ``setting`` not True, False or "auto".
     """
-    if isinstance(setting, (bool, np.bool_)):
-        return bool(setting)
+    setting = check_bool_or_auto("prev_action", setting)
     if setting != "auto":
-        raise ValueError(f"prev_action must be True, False or 'auto', got {setting!r}")
+        return setting
     return not isinstance(envs.single_action_space, spaces.Box) or requires_prev_action(envs, env_id)
 
 

@@ -61,6 +61,19 @@ def check_bool(name: str, value: Any) -> bool:
     raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
 
 
+def check_bool_or_auto(name: str, value: Any) -> bool | str:
+    """``value`` if it is a bool (numpy's bool too, returned as a Python bool) or the string ``"auto"``.
+
+    Raises:
+        ValueError: "NAME must be True, False or 'auto', got VALUE".
+    """
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+
+
 def check_choice(name: str, value: Any, choices: Sequence[Any]) -> Any:
     """``value`` if it is one of ``choices``.
 

@@ -136,6 +136,7 @@ def test_prev_action_auto_follows_the_action_space_and_the_env_declaration():
     import gymnasium as gym
     import numpy as np
     from gymnasium import spaces
+    from mamba_rl.agents.heads import action_input_dim
 
     class NeedsPrev(gym.Env):
         obs_requires_prev_action = True  # with Box actions: only the declaration turns "auto" on
@@ -160,8 +161,6 @@ def test_prev_action_auto_follows_the_action_space_and_the_env_declaration():
                                    ("mamba_rl/PendulumNoVel-v1", True, True)]:
             agent = RecurrentPPO(env_id, prev_action=prev, **tiny)
             try:
-                from mamba_rl.agents.heads import action_input_dim
-
                 pol = agent.policy
                 assert pol.use_prev_action is want, (env_id, prev)
                 assert pol.input_dim == pol.obs_dim + (action_input_dim(pol.action_space) if want else 0)
