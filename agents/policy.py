@@ -237,7 +237,7 @@ def prev_action_input(setting: bool | str, envs: gym.vector.VectorEnv, env_id: s
     async vector env); off for a Box action space otherwise, where the input is the sampled action, exploration
     noise included. Measured at 200k env steps (benchmarks/learning/README.md): with the previous action,
     NoisyPositionOnlyCartPoleEasy 0.673 -> 0.894 MMER (6 seeds) and MultiarmedBanditEasy 0.155 -> 0.363 (6), the
-    other discrete tasks and CartPoleNoVel-v1 (14 of 15 seeds >= 475 against 13 of 15) as without; on Box actions
+    other discrete tasks and CartPoleNoVel-v1 (24 of 25 seeds >= 475 against 23 of 25) as without; on Box actions
     PendulumNoVel-v1 -182 -> -222 (8 seeds) and PositionOnlyPendulumEasy 0.886 -> 0.879.
 
     Raises:
