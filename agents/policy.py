@@ -30,7 +30,7 @@ from mamba_rl.envs import requires_prev_action
 from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim
 from .validation import check_bool_or_auto
 
-__all__ = ["Policy", "PolicyState", "HostStager"]
+__all__ = ["Policy", "PolicyState", "HostStager", "prev_action_input"]
 
 
 @dataclass
