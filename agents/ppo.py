@@ -112,13 +112,12 @@ class RecurrentPPO:
         self._num_updates: int | None = None  # fixed while learn() runs
         self._predict_generator: torch.Generator | None = None
         self._raw_obs_space: gym.Space | None = None
-        self.envs = self._make_envs() if env is None or isinstance(env, str) else \
-            adopt_vec_env(env, config.num_envs, nonfinite=config.nonfinite)
+        own_envs = env is None or isinstance(env, str)  # built here from config.env_id
+        self.envs = self._make_envs() if own_envs else adopt_vec_env(env, config.num_envs, nonfinite=config.nonfinite)
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
         torch.manual_seed(config.seed)
-        use_prev_action = prev_action_input(config.prev_action, self.envs,
-                                            config.env_id if env is None or isinstance(env, str) else None)
+        use_prev_action = prev_action_input(config.prev_action, self.envs, config.env_id if own_envs else None)
         self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                                  prev_action=use_prev_action, prev_reward=config.prev_reward,

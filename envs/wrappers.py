@@ -121,15 +121,7 @@ def raw_observation_space(envs: gym.vector.VectorEnv, env_id: str | None = None,
     if isinstance(envs.unwrapped, EnvPoolVecEnv):
         return envs.unwrapped.single_observation_space
     if not isinstance(envs.unwrapped, gym.vector.SyncVectorEnv):
-        if env_id is None:
-            return None
-        from .vector import make_env  # vector imports this module
-
-        env = make_env(env_id, flatten_obs=False, env_kwargs=env_kwargs)
-        try:
-            return env.observation_space
-        finally:
-            env.close()
+        return None if env_id is None else _ask_one_env(env_id, env_kwargs, lambda env: env.observation_space)
     first = envs.unwrapped.envs[0]
     e = first
     while e is not None:
@@ -152,10 +144,16 @@ def requires_prev_action(envs: gym.vector.VectorEnv, env_id: str | None = None,
         return any(bool(getattr(e.unwrapped, "obs_requires_prev_action", False)) for e in base.envs)
     if isinstance(base, EnvPoolVecEnv) or env_id is None:
         return False
+    return _ask_one_env(env_id, env_kwargs, lambda env: bool(getattr(env.unwrapped, "obs_requires_prev_action", False)))
+
+
+def _ask_one_env(env_id: str, env_kwargs: dict[str, Any] | None, read: Any) -> Any:
+    """``read(env)`` of one unflattened env of ``env_id`` built here and closed after: what an AsyncVectorEnv's
+    sub-envs, which live in its workers, would answer."""
     from .vector import make_env  # vector imports this module
 
     env = make_env(env_id, flatten_obs=False, env_kwargs=env_kwargs)
     try:
-        return bool(getattr(env.unwrapped, "obs_requires_prev_action", False))
+        return read(env)
     finally:
         env.close()
