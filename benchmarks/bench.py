@@ -120,15 +120,18 @@ def kernel_sequence(fn):
 
 # (name suffix, fused.WGRAD, fused.XDT): the small-GEMM kernels as chosen ("auto"), forced off (the torch
 # GEMMs of the version before) and forced on, timed in the same process (--variants)
-VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("off", "on"), "_gemmon": ("on", "on")}
+VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("off", "on"), "_gemmon": ("on", "on"),
+            "_wgradon": ("on", "auto")}
 MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer kind
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
-                tensor_cores=True):
+                tensor_cores=True, optim_fused=True):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
+    from mamba_rl.ops import optim
+    optim.FUSED = optim_fused
     fused.WGRAD, fused.XDT = VARIANTS[variant]
     fused.WGRAD_STREAM = wgrad_stream
     fused.WGRAD_TENSOR_CORES = tensor_cores
@@ -153,7 +156,9 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
     fused.WGRAD_TENSOR_CORES = True
-    variant += ("_chain" if wgrad_stream == "off" else "") + ("" if tensor_cores else "_notc")
+    optim.FUSED = True
+    variant += {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
+        ("" if optim_fused else "_optsplit")
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:
@@ -354,6 +359,8 @@ def main(argv=None):
                     help="also time each training row with the weight gradients in the chain (models *_chain)")
     ap.add_argument("--tc-ab", action="store_true",
                     help="also time bf16 rows with the grouped weight-gradient kernel's tensor cores off")
+    ap.add_argument("--optim-ab", action="store_true",
+                    help="also time each training row with grad_stats and AdamW as two launches (models *_optsplit)")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "tf32", "bf16"], choices=["f32", "tf32", "bf16"],
                     help="trainer dtypes of the Mamba-1 training rows (tf32: the opt-in TF32 GEMMs; Mamba-3: f32 / bf16)")
     a = ap.parse_args(argv)
@@ -404,6 +411,9 @@ def main(argv=None):
                 record(lambda: bench_train(dm, B, T, dt, it, tensor_cores=False,
                                            profile_it=(dm, B, T) in PROFILED),
                        dict(kind="train", model=f"mamba_rl_{dt}_notc", d_model=dm, B=B, T=T, graph=True))
+            if a.optim_ab and dt != "tf32":
+                record(lambda: bench_train(dm, B, T, dt, it, optim_fused=False, profile_it=(dm, B, T) in PROFILED),
+                       dict(kind="train", model=f"mamba_rl_{dt}_optsplit", d_model=dm, B=B, T=T, graph=True))
             if not a.no_mamba3 and dt != "tf32":
                 record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
                        dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))

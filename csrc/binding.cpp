@@ -238,8 +238,9 @@ void check_vec(const Tensor& t, const char* name, at::ScalarType ty, int64_t n, 
   MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_scale, const Tensor& hyper,
-                Tensor& scalars, Tensor& counter) {
+// grad_stats' checked parameters; `ws` receives the partial-sum workspace the params point into.
+mrl::GradStatsParams grad_stats_build(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_scale,
+                                      const Tensor& hyper, Tensor& scalars, Tensor& counter, Tensor& ws) {
   MRL_CHECK(grad.dim() == 1, "grad_stats: grad must be a flat [P] arena, got ", shape_str(grad));
   const int64_t P = grad.numel();
   check_vec(grad, "grad_stats: grad", at::kFloat, P, grad);
@@ -248,16 +249,22 @@ void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_sca
   check_vec(hyper, "grad_stats: hyper", at::kDouble, 8, grad);
   check_vec(scalars, "grad_stats: scalars", at::kDouble, 8, grad);
   check_vec(counter, "grad_stats: counter", at::kInt, 1, grad);
+  ws = new_empty({2 * (int64_t)mrl::grad_stats_blocks(P)}, grad.options().dtype(at::kDouble));
+  return mrl::GradStatsParams{grad.data_ptr<float>(), P, ptr_or_null<float>(extra_sq), loss_scale.data_ptr<float>(),
+                              hyper.data_ptr<double>(), scalars.data_ptr<double>(), ws.data_ptr<double>(),
+                              reinterpret_cast<unsigned int*>(counter.data_ptr<int>())};
+}
+
+void grad_stats(const Tensor& grad, const OptT& extra_sq, const Tensor& loss_scale, const Tensor& hyper,
+                Tensor& scalars, Tensor& counter) {
   const c10::cuda::CUDAGuard guard(grad.device());
-  auto ws = new_empty({2 * (int64_t)mrl::grad_stats_blocks(P)}, grad.options().dtype(at::kDouble));
-  mrl::GradStatsParams p{grad.data_ptr<float>(), P, ptr_or_null<float>(extra_sq), loss_scale.data_ptr<float>(),
-                         hyper.data_ptr<double>(), scalars.data_ptr<double>(), ws.data_ptr<double>(),
-                         reinterpret_cast<unsigned int*>(counter.data_ptr<int>())};
+  Tensor ws;
+  const mrl::GradStatsParams p = grad_stats_build(grad, extra_sq, loss_scale, hyper, scalars, counter, ws);
   raise_if(mrl::grad_stats(p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
-void adamw_step(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
-                const Tensor& scalars, int64_t n_decay, const OptT& compute, bool zero_grad) {
+mrl::AdamWParams adamw_build(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
+                             const Tensor& scalars, int64_t n_decay, const OptT& compute, bool zero_grad) {
   MRL_CHECK(param.dim() == 1, "adamw_step: param must be a flat [P] arena, got ", shape_str(param));
   const int64_t P = param.numel();
   check_vec(param, "adamw_step: param", at::kFloat, P, param);
@@ -274,11 +281,35 @@ void adamw_step(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq
     MRL_CHECK(compute->numel() == P && compute->is_contiguous(), "adamw_step: compute must be a contiguous [",
                 P, "] arena, got ", shape_str(*compute));
   }
+  return mrl::AdamWParams{param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
+                          exp_avg_sq.data_ptr<float>(), hyper.data_ptr<double>(), scalars.data_ptr<double>(), P,
+                          n_decay, compute ? compute->data_ptr() : nullptr, cdt, zero_grad};
+}
+
+void adamw_step(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const Tensor& hyper,
+                const Tensor& scalars, int64_t n_decay, const OptT& compute, bool zero_grad) {
   const c10::cuda::CUDAGuard guard(param.device());
-  mrl::AdamWParams p{param.data_ptr<float>(), grad.data_ptr<float>(), exp_avg.data_ptr<float>(),
-                     exp_avg_sq.data_ptr<float>(), hyper.data_ptr<double>(), scalars.data_ptr<double>(), P, n_decay,
-                     compute ? compute->data_ptr() : nullptr, cdt, zero_grad};
+  const mrl::AdamWParams p = adamw_build(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute, zero_grad);
   raise_if(mrl::adamw_step(p, c10::cuda::getCurrentCUDAStream().stream()));
+}
+
+// grad_stats then adamw_step: one cooperative launch where it fits (and `fused`), else the two launches; the
+// same bits either way. Returns whether the fused launch ran.
+bool optim_step(Tensor& param, Tensor& grad, Tensor& exp_avg, Tensor& exp_avg_sq, const OptT& extra_sq,
+                const Tensor& loss_scale, const Tensor& hyper, Tensor& scalars, Tensor& counter, int64_t n_decay,
+                const OptT& compute, bool zero_grad, bool fused) {
+  const c10::cuda::CUDAGuard guard(param.device());
+  const mrl::AdamWParams a = adamw_build(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute, zero_grad);
+  Tensor ws;
+  const mrl::GradStatsParams g = grad_stats_build(grad, extra_sq, loss_scale, hyper, scalars, counter, ws);
+  const cudaStream_t s = c10::cuda::getCurrentCUDAStream().stream();
+  if (fused && mrl::optim_step_fits(a.P, a.compute ? a.compute_dtype : mrl::kF32)) {
+    raise_if(mrl::optim_step(g, a, s));
+    return true;
+  }
+  raise_if(mrl::grad_stats(g, s));
+  raise_if(mrl::adamw_step(a, s));
+  return false;
 }
 
 
@@ -822,6 +853,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place); zero_grad: "
         "grad is zeroed once read", py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
         py::arg("hyper"), py::arg("scalars"), py::arg("n_decay"), py::arg("compute"), py::arg("zero_grad") = false);
+  m.def("optim_step", &optim_step, "grad_stats then adamw_step (one cooperative launch where it fits; the same bits); "
+        "returns whether the fused launch ran",
+        py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("extra_sq"),
+        py::arg("loss_scale"), py::arg("hyper"), py::arg("scalars"), py::arg("counter"), py::arg("n_decay"),
+        py::arg("compute"), py::arg("zero_grad"), py::arg("fused") = true);
   m.def("backbone_step", &backbone_step, "one token through the whole backbone (one launch); states in place");
   py::class_<PreparedStep>(m, "PreparedStep", "one-token step with its weights and states checked and bound once")
       .def("launch", &PreparedStep::launch, "launch on x_t [B, in_dim] f32 (starts [B] bool or None) into out "

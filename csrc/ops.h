@@ -103,6 +103,9 @@ struct AdamWParams {
   bool zero_grad = false;            // write grad[i] = 0 once read (also on a skipped step): saves a memset
 };
 const char* adamw_step(const AdamWParams& p, cudaStream_t s);
+// grad_stats then adamw_step in one cooperative launch, the same bits (optim.cu); only where optim_step_fits
+bool optim_step_fits(int64_t P, int compute_dtype);
+const char* optim_step(const GradStatsParams& gs, const AdamWParams& p, cudaStream_t s);
 }  // namespace mrl
 
 namespace mrl {

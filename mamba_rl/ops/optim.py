@@ -23,7 +23,8 @@ steps.
 
 On CUDA each of :func:`grad_stats` / :func:`adamw_step` is one launch; the
 ``grad_stats`` reduction finishes in the last block to finish (a self-resetting counter per device), in a
-fixed order: bit-reproducible. On the CPU, when the caller passes the CPU extension (``kernels=``; the
+fixed order: bit-reproducible. :func:`optim_step` runs both as one cooperative launch where the arena fits
+(``FUSED``; the same bits as the two launches). On the CPU, when the caller passes the CPU extension (``kernels=``; the
 trainer does on the ``cpu`` backend), each is one OpenMP pass in C++ (csrc/cpu/optim.cpp: the CUDA
 kernels' math and roundings; the norm summed in fixed blocks, bit-reproducible for any thread count).
 Elsewhere the ``*_ref`` twins run (a handful of vectorised torch ops; in float64 for a float64 arena).
@@ -36,7 +37,7 @@ import torch
 
 from .extension import extension
 
-__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "make_hyper",
+__all__ = ["grad_stats", "grad_stats_ref", "adamw_step", "adamw_step_ref", "optim_step", "make_hyper",
            "STEP", "BC1", "BC2", "GRAD_NORM", "CLIP_COEF", "FOUND_INF", "INV_SCALE", "LOSS_SCALE",
            "MAX_STEP_EXPONENT"]
 
@@ -196,3 +197,34 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, comput
             grad.zero_()
         return None
     ext.adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, int(n_decay), compute, bool(zero_grad))
+
+
+# optim_step on CUDA: grad_stats and AdamW as one cooperative launch where the arena fits (grad_stats' grid of
+# <= 264 blocks co-resident, <= 8 elements per thread); False: always the two launches (the same bits either way;
+# benchmarks/bench.py --optim-ab times both in one process).
+FUSED = True
+
+
+def optim_step(param, grad, exp_avg, exp_avg_sq, extra_grad_sq, loss_scale, hyper, scalars, n_decay, compute=None,
+               zero_grad: bool = False) -> bool:
+    """:func:`grad_stats` then :func:`adamw_step` (their semantics, shapes and dtypes), on CUDA as one launch.
+
+    On CUDA, where :data:`FUSED` is set and the arena fits (P <= 540,672 elements: grad_stats' 264-block grid
+    at 8 elements per thread, all blocks co-resident), one cooperative kernel computes every block's partial
+    sums, synchronises the grid, sums the partials in grad_stats' fixed order and applies AdamW: the same bits
+    as the two launches, without grad_stats' serial last-block tail. Elsewhere (larger arenas, the CPU, float64)
+    the two functions run in turn. Returns True where the fused launch ran. Raises ValueError (the CUDA
+    binding's checks) naming a wrong shape, dtype or device.
+    """
+    ext = _cuda_ext(param)
+    if ext is None:
+        grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars)
+        adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute, zero_grad=zero_grad)
+        return False
+    extra = None
+    if extra_grad_sq is not None:
+        extra = extra_grad_sq.reshape(1)
+        if extra.dtype != torch.float32:
+            extra = extra.float()
+    return ext.optim_step(param, grad, exp_avg, exp_avg_sq, extra, loss_scale.reshape(1), hyper, scalars,
+                          _counter(grad.device), int(n_decay), compute, bool(zero_grad), bool(FUSED))

@@ -20,8 +20,7 @@ from ..model import fused
 from ..model.backbone import MambaBackbone
 from ..model.state import RecurrentState
 from ..ops.checks import check_tensor
-from ..ops.optim import (BC1, BC2, CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE, STEP, adamw_step, grad_stats,
-                         make_hyper)
+from ..ops.optim import BC1, BC2, CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE, STEP, make_hyper, optim_step
 from .checkpoint import validate_trainer_state
 from .scaler import LossScaler
 
@@ -447,10 +446,10 @@ class MambaTrainer:
             cpu.adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
                            self.n_decay, net.compute_arena, True)
         else:
-            grad_stats(net.grad_arena, self.extra_sq_buf, self.scaler.scale, self.hyper, self.scalars)
-            # zero_grad: the CUDA kernel zeroes the gradient arena as it reads it (one memset launch fewer)
-            adamw_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars,
-                       self.n_decay, net.compute_arena, zero_grad=True)
+            # one cooperative launch on CUDA where the arena fits (ops.optim.optim_step); zero_grad: the kernel
+            # zeroes the gradient arena as it reads it (one memset launch fewer)
+            optim_step(net.arena, net.grad_arena, self.exp_avg, self.exp_avg_sq, self.extra_sq_buf, self.scaler.scale,
+                       self.hyper, self.scalars, self.n_decay, net.compute_arena, zero_grad=True)
         if self.scaler.enabled:
             self.scaler.update(self.scalars[FOUND_INF])
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]

@@ -29,6 +29,12 @@ cases = {
     "adamw_n_decay": lambda: ext.adamw_step(*[torch.zeros(10, device="cuda") for _ in range(4)],
                                             torch.zeros(8, dtype=torch.float64, device="cuda"),
                                             torch.zeros(8, dtype=torch.float64, device="cuda"), 11, None),
+    "optim_grad_dtype": lambda: ext.optim_step(*[torch.zeros(10, device="cuda") for _ in range(3)],
+                                               torch.zeros(10, device="cuda", dtype=torch.float16), None,
+                                               torch.ones(1, device="cuda"),
+                                               torch.zeros(8, dtype=torch.float64, device="cuda"),
+                                               torch.zeros(8, dtype=torch.float64, device="cuda"),
+                                               torch.zeros(1, dtype=torch.int32, device="cuda"), 3, None, True),
 }
 for name, f in cases.items():
     try:
@@ -49,3 +55,4 @@ def test_bad_arguments_raise_value_error():
     assert lines["norm_too_wide"].startswith("ValueError") and "2048" in lines["norm_too_wide"]
     assert lines["conv_dtype"].startswith("ValueError") and "Double" in lines["conv_dtype"]
     assert lines["adamw_n_decay"].startswith("ValueError") and "11" in lines["adamw_n_decay"]
+    assert lines["optim_grad_dtype"].startswith("ValueError") and "Half" in lines["optim_grad_dtype"]

@@ -134,3 +134,111 @@ def test_graph_replay_follows_lr(oc):
     torch.cuda.synchronize()
     for a, b in zip((p, m, v, sc), e):
         assert torch.equal(a, b)
+
+
+def _optim_case(P, cdtype, offset, seed):
+    """Arenas (views at ``offset`` elements into their storage: unaligned where offset % 4 != 0) and buffers."""
+    from mamba_rl.ops import optim as O
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def arena(scale=1.0):
+        return (torch.randn(P + offset, device="cuda", generator=g) * scale)[offset:]
+    p, m, v = arena(), arena(0.1), arena(0.01).abs()
+    comp = None if cdtype is None else torch.full((P + offset,), float("nan"), device="cuda").to(cdtype)[offset:]
+    hyper = O.make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.05, 1.0, True, "cuda")
+    sc = torch.zeros(8, dtype=torch.float64, device="cuda")
+    sc[0], sc[1], sc[2] = 3, 0.271, 0.003
+    return dict(p=p, m=m, v=v, comp=comp, hyper=hyper, sc=sc, ls=torch.full((1,), 1024.0, device="cuda")), g
+
+
+def _clone_case(c):
+    return {k: (None if t is None else t.clone()) for k, t in c.items()}
+
+
+@pytest.mark.parametrize("P,cdtype,offset,fits", [(1, None, 0, True), (1000, torch.bfloat16, 0, True),
+                                                  (354_001, torch.bfloat16, 0, True), (99_999, torch.float16, 3, True),
+                                                  (540_672, None, 0, True), (540_673, torch.bfloat16, 0, False),
+                                                  (2_000_000, None, 1, False)])
+def test_optim_step_fused_gives_the_two_launches_bits(oc, P, cdtype, offset, fits):
+    """One cooperative launch (grad_stats + AdamW) against the two launches: the same bits in every output,
+    over clean steps, an overflow step (skipped: nothing but the gradient changes), a head's extra norm and a
+    clipped step; arenas aligned or not; where the arena does not fit, both paths are the two launches."""
+    case, g = _optim_case(P, cdtype, offset, seed=P)
+    fused, split = case, _clone_case(case)
+    for it in range(6):
+        grad = torch.randn(P, device="cuda", generator=g) * (1024.0 * (0.01 if it % 2 else 5.0))
+        if it == 3:
+            grad[P // 2] = float("inf")
+        extra = None if it == 1 else torch.tensor(0.5 * it, device="cuda")
+        grads = [grad.clone(), grad.clone()]
+        ran = oc.optim_step(fused["p"], grads[0], fused["m"], fused["v"], extra, fused["ls"], fused["hyper"],
+                            fused["sc"], min(7, P), fused["comp"], zero_grad=True)
+        assert ran is fits
+        oc.grad_stats(grads[1], extra, split["ls"], split["hyper"], split["sc"])
+        oc.adamw_step(split["p"], grads[1], split["m"], split["v"], split["hyper"], split["sc"], min(7, P),
+                      split["comp"], zero_grad=True)
+        torch.cuda.synchronize()
+        assert (fused["sc"][5].item() == 1.0) is (it == 3)
+        for k in ("p", "m", "v", "comp", "sc"):
+            if fused[k] is not None:
+                assert torch.equal(fused[k], split[k]), (it, k)
+        assert not grads[0].any() and not grads[1].any()
+    assert fused["sc"][0].item() == 3 + 5  # six steps, one skipped
+
+
+def test_optim_step_captured_replays_follow_new_values(oc):
+    """The fused launch inside a CUDA graph: replays with new gradients and learning rates give the eager two
+    launches' bits (the grid barrier and the statistics are rebuilt every replay)."""
+    from mamba_rl.ops import optim as O
+    case, g = _optim_case(354_001, torch.bfloat16, 0, seed=11)
+    eager = _clone_case(case)
+    grad = torch.empty(354_001, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside the capture, on throw-away copies
+        w = _clone_case(case)
+        O.optim_step(w["p"], grad.normal_(), w["m"], w["v"], None, w["ls"], w["hyper"], w["sc"], 100, w["comp"])
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        ran = O.optim_step(case["p"], grad, case["m"], case["v"], None, case["ls"], case["hyper"], case["sc"], 100,
+                           case["comp"], zero_grad=True)
+    assert ran is True
+    for lr in (1e-3, 5e-4, 0.0, 2e-3):
+        src = torch.randn(354_001, device="cuda", generator=g) * 300.0
+        case["hyper"][0] = eager["hyper"][0] = lr
+        grad.copy_(src)
+        gr.replay()
+        g2 = src.clone()
+        oc.grad_stats(g2, None, eager["ls"], eager["hyper"], eager["sc"])
+        oc.adamw_step(eager["p"], g2, eager["m"], eager["v"], eager["hyper"], eager["sc"], 100, eager["comp"],
+                      zero_grad=True)
+    torch.cuda.synchronize()
+    for k in ("p", "m", "v", "comp", "sc"):
+        assert torch.equal(case[k], eager[k]), k
+    assert not grad.any()
+
+
+def test_optim_step_off_and_on_cpu_are_the_two_functions(oc, monkeypatch):
+    """FUSED = False runs the two launches (returns False, same bits); a CPU arena runs the references."""
+    from mamba_rl.ops import optim as O
+    case, g = _optim_case(10_000, None, 0, seed=5)
+    other = _clone_case(case)
+    grad = torch.randn(10_000, device="cuda", generator=g)
+    monkeypatch.setattr(O, "FUSED", False)
+    assert O.optim_step(case["p"], grad.clone(), case["m"], case["v"], None, case["ls"], case["hyper"], case["sc"],
+                        50, None) is False
+    monkeypatch.setattr(O, "FUSED", True)
+    assert O.optim_step(other["p"], grad.clone(), other["m"], other["v"], None, other["ls"], other["hyper"],
+                        other["sc"], 50, None) is True
+    for k in ("p", "m", "v", "sc"):
+        assert torch.equal(case[k], other[k]), k
+    cpu = {k: (None if t is None else t.cpu()) for k, t in _clone_case(case).items()}
+    ref = _clone_case(cpu)
+    gc = grad.cpu()
+    assert O.optim_step(cpu["p"], gc.clone(), cpu["m"], cpu["v"], None, cpu["ls"], cpu["hyper"], cpu["sc"], 50,
+                        None) is False
+    O.grad_stats_ref(gc, None, ref["ls"], ref["hyper"], ref["sc"])
+    O.adamw_step_ref(ref["p"], gc, ref["m"], ref["v"], ref["hyper"], ref["sc"], 50)
+    for k in ("p", "m", "v", "sc"):
+        assert torch.equal(cpu[k], ref[k]), k

@@ -1,0 +1,82 @@
+"""A/B of training-step configurations in one process (benchmarks/NOTES.md: calls land on different machines of
+one kind whose times differ by 10-15 %, so a change of a few µs needs both sides timed in one process).
+
+Each round times every (row, dtype, configuration) once with ``bench.bench_train`` (graph replay, median µs of
+``--iters`` calls, kernels per replay); the rounds alternate the configurations, so a drift of the machine shows
+as a difference between rounds, not between configurations. Configurations (``CONFIGS``): ``base`` (the
+defaults), ``optsplit`` (grad_stats and AdamW as two launches: ``mamba_rl.ops.optim.FUSED = False``),
+``stream_on`` / ``chain`` (the weight gradients on their second stream at every size / never:
+``fused.WGRAD_STREAM``), ``wgrad_on`` (the grouped weight-gradient kernel at every size: ``fused.WGRAD = "on"``),
+``notc`` (its bf16 jobs on the FFMA path).
+
+Usage (device): python3 benchmarks/ab_configs.py --rows 128x16x64 128x64x128 --dtypes f32 bf16
+    --configs base optsplit --rounds 2 --out $OUT/ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench  # noqa: E402  (benchmarks/bench.py: the timing method and the trainer rows)
+
+CONFIGS = {
+    "base": {},
+    "optsplit": dict(optim_fused=False),
+    "stream_on": dict(wgrad_stream="on"),
+    "chain": dict(wgrad_stream="off"),
+    "wgrad_on": dict(variant="_wgradon"),
+    "notc": dict(tensor_cores=False),
+}
+
+
+def parse_row(s: str):
+    try:
+        dm, B, T = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a row like 128x16x64 (d_model x B x T), got {s!r}") from None
+    return dm, B, T
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", nargs="+", type=parse_row, default=[(128, 16, 64)], metavar="DMxBxT")
+    ap.add_argument("--dtypes", nargs="+", default=["f32", "bf16"], choices=["f32", "tf32", "bf16"])
+    ap.add_argument("--configs", nargs="+", default=["base", "optsplit"], choices=sorted(CONFIGS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("ab_configs: needs a GPU")
+    rows = []
+    for rnd in range(a.rounds):
+        for dm, B, T in a.rows:
+            it = a.iters if B * T <= 16384 else max(20, a.iters // 3)
+            for dt in a.dtypes:
+                for name in a.configs:
+                    try:
+                        r = bench.bench_train(dm, B, T, dt, it, **CONFIGS[name])
+                    except Exception as e:  # record and keep going
+                        traceback.print_exc()
+                        r = dict(kind="train", d_model=dm, B=B, T=T, us=float("nan"), err=repr(e)[:300])
+                    r.update(config=name, round=rnd, dtype=dt)
+                    rows.append(r)
+                    print(f"round {rnd} {dm}x{B}x{T} {dt:5s} {name:10s} {r['us']:9.1f} us  "
+                          f"kernels {r.get('kernels')}", flush=True)
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        json.dump(res, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
