@@ -83,7 +83,7 @@ class _PPOFields:
     ent_coef: float = 0.0
     vf_coef: float = 0.5
     max_grad_norm: float | None = 0.5
-    target_kl: float | None = None
+    target_kl: float | None = 0.02
     backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool | str = "auto"
     prev_reward: bool = False
@@ -236,7 +236,7 @@ class PPOConfig(_PPOFields):
         ent_coef: entropy bonus weight.
         vf_coef: value-loss weight.
         max_grad_norm: one global clip over heads + backbone (None: no clip).
-        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
+        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never). 0.02 by default: it kept every POPGym task's seed spread <= 0.112 and CartPoleNoVel's seeds 1-5 within 28 of return, at the same means (benchmarks/learning/README.md, 2026-12-05).
         backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /

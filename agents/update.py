@@ -19,7 +19,8 @@ ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
    ``torch.optim.Adam`` over the heads works too); the step's metrics go to row ``k`` of a device table
    (eagerly, the rollout parity only in an update's first minibatch, the only one read); ``mb_index += 1``.
 
-The host reads the table once per update (one sync), plus once per epoch only when ``target_kl`` is set.
+The host reads the table once per update (one sync), plus once per epoch but the last when ``target_kl`` is set
+(the default).
 
 The body reads the config :meth:`PPOUpdate.run` was given (the agent's current one); a captured graph
 holds the loss coefficients it was captured with, so a run with other coefficients recaptures first.
@@ -373,7 +374,7 @@ class PPOUpdate:
             the update's metrics as floats, named :data:`METRIC_NAMES`: the losses of the last step,
             clipfrac averaged over all steps, grad_norm averaged over the steps not skipped (0 when all
             were), the loss scale after the update, the number of skipped f16 steps and the rollout
-            parity of the first step. One device->host read (plus one per epoch with ``target_kl``).
+            parity of the first step. One device->host read (plus one per epoch but the last with ``target_kl``).
 
         Raises:
             ValueError: a config of another layout, or rows of the wrong shape.
@@ -403,7 +404,8 @@ class PPOUpdate:
                     finally:
                         self._parity_row = self._loss_row = True
                 done += 1
-            if c.target_kl is not None and self._kl(done - 1) > c.target_kl:
+            # after the last epoch there is nothing left to stop: no read (the host sync) there
+            if c.target_kl is not None and epoch + 1 < c.update_epochs and self._kl(done - 1) > c.target_kl:
                 break
         a = self.action_dim
         if self.dp is not None:  # losses are each rank's share of the global mean: sum them (one call)
