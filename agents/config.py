@@ -76,7 +76,7 @@ class _PPOFields:
     gamma: float = 0.99
     gae_lambda: float = 0.95
     num_minibatches: int = 4
-    update_epochs: int = 2
+    update_epochs: int = 3
     norm_adv: bool = False
     clip_coef: float = 0.2
     clip_vloss: bool = True
@@ -190,10 +190,11 @@ class _PPOFields:
 class PPOConfig(_PPOFields):
     """Hyperparameters of :class:`mamba_rl.agents.RecurrentPPO`.
 
-    The defaults are CleanRL's PPO (Huang et al. 2022) with seven changes measured on the memory tasks
-    (benchmarks/learning/README.md, the 2026-12-04 sweep: CartPoleNoVel 23 of 25 seeds >= 475 at 100k steps
-    against 2 of 10 before, PendulumNoVel 3 of 3 >= -200 at 150k, 0.65x the CPU time per update): learning rate
-    2e-3 annealed to 0, 2 epochs of 4 minibatches, no entropy bonus, advantages not normalised per minibatch,
+    The defaults are CleanRL's PPO (Huang et al. 2022) with eight changes measured on the memory tasks
+    (benchmarks/learning/README.md, the 2026-12-04 and 2026-12-05 sweeps: CartPoleNoVel 25 of 25 seeds >= 475 at
+    100k steps against 2 of 10 before, PendulumNoVel 8 of 8 >= -200 at 150k): learning rate 2e-3 annealed to 0,
+    3 epochs of 4 minibatches that stop early once approx_kl exceeds 0.02 (``target_kl``), no entropy bonus,
+    advantages not normalised per minibatch,
     observations with a continuous part normalised with statistics frozen after 20,000 env steps, rewards scaled
     (NormalizeReward), and the previous action as input for discrete actions and where the env declares that its
     observation needs it (``prev_action="auto"``, :func:`mamba_rl.agents.policy.prev_action_input`: POPGym's
@@ -236,7 +237,7 @@ class PPOConfig(_PPOFields):
         ent_coef: entropy bonus weight.
         vf_coef: value-loss weight.
         max_grad_norm: one global clip over heads + backbone (None: no clip).
-        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never). 0.02 by default: it kept every POPGym task's seed spread <= 0.112 and CartPoleNoVel's seeds 1-5 within 28 of return, at the same means (benchmarks/learning/README.md, 2026-12-05).
+        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never). 0.02 by default: with it and 3 epochs every POPGym task's seed spread stayed <= 0.070 and CartPoleNoVel's seeds 1-5 within 11 of return, at the same means (benchmarks/learning/README.md, 2026-12-05).
         backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /
