@@ -14,11 +14,12 @@ per-kernel profile and the launch-order kernel list (``kernel_seq``) at the ``PR
 also times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully
 on (models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``); ``--stream-ab`` times each training row
 again with the weight gradients in the kernel chain instead of on their second stream (``mamba_rl_<dtype>_chain``,
-``fused.WGRAD_STREAM = "off"``). The one-token rows add the bare graph replay (``raw_graph_us``) and the host
+``fused.WGRAD_STREAM = "off"``); ``--optim-ab`` times each row again with grad_stats and AdamW as two launches
+(``mamba_rl_<dtype>_optsplit``, ``ops.optim.FUSED = False``). The one-token rows add the bare graph replay (``raw_graph_us``) and the host
 time to issue one call (``host_api_us``, ``host_replay_us``). Every row carries ``d_model``.
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
-    [--variants] [--stream-ab] [--no-step-kernels]
+    [--variants] [--stream-ab] [--optim-ab] [--no-step-kernels]
 """
 from __future__ import annotations
 
