@@ -14,12 +14,11 @@ per-kernel profile and the launch-order kernel list (``kernel_seq``) at the ``PR
 also times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully
 on (models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``); ``--stream-ab`` times each training row
 again with the weight gradients in the kernel chain instead of on their second stream (``mamba_rl_<dtype>_chain``,
-``fused.WGRAD_STREAM = "off"``); ``--optim-ab`` times each row again with grad_stats and AdamW as two launches
-(``mamba_rl_<dtype>_optsplit``, ``ops.optim.FUSED = False``). The one-token rows add the bare graph replay (``raw_graph_us``) and the host
+``fused.WGRAD_STREAM = "off"``). Other configurations side by side: ``benchmarks/ab_configs.py``. The one-token rows add the bare graph replay (``raw_graph_us``) and the host
 time to issue one call (``host_api_us``, ``host_replay_us``). Every row carries ``d_model``.
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
-    [--variants] [--stream-ab] [--optim-ab] [--no-step-kernels]
+    [--variants] [--stream-ab] [--no-step-kernels]
 """
 from __future__ import annotations
 
@@ -360,8 +359,6 @@ def main(argv=None):
                     help="also time each training row with the weight gradients in the chain (models *_chain)")
     ap.add_argument("--tc-ab", action="store_true",
                     help="also time bf16 rows with the grouped weight-gradient kernel's tensor cores off")
-    ap.add_argument("--optim-ab", action="store_true",
-                    help="also time each training row with grad_stats and AdamW as two launches (models *_optsplit)")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "tf32", "bf16"], choices=["f32", "tf32", "bf16"],
                     help="trainer dtypes of the Mamba-1 training rows (tf32: the opt-in TF32 GEMMs; Mamba-3: f32 / bf16)")
     a = ap.parse_args(argv)
@@ -412,9 +409,6 @@ def main(argv=None):
                 record(lambda: bench_train(dm, B, T, dt, it, tensor_cores=False,
                                            profile_it=(dm, B, T) in PROFILED),
                        dict(kind="train", model=f"mamba_rl_{dt}_notc", d_model=dm, B=B, T=T, graph=True))
-            if a.optim_ab and dt != "tf32":
-                record(lambda: bench_train(dm, B, T, dt, it, optim_fused=False, profile_it=(dm, B, T) in PROFILED),
-                       dict(kind="train", model=f"mamba_rl_{dt}_optsplit", d_model=dm, B=B, T=T, graph=True))
             if not a.no_mamba3 and dt != "tf32":
                 record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
                        dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))

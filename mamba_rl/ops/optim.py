@@ -147,6 +147,14 @@ def _counter(device) -> torch.Tensor:
     return c
 
 
+def _extra_f32(extra_grad_sq):
+    """A head's squared grad norm as the [1] float32 tensor the extensions take (None stays None)."""
+    if extra_grad_sq is None:
+        return None
+    extra = extra_grad_sq.reshape(1)
+    return extra if extra.dtype == torch.float32 else extra.float()
+
+
 def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars, kernels=None):
     """:func:`grad_stats_ref` semantics; one fused reduction kernel on CUDA. Writes ``scalars``, no sync.
 
@@ -156,22 +164,12 @@ def grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars, kernels=None):
     """
     cpu = _cpu_kernels(kernels, grad)
     if cpu is not None:
-        extra = None
-        if extra_grad_sq is not None:
-            extra = extra_grad_sq.reshape(1)
-            if extra.dtype != torch.float32:
-                extra = extra.float()
-        cpu.grad_stats(grad, extra, loss_scale.reshape(1), hyper, scalars)
+        cpu.grad_stats(grad, _extra_f32(extra_grad_sq), loss_scale.reshape(1), hyper, scalars)
         return None
     ext = _cuda_ext(grad)
     if ext is None:
         return grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars)
-    extra = None
-    if extra_grad_sq is not None:
-        extra = extra_grad_sq.reshape(1)
-        if extra.dtype != torch.float32:
-            extra = extra.float()
-    ext.grad_stats(grad, extra, loss_scale.reshape(1), hyper, scalars, _counter(grad.device))
+    ext.grad_stats(grad, _extra_f32(extra_grad_sq), loss_scale.reshape(1), hyper, scalars, _counter(grad.device))
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute=None, kernels=None,
@@ -221,10 +219,6 @@ def optim_step(param, grad, exp_avg, exp_avg_sq, extra_grad_sq, loss_scale, hype
         grad_stats(grad, extra_grad_sq, loss_scale, hyper, scalars)
         adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, compute, zero_grad=zero_grad)
         return False
-    extra = None
-    if extra_grad_sq is not None:
-        extra = extra_grad_sq.reshape(1)
-        if extra.dtype != torch.float32:
-            extra = extra.float()
-    return ext.optim_step(param, grad, exp_avg, exp_avg_sq, extra, loss_scale.reshape(1), hyper, scalars,
+    return ext.optim_step(param, grad, exp_avg, exp_avg_sq, _extra_f32(extra_grad_sq), loss_scale.reshape(1), hyper,
+                          scalars,
                           _counter(grad.device), int(n_decay), compute, bool(zero_grad), bool(FUSED))
