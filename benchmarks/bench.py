@@ -197,15 +197,16 @@ def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
     cs, ss = st.state.conv.clone(), st.state.ssm.clone()
     starts = torch.zeros(B, dtype=torch.bool, device="cuda")
     ext = net.kernels
-    for kernel in ("rows", "cluster", "cluster_normpass"):
-        for R in (1, 2, 4, 8):
+    for kernel in ("rows", "cluster", "cluster_normpass", "cluster2"):
+        for R in (1, 2, 4, 8, 16) if kernel == "cluster2" else (1, 2, 4, 8):
             gr = torch.cuda.CUDAGraph()
             backbone_step(ext, x, w, cs, ss, starts, net.cfg, kernel=kernel, rows_per_block=R)
             torch.cuda.synchronize()
             with torch.cuda.graph(gr):
                 backbone_step(ext, x, w, cs, ss, starts, net.cfg, kernel=kernel, rows_per_block=R)
             name = {"rows": "backbone_step", "cluster": "backbone_step_cluster",
-                    "cluster_normpass": "backbone_step_cluster_normpass"}[kernel] + f"_R{R}"
+                    "cluster_normpass": "backbone_step_cluster_normpass",
+                    "cluster2": "backbone_step_cluster2"}[kernel] + f"_R{R}"
             rows.append(dict(kind="infer_kernel", model=name, d_model=DM, B=B, T=1, graph=True,
                              us=timeit(gr.replay, iters)))
     return rows

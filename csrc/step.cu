@@ -8,6 +8,10 @@ const char* backbone_step_cluster_f32(const StepParams&, int, bool, cudaStream_t
 const char* backbone_step_cluster_bf16(const StepParams&, int, bool, cudaStream_t);
 const char* backbone_step_cluster_f16(const StepParams&, int, bool, cudaStream_t);
 bool backbone_step_cluster_ok(const StepParams& p);
+const char* backbone_step_cluster2_f32(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster2_bf16(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster2_f16(const StepParams&, int, cudaStream_t);
+bool backbone_step_cluster2_ok(const StepParams& p);
 
 // Dynamic shared memory of the one-block kernel for R rows (mirrors step_smem_bytes in step.cuh and
 // mamba_rl/ops/capability.py step_smem_bytes).
@@ -16,6 +20,7 @@ static size_t rows_smem(const StepParams& p, int R) {
 }
 
 // rows_per_block R: > 0 the one-block-per-R-rows kernel; -8..-1 the cluster kernel with -R rows per cluster;
+// -48..-33 the second cluster kernel (step_cluster2.cuh, opt-in until timed on a GPU) with -R - 32 rows;
 // -24..-17 the cluster kernel with -R - 16 rows and its RMSNorm as a pass behind a block barrier (the variant
 // before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the cluster
 // kernel where it applies; else the measured R, halved until R rows fit the device's opt-in shared memory per
@@ -48,6 +53,18 @@ const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s
     const char* err = nullptr;
     R = backbone_step_rows(p, 0, &err);
     if (err) return err;
+  }
+  if (R <= -33) {
+    if (!backbone_step_cluster2_ok(p))
+      return "backbone_step: the cluster2 kernel needs d_model 128, d_inner 256, d_conv 4, d_state 8/16, dt_rank <= 16 "
+             "and 16-byte aligned weights";
+    const int rows = -R - 32;
+    switch (wdtype) {
+      case kF32: return backbone_step_cluster2_f32(p, rows, s);
+      case kBF16: return backbone_step_cluster2_bf16(p, rows, s);
+      case kF16: return backbone_step_cluster2_f16(p, rows, s);
+    }
+    return "backbone_step: unsupported weight dtype";
   }
   if (R < 0) {
     if (!backbone_step_cluster_ok(p)) return "backbone_step: the cluster kernel needs d_inner 256, d_conv 4, d_state 8/16";

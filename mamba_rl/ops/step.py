@@ -29,7 +29,7 @@ from .norm import rms_norm_ref
 __all__ = ["backbone_step", "backbone_step_packed", "pack_step_weights", "backbone_step_ref", "layer_step_ref",
            "LAYER_KEYS"]
 
-STEP_KERNELS = ("auto", "rows", "cluster", "cluster_normpass")
+STEP_KERNELS = ("auto", "rows", "cluster", "cluster_normpass", "cluster2")
 
 LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
               "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias", "mixer.A_log", "mixer.D",
@@ -115,9 +115,9 @@ def backbone_step_packed(ext, x_t, packed: tuple, conv_state, ssm_state, episode
         raise ValueError(f"backbone_step: rows_per_block must be an int >= 0, got {rows_per_block!r}")
     starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
     # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows,
-    # -R - 16 = the cluster kernel with its RMSNorm as a separate pass (the same bits).
+    # -R - 16 = the cluster kernel with its RMSNorm as a separate pass (the same bits), -R - 32 = cluster2.
     r = max(rows_per_block, 1)
-    code = {"auto": 0, "rows": r, "cluster": -r, "cluster_normpass": -r - 16}[kernel]
+    code = {"auto": 0, "rows": r, "cluster": -r, "cluster_normpass": -r - 16, "cluster2": -r - 32}[kernel]
     inp_w, inp_b, normf, layers = packed
     return ext.backbone_step(_f32(x_t), inp_w, inp_b, normf, layers, conv_state, ssm_state, starts, float(eps),
                              int(code))
@@ -133,10 +133,15 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
         kernel: CUDA only. "auto" (measured choice), "rows" (one block per ``rows_per_block`` rows, every
             layer in one block), "cluster" (a thread-block cluster of 8 blocks splits d_inner, partial
             sums exchanged through distributed shared memory, ``rows_per_block`` rows per cluster; every warp
-            forms each layer's RMSNorm as in_proj reads it) or "cluster_normpass" (the same kernel with the norm as
-            a pass behind a block barrier, as before: the same bits, kept for timing the two in one process).
+            forms each layer's RMSNorm as in_proj reads it), "cluster_normpass" (the same kernel with the norm as
+            a pass behind a block barrier, as before: the same bits, kept for timing the two in one process) or
+            "cluster2" (d_model 128 / d_inner 256 only; ``rows_per_block`` 1, 2, 4, 8 or 16 rows per cluster of 8
+            blocks: lanes over outputs and warps over each projection's reduction, partial sums added in a fixed
+            order through shared and distributed shared memory, every weight prefetched into registers one layer
+            ahead; opt-in: not yet timed against the others on a GPU).
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
+        RuntimeError: a forced kernel that cannot take the shapes (e.g. "cluster2" at another d_model).
     """
     packed = pack_step_weights(weights, conv_state.shape[0], conv_state.shape[2])
     return backbone_step_packed(ext, x_t, packed, conv_state, ssm_state, episode_starts, cfg.rms_norm_eps, kernel,

@@ -68,7 +68,8 @@ def test_step_equals_forward_T1024(ext, B, gdt, tol):
 
 
 @pytest.mark.parametrize("kernel,R", [("rows", 1), ("rows", 2), ("rows", 4), ("rows", 8), ("cluster", 1),
-                                      ("cluster", 2), ("cluster", 4), ("cluster", 8)])
+                                      ("cluster", 2), ("cluster", 4), ("cluster", 8), ("cluster2", 1),
+                                      ("cluster2", 2), ("cluster2", 4), ("cluster2", 8), ("cluster2", 16)])
 def test_rows_per_block_agree_and_match_ref(ext, kernel, R):
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
     B, L, in_dim = 37, 3, 4
@@ -105,6 +106,49 @@ def test_cluster_fused_norm_is_the_norm_pass_bit_for_bit(ext, gemm_dtype, R):
         assert torch.isfinite(outs["cluster"]).all()
     for a, b in zip(states["cluster"], states["cluster_normpass"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("gemm_dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("R,N", [(1, 16), (2, 16), (4, 16), (8, 16), (16, 16), (1, 8), (16, 8)])
+def test_cluster2_steps_match_ref(ext, gemm_dtype, tol, R, N):
+    """The second cluster kernel over 12 steps (resets on random rows, the first step of row 0 a reset, a batch
+    that does not fill the last cluster, finite states of every size) against the float64 one-token reference,
+    states carried by each: outputs and both states within ``tol``; the same launch twice gives the same bits."""
+    from mamba_rl.ops.step import backbone_step, backbone_step_ref
+    B, L, in_dim = 37, 3, 6
+    w = make_weights(in_dim, 128, L, N=N, seed=20 + R, gemm_dtype=gemm_dtype)
+    wref = {k: v.double() for k, v in w.items()}
+    g = torch.Generator(device="cuda").manual_seed(100 + R)
+    cs = torch.randn(L, B, 256, 3, device="cuda", generator=g)
+    ss = torch.randn(L, B, 256, N, device="cuda", generator=g)
+    rcs, rss = cs.double(), ss.double()
+    for t in range(12):
+        x = torch.randn(B, in_dim, device="cuda", generator=g)
+        st = torch.rand(B, device="cuda", generator=g) < 0.2
+        st[0] = t == 0
+        cs2, ss2 = cs.clone(), ss.clone()
+        out = backbone_step(ext, x, w, cs, ss, st, Cfg(), kernel="cluster2", rows_per_block=R)
+        again = backbone_step(ext, x, w, cs2, ss2, st, Cfg(), kernel="cluster2", rows_per_block=R)
+        assert torch.equal(out, again) and torch.equal(cs, cs2) and torch.equal(ss, ss2), t
+        ref = backbone_step_ref(x.double(), wref, rcs, rss, st, Cfg())
+        assert rel(out, ref) <= tol, t
+    assert rel(cs, rcs) <= tol and rel(ss, rss) <= tol
+
+
+def test_cluster2_rejects_what_it_cannot_take(ext):
+    """d_model 64 is outside the second cluster kernel: a clear error when forced, the automatic choice runs it."""
+    from mamba_rl.ops.step import backbone_step, backbone_step_ref
+    B, L, in_dim = 5, 2, 3
+    w = make_weights(in_dim, 64, L, seed=4)
+    x = torch.randn(B, in_dim, device="cuda")
+    cs = torch.randn(L, B, 128, 3, device="cuda")
+    ss = torch.randn(L, B, 128, 16, device="cuda")
+    with pytest.raises(RuntimeError, match="cluster2 kernel needs d_model 128"):
+        backbone_step(ext, x, w, cs.clone(), ss.clone(), None, Cfg(), kernel="cluster2", rows_per_block=1)
+    out = backbone_step(ext, x, w, cs.clone(), ss.clone(), None, Cfg())
+    ref = backbone_step_ref(x.double(), {k: v.double() for k, v in w.items()}, cs.double(), ss.double(), None, Cfg())
+    assert rel(out, ref) <= 1e-4
 
 
 def test_step_graph_capture(ext):
