@@ -128,6 +128,27 @@ __device__ void rms_rows(const float* h, float* u, int dm, const float* w, float
   }
 }
 
+// The rows' input projection, for a block of NT threads: xin[r][:] = x[b0 + r] (zeros past B), then
+// h[r][j] = inp_b[j] + sum_k inp_w[j][k] * xin[r][k] (thread per (r, j), small fan-in); barriers after each.
+template <typename WT, int R, int NT>
+__device__ __forceinline__ void input_proj_rows(const StepParams& p, int b0, int B, int dm, float* xin, float* h) {
+  const int tid = threadIdx.x;
+  for (int i = tid; i < R * p.in_dim; i += NT) {
+    const int r = i / p.in_dim, b = b0 + r;
+    xin[i] = b < B ? p.x[(int64_t)b * p.in_dim + (i - r * p.in_dim)] : 0.f;
+  }
+  __syncthreads();
+  const WT* W = reinterpret_cast<const WT*>(p.inp_w);
+  const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
+  for (int i = tid; i < R * dm; i += NT) {
+    const int r = i / dm, j = i - r * dm;
+    float acc = to_f(bias[j]);
+    for (int k = 0; k < p.in_dim; ++k) acc = fmaf(to_f(W[(int64_t)j * p.in_dim + k]), xin[r * p.in_dim + k], acc);
+    h[i] = acc;
+  }
+  __syncthreads();
+}
+
 template <typename WT, int R, int N, int K>
 __global__ void __launch_bounds__(STEP_THREADS) backbone_step_kernel(StepParams p) {
   extern __shared__ float sm[];
@@ -142,22 +163,7 @@ __global__ void __launch_bounds__(STEP_THREADS) backbone_step_kernel(StepParams 
   const int b0 = blockIdx.x * R;
   const int tid = threadIdx.x;
 
-  for (int i = tid; i < R * p.in_dim; i += STEP_THREADS) {
-    const int r = i / p.in_dim, b = b0 + r;
-    xin[i] = b < B ? p.x[(int64_t)b * p.in_dim + (i - r * p.in_dim)] : 0.f;
-  }
-  __syncthreads();
-  {  // input projection (small fan-in): thread per (r, j)
-    const WT* W = reinterpret_cast<const WT*>(p.inp_w);
-    const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
-    for (int i = tid; i < R * dm; i += STEP_THREADS) {
-      const int r = i / dm, j = i - r * dm;
-      float acc = to_f(bias[j]);
-      for (int k = 0; k < p.in_dim; ++k) acc = fmaf(to_f(W[(int64_t)j * p.in_dim + k]), xin[r * p.in_dim + k], acc);
-      h[i] = acc;
-    }
-  }
-  __syncthreads();
+  input_proj_rows<WT, R, STEP_THREADS>(p, b0, B, dm, xin, h);
   for (int l = 0; l < L; ++l) {
     const StepLayer& ly = p.layer[l];
     rms_rows<R>(h, u, dm, ly.norm_w, p.eps);

@@ -42,27 +42,12 @@ backbone_step_cluster_kernel(StepParams p) {
   float* part_o = part_x + R * nx;  // [R][dm] read by the other blocks
   float* xin = part_o + R * dm;   // [R][in_dim]
 
-  for (int i = tid; i < R * p.in_dim; i += STEPC_THREADS) {
-    const int r = i / p.in_dim, b = b0 + r;
-    xin[i] = b < B ? p.x[(int64_t)b * p.in_dim + (i - r * p.in_dim)] : 0.f;
-  }
-  __syncthreads();
-  {
-    const WT* W = reinterpret_cast<const WT*>(p.inp_w);
-    const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
-    for (int i = tid; i < R * dm; i += STEPC_THREADS) {
-      const int r = i / dm, j = i - r * dm;
-      float acc = to_f(bias[j]);
-      for (int k = 0; k < p.in_dim; ++k) acc = fmaf(to_f(W[(int64_t)j * p.in_dim + k]), xin[r * p.in_dim + k], acc);
-      h[i] = acc;
-    }
-  }
+  input_proj_rows<WT, R, STEPC_THREADS>(p, b0, B, dm, xin, h);
   // this thread's (row, channel) for the per-channel phases: R * DS <= STEPC_THREADS
   const int pr = tid / DS, pc = tid % DS;
   const bool pact = pr < R && b0 + pr < B;
   const int pb = b0 + pr, pd = d0 + pc;
   const bool pst = (pact && p.starts) ? p.starts[pb] : false;
-  __syncthreads();
   for (int l = 0; l < L; ++l) {
     const StepLayer& ly = p.layer[l];
     // ---- per-channel parameters and states, loaded ahead of use

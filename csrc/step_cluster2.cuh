@@ -157,22 +157,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   // every weight of layer 0 in flight while the input projection runs
   load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
 
-  for (int i = tid; i < R * p.in_dim; i += SC2_THREADS) {
-    const int r = i / p.in_dim, b = b0 + r;
-    xin[i] = b < B ? p.x[(int64_t)b * p.in_dim + (i - r * p.in_dim)] : 0.f;
-  }
-  __syncthreads();
-  {
-    const WT* Wi = reinterpret_cast<const WT*>(p.inp_w);
-    const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
-    for (int i = tid; i < R * DM; i += SC2_THREADS) {
-      const int r = i / DM, j = i - r * DM;
-      float acc = to_f(bias[j]);
-      for (int k = 0; k < p.in_dim; ++k) acc = fmaf(to_f(Wi[(int64_t)j * p.in_dim + k]), xin[r * p.in_dim + k], acc);
-      h[i] = acc;
-    }
-  }
-  __syncthreads();
+  input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h);
   // u = RMSNorm(h) for layer 0: warp per row
   auto norm_rows = [&](bool last) {
 #pragma unroll
