@@ -286,9 +286,6 @@ static void* optim_step_fn(int compute_dtype) {
   return nullptr;
 }
 
-// Whether the fused launch runs P elements on the current device: grad_stats' grid must be co-resident (a
-// cooperative launch) and uncapped (P <= 8 elements per thread of it, so that each thread's share of AdamW is
-// at most one round of 2 x 4 elements and the 264-block grid is no slower than AdamW's own).
 // The co-resident blocks of the fused kernel on the current device (0: no cooperative launch), asked once per
 // (device, compute dtype): an eager step then pays no driver queries.
 static int64_t optim_step_capacity(void* fn, int compute_dtype) {
@@ -310,6 +307,9 @@ static int64_t optim_step_capacity(void* fn, int compute_dtype) {
   return cap;
 }
 
+// Whether the fused launch runs P elements on the current device: grad_stats' grid must be co-resident (a
+// cooperative launch) and uncapped (P <= 8 elements per thread of it, so that each thread's share of AdamW is
+// at most one round of 2 x 4 elements and the 264-block grid is no slower than AdamW's own).
 bool optim_step_fits(int64_t P, int compute_dtype) {
   const int grid = grad_stats_blocks(P);
   void* fn = optim_step_fn(compute_dtype);

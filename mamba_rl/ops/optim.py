@@ -199,7 +199,7 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, hyper, scalars, n_decay, comput
 
 # optim_step on CUDA: grad_stats and AdamW as one cooperative launch where the arena fits (grad_stats' grid of
 # <= 264 blocks co-resident, <= 8 elements per thread); False: always the two launches (the same bits either way;
-# benchmarks/bench.py --optim-ab times both in one process).
+# benchmarks/ab_configs.py --configs base optsplit times both in one process).
 FUSED = True
 
 
