@@ -11,6 +11,7 @@ Methods:
   ``--set obs_norm_clip=V`` clips the normalised observations to [-V, V] (sb3's ``clip_obs``).
   ``--set obs_norm_discrete=True`` normalises all-discrete (one-hot) observations too, the rule before
   :func:`mamba_rl.envs.make_vec_env` went continuous-only.
+  ``--set gae_lambda_value=L`` computes the value targets with GAE lambda L, the advantages keeping ``gae_lambda``.
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -202,6 +203,21 @@ def _obs_norm_clip(bound: float) -> None:
     S.VecNormalizeObservation.observations = observations
 
 
+def _value_lambda(value_lambda: float) -> None:
+    """``--set gae_lambda_value=L`` (harness only, CPU rollout): the value targets are GAE(gamma, L) returns while
+    the advantages keep ``gae_lambda``, to tell which of the two a lambda change acts through. It patches this
+    process's ``rollout.compute_gae`` (one process per run, so nothing else sees it)."""
+    from mamba_rl.agents import rollout as R
+    from mamba_rl.agents.gae import compute_gae
+
+    def split(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda):
+        adv, _ = compute_gae(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda)
+        _, ret = compute_gae(rewards, values, terminations, truncations, valid, next_value, gamma, value_lambda)
+        return adv, ret
+
+    R.compute_gae = split
+
+
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -224,6 +240,8 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         _adv_norm_over_rollout()
     if sets.pop("obs_norm_discrete", False):
         _obs_norm_discrete()
+    if "gae_lambda_value" in sets:
+        _value_lambda(float(sets.pop("gae_lambda_value")))
     if "obs_norm_clip" in sets:
         _obs_norm_clip(float(sets.pop("obs_norm_clip")))
     kw.update(sets)
@@ -346,9 +364,11 @@ def mmer_full_window(curve: list[tuple[int, float]], episodes: list[int], window
     return mmer([c for c, n in zip(curve, episodes) if n >= window])
 
 
-def summarise(out: str, tasks: list[str] | None = None) -> dict:
+def summarise(out: str, tasks: list[str] | None = None, columns: list[str] | None = None) -> dict:
     """Collect every finished run under ``out`` into ``{(task, method[__variant]): {seed: result}}`` as a
-    JSON-able dict keyed ``"task|method"``; writes ``summary.json`` and ``table.md``; returns the dict."""
+    JSON-able dict keyed ``"task|method"``; writes ``summary.json`` (every folder) and ``table.md`` /
+    ``table_full_window.md`` (the folders named in ``columns``, in that order; None: every folder); returns
+    ``{"summary": ..., "runs": ...}`` (``runs`` restricted to ``columns`` too, for :func:`plot`)."""
     runs: dict[str, dict[str, dict]] = {}
     for path in sorted(glob.glob(os.path.join(out, "*", "*__seed*.json"))):
         r = json.load(open(path))
@@ -375,9 +395,11 @@ def summarise(out: str, tasks: list[str] | None = None) -> dict:
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(table(summary))
+        f.write(table(summary, columns=columns))
     with open(os.path.join(out, "table_full_window.md"), "w") as f:
-        f.write(table(summary, full_window=True))
+        f.write(table(summary, full_window=True, columns=columns))
+    if columns:
+        runs = {k: v for k, v in runs.items() if k.split("|")[1] in columns}
     return {"summary": summary, "runs": runs}
 
 
@@ -386,32 +408,69 @@ def _fmt(v: float) -> str:
         f"{v:.0f}" if abs(v) >= 10 else f"{v:.3f}")
 
 
-def table(summary: dict, full_window: bool = False) -> str:
+def bar(task: str, lstm: float) -> tuple[float, str]:
+    """Issue 24's per-task bar against the LSTM's mean MMER ``lstm``: ``(threshold, label)``, the LSTM + 0.05, or
+    0.99 where the LSTM is already within 0.05 of POPGym's maximum return of 1 (label ``">= 0.99"``). Only
+    POPGym tasks have one (returns in [-1, 1]); for any other task ``(nan, "-")``."""
+    if env_id(task) != f"popgym-{task}-v0" and not task.startswith("popgym-"):
+        return math.nan, "-"
+    if lstm >= 0.95:
+        return 0.99, ">= 0.99"
+    return lstm + 0.05, f"{lstm + 0.05:.3f}"
+
+
+def table(summary: dict, full_window: bool = False, columns: list[str] | None = None) -> str:
     """Markdown: one row per task, one MMER column per method (mean +- std (n seeds, steps)), per-seed values,
-    and the difference of each method to sb3 where both exist. ``full_window``: the MMER of
-    :func:`mmer_full_window` instead (only points with 100 finished episodes)."""
+    and, where sb3 ran, issue 24's bar (:func:`bar`) and each method's difference to sb3 (``*`` where its mean
+    meets the bar); a last row gives each method's mean difference to sb3 over the tasks where both ran and how
+    many bars it met. ``full_window``: the MMER of :func:`mmer_full_window` instead (only points with 100
+    finished episodes). ``columns``: the method folders to show, in that order (None: every one)."""
     sfx = "_full" if full_window else ""
     tasks = sorted({k.split("|")[0] for k in summary}, key=lambda t: (TASKS.index(t) if t in TASKS else 99, t))
-    methods = sorted({k.split("|")[1] for k in summary}, key=lambda m: (m.startswith("sb3"), m != "mamba", m))
+    methods = columns or sorted({k.split("|")[1] for k in summary}, key=lambda m: (m.startswith("sb3"), m != "mamba", m))
+    tasks = [t for t in tasks if any(f"{t}|{m}" in summary for m in methods)]
+    ref_on = "sb3" in methods
+    others = [m for m in methods if m != "sb3"] if ref_on else []
     lines = ["| task | " + " | ".join(f"{m} MMER" for m in methods) + " | per seed | "
-             + " | ".join(f"{m} - sb3" for m in methods if m != "sb3" and "sb3" in methods) + " |"]
-    lines.append("|---" * (2 + len(methods) + sum(1 for m in methods if m != "sb3" and "sb3" in methods)) + "|")
+             + ("bar | " if ref_on else "") + "".join(f"{m} - sb3 | " for m in others)]
+    lines[0] = lines[0].rstrip()
+    lines.append("|---" * (2 + len(methods) + (1 if ref_on else 0) + len(others)) + "|")
+    diffs_of: dict[str, list[float]] = {m: [] for m in others}
+    met_of: dict[str, list[bool]] = {m: [] for m in others}
     for t in tasks:
         cells, seeds, diffs = [], [], []
         ref = summary.get(f"{t}|sb3")
+        thr, label = bar(t, ref["mean" + sfx]) if ref else (math.nan, "-")
         for m in methods:
             s = summary.get(f"{t}|{m}")
             if s is None:
                 cells.append("-")
-                if m != "sb3" and "sb3" in methods:
+                if m in diffs_of:
                     diffs.append("-")
                 continue
             cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
             seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer" + sfx].values()))
-            if m != "sb3" and "sb3" in methods:
-                diffs.append(f"{s['mean' + sfx] - ref['mean' + sfx]:+.3f}" if ref else "-")
-        lines.append(f"| {t} | " + " | ".join(cells) + " | " + "; ".join(seeds) + " | " + " | ".join(diffs)
-                     + (" |" if diffs else "|"))
+            if m in diffs_of:
+                if ref:
+                    d = s["mean" + sfx] - ref["mean" + sfx]
+                    met = not math.isnan(thr) and s["mean" + sfx] >= thr
+                    diffs_of[m].append(d)
+                    if not math.isnan(thr):
+                        met_of[m].append(met)
+                    diffs.append(f"{d:+.3f}" + (" *" if met else ""))
+                else:
+                    diffs.append("-")
+        lines.append(f"| {t} | " + " | ".join(cells) + " | " + "; ".join(seeds) + " | "
+                     + (f"{label} | " if ref_on else "") + "".join(f"{d} | " for d in diffs))
+        lines[-1] = lines[-1].rstrip()
+    if others and any(diffs_of.values()):
+        tail = []
+        for m in others:
+            ds, ms = diffs_of[m], met_of[m]
+            tail.append(f"{sum(ds) / len(ds):+.3f} over {len(ds)}, bars {sum(ms)} of {len(ms)}" if ds else "-")
+        lines.append("| mean of (method - sb3) | " + " | ".join("" for _ in methods) + " | | | "
+                     + "".join(f"{c} | " for c in tail))
+        lines[-1] = lines[-1].rstrip()
     return "\n".join(lines) + "\n"
 
 
@@ -468,6 +527,9 @@ def main(argv=None) -> int:
     ap.add_argument("--nice", type=int, default=0, help="niceness of the runs")
     ap.add_argument("--rerun", action="store_true", help="run again even where a finished run exists")
     ap.add_argument("--summarise-only", action="store_true")
+    ap.add_argument("--columns", nargs="+", default=None, metavar="FOLDER",
+                    help="the run folders (mamba, mamba__VARIANT, sb3, ...) that table.md and curves.png show, in "
+                         "that order (default: every folder; summary.json always holds every one)")
     ap.add_argument("--out", default=os.path.join(HERE, "popgym"))
     ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     ap.add_argument("--task", help=argparse.SUPPRESS)
@@ -517,10 +579,10 @@ def main(argv=None) -> int:
                     failed += 1
                     print(f"popgym: run failed (rc {rc}): {' '.join(p.args)}", file=sys.stderr)
             running = still
-    res = summarise(a.out)  # every finished run in the folder, not only this call's
+    res = summarise(a.out, columns=a.columns)  # every finished run in the folder, not only this call's
     if res["runs"]:
         plot(res["runs"], os.path.join(a.out, "curves.png"))
-    print(table(res["summary"]), end="")
+    print(table(res["summary"], columns=a.columns), end="")
     print(f"popgym: {time.time() - t0:.0f} s, {failed} failed", file=sys.stderr)
     return 1 if failed else 0
 

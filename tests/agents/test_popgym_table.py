@@ -75,6 +75,29 @@ def test_summary_table_and_plot(pg, tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
 
 
+def test_bars_mean_row_and_columns(pg, tmp_path):
+    out = str(tmp_path)
+    _fake_run(out, "sb3", "BattleshipEasy", 0, [-0.5, -0.4])  # LSTM -0.4: bar -0.35
+    _fake_run(out, "sb3", "RepeatPreviousEasy", 0, [0.5, 0.97])  # within 0.05 of 1: bar 0.99
+    _fake_run(out, "mamba__a", "BattleshipEasy", 0, [-0.5, -0.3])  # +0.100, meets -0.35
+    _fake_run(out, "mamba__a", "RepeatPreviousEasy", 0, [0.5, 0.98])  # +0.010, short of 0.99
+    _fake_run(out, "mamba__b", "BattleshipEasy", 0, [-0.5, -0.38])  # +0.020, short of -0.35
+    assert pg.bar("BattleshipEasy", -0.4) == (pytest.approx(-0.35), "-0.350")
+    assert pg.bar("RepeatPreviousEasy", 0.97) == (0.99, ">= 0.99")
+    assert math.isnan(pg.bar("mamba_rl/CartPoleNoVel-v1", 400.0)[0])  # no bar off POPGym's return scale
+    pg.summarise(out, columns=["mamba__a", "sb3"])
+    md = open(tmp_path / "table.md").read()
+    lines = [line for line in md.splitlines() if line.startswith("|")]
+    assert len({line.count("|") for line in lines}) == 1, md
+    assert "mamba__b" not in md  # not among the columns
+    row = next(line for line in lines if line.startswith("| BattleshipEasy"))
+    assert "| -0.350 | +0.100 * |" in row
+    row = next(line for line in lines if line.startswith("| RepeatPreviousEasy"))
+    assert "| >= 0.99 | +0.010 |" in row
+    assert lines[-1].startswith("| mean of (method - sb3)") and "+0.055 over 2, bars 1 of 2" in lines[-1]
+    assert json.load(open(tmp_path / "summary.json"))["BattleshipEasy|mamba__b"]["mean"] == pytest.approx(-0.38)
+
+
 @pytest.mark.parametrize("method,extra,folder", [
     ("mamba", ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"], "mamba__tiny"),
     ("sb3", [], "sb3"),
