@@ -1,12 +1,12 @@
 """PPOConfig: every hyperparameter of the recurrent PPO agent, validated at construction.
 
-Defaults follow CleanRL's ``ppo.py`` / ``ppo_atari_lstm.py`` (Huang et al. 2022, "CleanRL"):
-8 envs x 128 steps, gamma 0.99, GAE lambda 0.95, 4 minibatches, 4 epochs, clip 0.2 (also on the
-value), entropy 0.01, value 0.5, max grad norm 0.5, Adam eps 1e-5, lr linearly annealed. Two
-deliberate differences: rewards are scaled by gymnasium's NormalizeReward (``normalize_reward``)
-because actor and critic share the backbone (see that field), and the lr starts at 1e-3, not 2.5e-4
-(measured on CartPoleNoVel-v1, 3 seeds x 100k steps, benchmarks/learning/README.md: mean return of the
-last 100 episodes 423 vs 368, deterministic evaluation 500 on every seed).
+Defaults start from CleanRL's ``ppo.py`` / ``ppo_atari_lstm.py`` (Huang et al. 2022, "CleanRL"): 8 envs x 128
+steps, gamma 0.99, GAE lambda 0.95, 4 minibatches, clip 0.2 (also on the value), value 0.5, max grad norm 0.5,
+Adam eps 1e-5, lr linearly annealed. What differs was measured on the memory tasks (benchmarks/learning/README.md):
+lr 2e-3, 3 epochs stopped early past ``target_kl`` 0.02, no entropy bonus, no per-minibatch advantage
+normalisation, the previous action as an input for discrete actions, and gymnasium's NormalizeObservation (its
+statistics frozen after 20,000 env steps; continuous observations only) and NormalizeReward (actor and critic
+share the backbone, see ``normalize_reward``).
 The backbone is a :class:`mamba_rl.MambaConfig` (field ``backbone``), with its defaults:
 d_model 128, 3 layers, d_state 16, d_conv 4, expand 2, dt_rank "auto", rms_norm_eps 1e-5.
 """
@@ -226,8 +226,11 @@ class PPOConfig(_PPOFields):
         replan_lr: when a resumed run's horizon changes (a larger total_timesteps), re-plan the anneal over the new horizon from the initial lr (the lr jumps); by default the anneal continues from the current lr to 0 at the new end.
         adam_eps: epsilon of both optimizers.
         weight_decay: backbone AdamW weight decay (0 = Adam, as CleanRL).
-        gamma: discount factor.
-        gae_lambda: GAE lambda (Schulman et al. 2016).
+        gamma: discount factor; 0.9 with gae_lambda 0.65 suits POPGym's discrete card / bandit tasks, not cart-poles.
+            Measured at 200k env steps (benchmarks/learning/README.md, 2026-12-05): on POPGym's all-discrete tasks
+            gamma 0.9 with gae_lambda 0.65 learned Concentration and the bandit far faster than the default 0.99 /
+            0.95, and broke the cart-poles, whose 500-step episodes need the longer horizon: a per-task choice.
+        gae_lambda: GAE lambda (Schulman et al. 2016); see gamma.
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
         update_epochs: passes over the rollout per update.
         norm_adv: normalise advantages per minibatch (over valid steps); off by default: with [2, 128] minibatches
