@@ -274,8 +274,8 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
 
 def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int,
             prev_action: bool = False) -> dict:
-    """Train sb3-contrib's RecurrentPPO (LSTM 128, 8 envs, n_steps 128; ``sets`` override its kwargs; the
-    command line never passes any). ``prev_action``: wrap the env in POPGym's own ``PreviousAction``
+    """Train sb3-contrib's RecurrentPPO (LSTM 128, 8 envs, n_steps 128; ``sets`` override its kwargs, e.g.
+    ``--variant g09 --set gamma=0.9`` into ``sb3__g09``; the table's LSTM column is the folder ``sb3``, without any). ``prev_action``: wrap the env in POPGym's own ``PreviousAction``
     (the observation becomes (obs, previous action), one-hot flattened). No evaluation (``eval_episodes`` is
     ignored)."""
     import gymnasium as gym
@@ -338,7 +338,7 @@ def worker(a) -> int:
     if a.worker == "mamba":
         extra = run_mamba(a.task, a.seed, a.total, sets, w, a.eval_episodes)
     else:
-        extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.variant == "prev")
+        extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.sb3_prev_action)
     w.close()
     res = {"task": a.task, "env_id": env_id(a.task), "method": a.worker, "variant": a.variant, "seed": a.seed,
            "total": a.total, "steps": w.curve[-1][0] if w.curve else 0, "mmer": mmer(w.curve),
@@ -546,8 +546,10 @@ def main(argv=None) -> int:
     jobs = []
     if not a.summarise_only:
         for method in a.methods:
-            variant = a.variant if method == "mamba" else ("prev" if a.sb3_prev_action else None)
-            sets = a.set if method == "mamba" else []
+            # sb3's folder: sb3, sb3__prev (--sb3-prev-action), sb3__VARIANT / sb3__VARIANT_prev (with --set)
+            variant = a.variant if method == "mamba" else "_".join(
+                v for v in ((a.variant if a.set else None), "prev" if a.sb3_prev_action else None) if v) or None
+            sets = a.set
             for task in a.tasks:
                 for seed in a.seeds:
                     done = os.path.join(run_dir(a.out, method, variant), f"{file_name(task)}__seed{seed}.json")
@@ -558,6 +560,8 @@ def main(argv=None) -> int:
                            str(a.eval_episodes)]
                     if variant:
                         cmd += ["--variant", variant]
+                    if method == "sb3" and a.sb3_prev_action:
+                        cmd += ["--sb3-prev-action"]
                     for kv in sets:
                         cmd += ["--set", kv]
                     if a.nice:

@@ -102,6 +102,7 @@ def test_bars_mean_row_and_columns(pg, tmp_path):
     ("mamba", ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"], "mamba__tiny"),
     ("sb3", [], "sb3"),
     ("sb3", ["--sb3-prev-action"], "sb3__prev"),
+    ("sb3", ["--variant", "g09", "--set", "gamma=0.9"], "sb3__g09"),  # the LSTM given a --set, in its own folder
 ])
 def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
     pytest.importorskip("popgym")
@@ -115,6 +116,8 @@ def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
     r = json.load(open(folder / "RepeatPreviousEasy__seed3.json"))
     assert r["steps"] == 1024 and r["total"] == 1024 and r["method"] == method
     assert math.isfinite(r["mmer"]) and r["versions"]["torch"]
+    if "gamma=0.9" in extra:
+        assert r["config"]["gamma"] == "0.9"
     # a finished run of the same budget is not run again
     mtime = os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json")
     assert pg.main(argv) == 0
