@@ -204,9 +204,7 @@ def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
             torch.cuda.synchronize()
             with torch.cuda.graph(gr):
                 backbone_step(ext, x, w, cs, ss, starts, net.cfg, kernel=kernel, rows_per_block=R)
-            name = {"rows": "backbone_step", "cluster": "backbone_step_cluster",
-                    "cluster_normpass": "backbone_step_cluster_normpass",
-                    "cluster2": "backbone_step_cluster2"}[kernel] + f"_R{R}"
+            name = ("backbone_step" if kernel == "rows" else f"backbone_step_{kernel}") + f"_R{R}"
             rows.append(dict(kind="infer_kernel", model=name, d_model=DM, B=B, T=1, graph=True,
                              us=timeit(gr.replay, iters)))
     return rows

@@ -431,9 +431,12 @@ def table(summary: dict, full_window: bool = False, columns: list[str] | None = 
     tasks = [t for t in tasks if any(f"{t}|{m}" in summary for m in methods)]
     ref_on = "sb3" in methods
     others = [m for m in methods if m != "sb3"] if ref_on else []
-    lines = ["| task | " + " | ".join(f"{m} MMER" for m in methods) + " | per seed | "
-             + ("bar | " if ref_on else "") + "".join(f"{m} - sb3 | " for m in others)]
-    lines[0] = lines[0].rstrip()
+
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    lines = [row(["task"] + [f"{m} MMER" for m in methods] + ["per seed"] + (["bar"] if ref_on else [])
+                 + [f"{m} - sb3" for m in others])]
     lines.append("|---" * (2 + len(methods) + (1 if ref_on else 0) + len(others)) + "|")
     diffs_of: dict[str, list[float]] = {m: [] for m in others}
     met_of: dict[str, list[bool]] = {m: [] for m in others}
@@ -450,27 +453,22 @@ def table(summary: dict, full_window: bool = False, columns: list[str] | None = 
                 continue
             cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
             seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer" + sfx].values()))
-            if m in diffs_of:
-                if ref:
-                    d = s["mean" + sfx] - ref["mean" + sfx]
-                    met = not math.isnan(thr) and s["mean" + sfx] >= thr
-                    diffs_of[m].append(d)
-                    if not math.isnan(thr):
-                        met_of[m].append(met)
-                    diffs.append(f"{d:+.3f}" + (" *" if met else ""))
-                else:
-                    diffs.append("-")
-        lines.append(f"| {t} | " + " | ".join(cells) + " | " + "; ".join(seeds) + " | "
-                     + (f"{label} | " if ref_on else "") + "".join(f"{d} | " for d in diffs))
-        lines[-1] = lines[-1].rstrip()
-    if others and any(diffs_of.values()):
-        tail = []
-        for m in others:
-            ds, ms = diffs_of[m], met_of[m]
-            tail.append(f"{sum(ds) / len(ds):+.3f} over {len(ds)}, bars {sum(ms)} of {len(ms)}" if ds else "-")
-        lines.append("| mean of (method - sb3) | " + " | ".join("" for _ in methods) + " | | | "
-                     + "".join(f"{c} | " for c in tail))
-        lines[-1] = lines[-1].rstrip()
+            if m not in diffs_of:
+                continue
+            if not ref:
+                diffs.append("-")
+                continue
+            d = s["mean" + sfx] - ref["mean" + sfx]
+            met = not math.isnan(thr) and s["mean" + sfx] >= thr
+            diffs_of[m].append(d)
+            if not math.isnan(thr):
+                met_of[m].append(met)
+            diffs.append(f"{d:+.3f}" + (" *" if met else ""))
+        lines.append(row([t] + cells + ["; ".join(seeds)] + ([label] if ref_on else []) + diffs))
+    if any(diffs_of.values()):
+        tail = [f"{sum(ds) / len(ds):+.3f} over {len(ds)}, bars {sum(met_of[m])} of {len(met_of[m])}" if ds else "-"
+                for m, ds in diffs_of.items()]
+        lines.append(row(["mean of (method - sb3)"] + [""] * (len(methods) + 2) + tail))
     return "\n".join(lines) + "\n"
 
 
