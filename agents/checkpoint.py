@@ -336,7 +336,9 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
     Raises:
         mamba_rl.CheckpointError: a checkpoint that does not fit the agent.
     """
-    meta = load_checkpoint(ckpt, trainer)
+    # the trainer was built from the checkpoint's config plus the user's overrides (--adam-eps, --max-grad-norm,
+    # --dtype, ...): it keeps its own settings (the agent sets the lr every update)
+    meta = load_checkpoint(ckpt, trainer, settings="trainer")
     extra = meta["extra"]
     dev = policy.device
     t = {k: v.to(dev) for k, v in meta["extra_tensors"].items()}

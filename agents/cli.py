@@ -20,7 +20,10 @@ resetting the memory at each, and prints the mean and std of the return.
 ``mamba-rl envs [--all]`` lists the env ids; ``mamba-rl plot RUN_DIR [--out PNG]`` draws a run's
 learning curves from its TensorBoard events (matplotlib: the ``plot`` extra).
 
-User mistakes end in one ``mamba-rl CMD: error: ...`` line and exit code 2 (see :func:`main`).
+User mistakes end in one ``mamba-rl CMD: error: ...`` line and exit code 2 (see :func:`main`). An env that
+fails while training (:class:`mamba_rl.envs.EnvFailure`: a NaN observation or reward, a dead async worker, an
+exception from its step) ends in one such line too, exit code 1, after the state of the last whole update is
+saved in ``checkpoints/{run name}/env_failed``.
 Subcommands are argparse subparsers registered in ``SUBCOMMANDS``; add one with
 ``register_subcommand(name, help, add_arguments, run)``.
 """
@@ -196,16 +199,18 @@ def _flag_names(message: str) -> str:
 @contextlib.contextmanager
 def _checkpoint_input() -> Iterator[None]:
     """Turn what only building the agent can find out about the user's input into :class:`UsageError`: a
-    checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit file) and an
-    env whose optional dependency is missing (gymnasium's DependencyNotInstalled, e.g. Box2D); every other
-    error passes with its traceback."""
+    checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit file), an
+    env whose optional dependency is missing (gymnasium's DependencyNotInstalled, e.g. Box2D) and an env that
+    fails on its first reset (:class:`mamba_rl.envs.EnvFailure`); every other error passes with its traceback."""
     import gymnasium as gym
+
+    from mamba_rl.envs import EnvFailure
 
     from mamba_rl.train.checkpoint import CheckpointError
 
     try:
         yield
-    except (CheckpointError, gym.error.DependencyNotInstalled) as err:
+    except (CheckpointError, gym.error.DependencyNotInstalled, EnvFailure) as err:
         raise UsageError(str(err).strip()) from err
 
 
@@ -238,10 +243,12 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import RunFolderError, claim_run
     from mamba_rl.agents.validation import check_int
-    from mamba_rl.envs import check_env_id, check_start_method
+    from mamba_rl.envs import EnvFailure, check_env_id, check_start_method
 
     with _user_input():
         check_int("--nproc", args.nproc, lo=1)
+    if args.resume_envs and not args.resume:
+        raise UsageError("--resume-envs restores the envs of a checkpoint: it needs --resume PATH")
     overrides = _config_overrides(args)
     # the user-input scope covers reading and validating what the user asked for, nothing after it: an
     # error while building the model, capturing graphs or training is a bug and keeps its traceback
@@ -259,13 +266,18 @@ def _run_train(args: argparse.Namespace) -> int:
     with _checkpoint_input():
         agent = (RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides) if args.resume
                  else RecurrentPPO(config=config))
+    c = agent.config
+    if c.total_timesteps + c.batch_size <= agent.global_step:  # would train nothing and overwrite `final`
+        agent.close()
+        raise UsageError(f"--total-timesteps {_steps(c.total_timesteps)} is below the {_steps(agent.global_step)} env "
+                         f"steps this checkpoint has done: pass a larger one (or none, to keep the run's "
+                         f"{_steps(read_agent_config(args.resume)[1].total_timesteps)})")
     try:  # the run's folders, created exclusively, before the name is printed
         claim_run(agent.run, agent.config)
     except (OSError, RunFolderError) as err:
         agent.close()
         raise UsageError(f"cannot create the run's folders under --runs-dir {agent.config.runs_dir!r} / "
                          f"--checkpoint-dir {agent.config.checkpoint_dir!r}: {err}") from err
-    c = agent.config
     if args.resume:
         print(f"resuming {agent.run_name} after update {agent.update} of {agent.num_updates} "
               f"({_steps(agent.global_step)} of {_steps(c.planned_timesteps)} env steps done)", file=sys.stderr)
@@ -280,6 +292,15 @@ def _run_train(args: argparse.Namespace) -> int:
     terminate_as_interrupt()  # SIGTERM (a scheduler stopping the job) saves `interrupted` like Ctrl-C
     try:
         agent.learn(progress=not args.no_progress)
+    except EnvFailure as err:  # the env's fault, not a bug here: one error line, the last whole update saved
+        ckpt = agent.failed_checkpoint
+        agent.close()
+        saved = (f"; the state after update {agent.update} ({_steps(agent.global_step)} env steps) is saved in "
+                 f"{ckpt}, continue with: mamba-rl train --resume {ckpt}") if ckpt is not None else \
+            f"; nothing was saved now (the checkpoints saved earlier are under {agent.checkpoint_root})"
+        print(f"\nmamba-rl train: error: the env failed during update {agent.update + 1}: {err}{saved}",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt as err:
         ckpt = agent.interrupted_checkpoint
         done = agent.global_step - start_step

@@ -233,16 +233,18 @@ class PPOConfig(_PPOFields):
         gae_lambda: GAE lambda (Schulman et al. 2016); see gamma.
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
         update_epochs: passes over the rollout per update.
-        norm_adv: normalise advantages per minibatch (over valid steps); off by default: with [2, 128] minibatches
-            the normalisation blew value noise up to unit scale once episodes were truncated (benchmarks/learning/README.md).
+        norm_adv: normalise advantages per minibatch (over valid steps); off by default.
+            With [2, 128] minibatches the normalisation blew value noise up to unit scale once episodes were
+            truncated (benchmarks/learning/README.md).
         clip_coef: PPO ratio clip (Schulman et al. 2017).
         clip_vloss: clip the value loss too.
         ent_coef: entropy bonus weight.
         vf_coef: value-loss weight.
         max_grad_norm: one global clip over heads + backbone (None: no clip).
-        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never). 0.02 by default:
-            with it and 3 epochs every POPGym task's seed spread stayed <= 0.070 and CartPoleNoVel's seeds 1-5
-            within 11 of return, at the same means (benchmarks/learning/README.md, 2026-12-05).
+        target_kl: stop the epochs of an update once approx_kl exceeds it (None: never).
+            0.02 by default: with it and 3 epochs every POPGym task's seed spread stayed <= 0.070 and
+            CartPoleNoVel's seeds 1-5 within 11 of return, at the same means (benchmarks/learning/README.md,
+            2026-12-05).
         backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /

@@ -133,13 +133,23 @@ class Policy:
             stepper = self._steppers[batch] = self.net.stepper(batch=batch)
         return stepper
 
-    def _obs(self, obs: np.ndarray) -> tuple[torch.Tensor, bool]:
-        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
+    def _obs(self, obs: np.ndarray, who: str = "predict") -> tuple[torch.Tensor, bool]:
+        """``obs`` as float32 [B, obs_dim] and whether it was one row; ValueError for another shape, a
+        non-real dtype, no rows, or a NaN / inf value (which would make the recurrent state NaN for good)."""
+        arr = np.asarray(obs)
+        if arr.dtype.kind not in "biuf":
+            raise ValueError(f"{who}: obs must be real numbers (bool, int or float), got dtype {arr.dtype}")
+        x = torch.as_tensor(arr, dtype=torch.float32)
         single = x.dim() == 1
         if single:
             x = x.unsqueeze(0)
-        if x.dim() != 2 or x.shape[1] != self.obs_dim:
-            raise ValueError(f"predict: obs must be [B, {self.obs_dim}] (or [{self.obs_dim}]), got {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != self.obs_dim or x.shape[0] < 1:
+            raise ValueError(f"{who}: obs must be [B, {self.obs_dim}] with B >= 1 (or [{self.obs_dim}]), got "
+                             f"{tuple(arr.shape)}")
+        bad = ~torch.isfinite(x).all(dim=1)
+        if bool(bad.any()):
+            raise ValueError(f"{who}: obs rows {torch.nonzero(bad).flatten().tolist()[:8]} hold NaN / inf values "
+                             f"(expected finite observations: a non-finite one would make those envs' memory NaN)")
         return x, single
 
     def _features(self, x: torch.Tensor, state: PolicyState, starts: torch.Tensor,
@@ -185,6 +195,8 @@ class Policy:
                 raise ValueError(f"predict: state must be the PolicyState a previous call returned (or None), got "
                                  f"{type(state).__name__}")
             starts = torch.zeros(b, dtype=torch.bool)
+        if not isinstance(deterministic, (bool, np.bool_)):
+            raise ValueError(f"predict: deterministic must be a bool, got {deterministic!r}")
         if episode_start is not None:
             starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool))
         if self.memoryless:
@@ -206,24 +218,48 @@ class Policy:
     @torch.no_grad()
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
               reward: np.ndarray | None = None) -> np.ndarray:
-        """Critic value [B] of ``obs`` with ``state`` (the state is not advanced)."""
-        x = torch.as_tensor(np.asarray(obs), dtype=torch.float32).reshape(-1, self.obs_dim)
+        """Critic value V(obs) [B] float32 (numpy) with ``state`` (the state is not advanced).
+
+        Args:
+            obs: [B, obs_dim] (or [obs_dim]) float observations, as for :meth:`act`.
+            state: the PolicyState of B envs that :meth:`act` returned.
+            episode_start: [B] bool, True where ``obs`` starts an episode (those rows' memory reset).
+            reward: [B] the last reward (with ``prev_reward``; default: the one ``state`` holds).
+
+        Raises:
+            ValueError: an obs of another width, no rows, NaN / inf values; a ``state`` that is not a
+                PolicyState of B envs; an ``episode_start`` or ``reward`` without one value per env.
+        """
+        x, _ = self._obs(obs, "value")
         b = x.shape[0]
-        starts = torch.as_tensor(np.asarray(episode_start, dtype=bool).reshape(b))
+        if not isinstance(state, PolicyState):
+            raise ValueError(f"value: state must be the PolicyState that act / predict returned, got "
+                             f"{type(state).__name__}")
+        if state.recurrent.ssm.shape[1] != b:
+            raise ValueError(f"value: obs has {b} rows but state holds {state.recurrent.ssm.shape[1]} envs")
+        if episode_start is None:
+            raise ValueError(f"value: episode_start must be [{b}] bools, got None")
+        starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool, "value"))
         if self.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = state.prev_reward if reward is None else torch.as_tensor(
-            np.asarray(reward, dtype=np.float32).reshape(b))
+            _per_env("reward", reward, b, np.float32, "value"))
         feat, _ = self._features(x, state, starts, prev_reward)
         return self.critic(feat).cpu().numpy()
 
 
-def _per_env(name: str, value, batch: int, dtype) -> np.ndarray:
+def _per_env(name: str, value, batch: int, dtype, who: str = "predict") -> np.ndarray:
     """``value`` as a [batch] array of ``dtype``; ValueError naming ``name`` when it holds another number of
-    values (one per env is expected)."""
-    arr = np.asarray(value, dtype=dtype)
+    values (one per env is expected), or, for a bool ``dtype``, values other than bools or 0 / 1."""
+    raw = np.asarray(value)
+    if dtype is bool and not (raw.dtype.kind == "b" or (raw.dtype.kind in "iuf" and np.isin(raw, (0, 1)).all())):
+        raise ValueError(f"{who}: {name} must be bools (or 0 / 1), got dtype {raw.dtype} with values "
+                         f"{raw.reshape(-1)[:4].tolist()}")
+    if raw.dtype.kind not in "biuf":
+        raise ValueError(f"{who}: {name} must be numbers, got dtype {raw.dtype}")
+    arr = raw.astype(dtype)
     if arr.size != batch:
-        raise ValueError(f"predict: {name} must hold one value per env, expected shape [{batch}], got "
+        raise ValueError(f"{who}: {name} must hold one value per env, expected shape [{batch}], got "
                          f"{list(arr.shape)}")
     return arr.reshape(batch)
 

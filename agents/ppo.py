@@ -42,8 +42,8 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from mamba_rl import MambaTrainer
-from mamba_rl.envs import (EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
+from mamba_rl import CheckpointError, MambaTrainer
+from mamba_rl.envs import (EnvFailure, EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
                            flatten_observation, make_vec_env, raw_observation_space)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
@@ -155,6 +155,7 @@ class RecurrentPPO:
         self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
         self.history: list[dict[str, float]] = []
         self.interrupted_checkpoint: Path | None = None  # the `interrupted` folder saved by learn(), if any
+        self.failed_checkpoint: Path | None = None  # the `env_failed` folder saved by learn(), if any
         self._warned_nonfinite = False
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
 
@@ -365,7 +366,10 @@ class RecurrentPPO:
         ``checkpoint_every`` updates under ``checkpoint_dir/run_name/update_XXXXXX``, at the end
         (``final``) and on KeyboardInterrupt (``interrupted``, then re-raises; a second Ctrl-C / SIGTERM
         during that save waits for it; :attr:`interrupted_checkpoint` is the folder, None when the save
-        failed). A minibatch step whose loss or gradient is non-finite is skipped (counted in
+        failed), and when the env fails (:class:`mamba_rl.envs.EnvFailure`: a NaN observation or reward, a
+        dead async worker, an exception from the env's step; saved as ``env_failed``, then re-raised;
+        :attr:`failed_checkpoint`). Both hold the state after the last whole update (a partial rollout is
+        dropped). A minibatch step whose loss or gradient is non-finite is skipped (counted in
         ``backbone/overflow_skipped``). With a larger ``total_timesteps`` than the last call, the lr
         anneal continues from its current value (see :meth:`current_lr`).
 
@@ -373,14 +377,22 @@ class RecurrentPPO:
             total_timesteps: overrides ``config.total_timesteps`` (lr annealing follows it).
             progress: show a tqdm bar with SPS and the mean of the last 100 episode returns.
             callback: called as ``callback(agent, metrics)`` after every update.
+
+        Raises:
+            ValueError: ``total_timesteps`` a whole update or more below the env steps already done
+                (:attr:`global_step`), which would train nothing and overwrite ``final``.
+            mamba_rl.envs.EnvFailure: the env failed (after the ``env_failed`` save).
         """
         if total_timesteps is not None and total_timesteps != self.config.total_timesteps:
             self.config = self.config.replace(total_timesteps=int(total_timesteps))
         c = self.config
+        if c.total_timesteps + c.batch_size * self.world_size <= self.global_step:  # a whole update below them
+            raise ValueError(f"learn: total_timesteps {c.total_timesteps:,} is below the {self.global_step:,} env "
+                             f"steps this agent has done; pass a larger total_timesteps")
         self._num_updates = None
         self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
         self._plan_lr()
-        self.interrupted_checkpoint = None
+        self.interrupted_checkpoint = self.failed_checkpoint = None
         lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
         if lead:
             claim_run(self.run, c)  # this run's own folders, created exclusively (a resumed run keeps its own)
@@ -427,18 +439,24 @@ class RecurrentPPO:
                     callback(self, metrics)
                 if lead and c.checkpoint_every and update % c.checkpoint_every == 0 and update < self.num_updates:
                     self.save(self.checkpoint_root / f"update_{update:06d}")
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, EnvFailure) as stop:
             if self.global_step != update_start_step and self.update < update:
-                # interrupted inside an update: its partial rollout is dropped, so the counters (and a
+                # stopped inside an update: its partial rollout is dropped, so the counters (and a
                 # resume) say what was trained on: `update` whole updates of batch_size steps
                 self.global_step = update_start_step
             if lead:
-                target = self.checkpoint_root / "interrupted"
+                name = "interrupted" if isinstance(stop, KeyboardInterrupt) else "env_failed"
+                target = self.checkpoint_root / name
                 with deferred_signals(str(target)):  # a second Ctrl-C / SIGTERM waits for the save
                     try:
-                        self.interrupted_checkpoint = self.save(target)
-                    except Exception as err:  # noqa: BLE001 - say so, and still end as interrupted
-                        notice(f"the interrupted checkpoint was not saved: {type(err).__name__}: {err}")
+                        saved = self.save(target)
+                    except Exception as err:  # noqa: BLE001 - say so, and still end as stopped
+                        notice(f"the {name} checkpoint was not saved: {type(err).__name__}: {err}")
+                    else:
+                        if name == "interrupted":
+                            self.interrupted_checkpoint = saved
+                        else:
+                            self.failed_checkpoint = saved
             raise
         finally:
             if bar is not None:
@@ -493,7 +511,10 @@ class RecurrentPPO:
 
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
               reward: np.ndarray | None = None) -> np.ndarray:
-        """Critic value [B] of ``obs`` with ``state`` (the state is not advanced); ``obs`` as in :meth:`predict`."""
+        """Critic value V(obs) [B] float32 (numpy) with ``state`` (the state is not advanced): ``obs`` as in
+        :meth:`predict`, ``state`` the PolicyState of B envs it returned, ``episode_start`` [B] bools, ``reward``
+        [B] (with ``prev_reward``). Raises ValueError for any of them of another shape or type, or a NaN / inf
+        observation (:meth:`mamba_rl.agents.policy.Policy.value`)."""
         return self.policy.value(self._flat_obs(obs), state, episode_start, reward)
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: int | None = None,
@@ -545,13 +566,19 @@ class RecurrentPPO:
 
         Raises:
             FileNotFoundError: no checkpoint there. ValueError / mamba_rl.CheckpointError:
-            not a RecurrentPPO checkpoint, or one that does not fit.
+            not a RecurrentPPO checkpoint, or one that does not fit; ``restore_envs`` without an
+            ``envs.pkl`` beside it (single process, no ``env`` given).
         """
         ckpt, extra = read_agent_meta(path)
         config = agent_config(extra, **overrides)
         env_file = ckpt.parent / "envs.pkl"
         # data-parallel: every rank loads the same weights, optimizer state and counters (any world size);
         # the per-rank env carry and sampling RNGs are re-created, never restored
+        if restore_envs and env is None and dist_world_size() == 1 and not env_file.exists():
+            why = ("its save could not pickle the envs" if extra.get("envs_pkl_sha256", "") is None
+                   else "the file is missing")
+            raise CheckpointError(f"restore_envs (--resume-envs): no envs.pkl beside {ckpt} ({why}), so the envs "
+                                  f"cannot be restored mid-episode; load without it to rebuild and reset them")
         restore = restore_envs and env is None and env_file.exists() and dist_world_size() == 1
         if restore:
             check_envs_file(ckpt, env_file)  # a folder mixing two saves is refused before anything is unpickled

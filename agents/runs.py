@@ -75,18 +75,31 @@ def run_folders(config: PPOConfig, name: str) -> list[Path]:
 
 
 def _create_exclusively(folders: list[Path]) -> bool:
-    """mkdir every folder, none pre-existing; on a clash remove the ones made here and return False."""
+    """mkdir every folder, none pre-existing; on a clash remove the ones made here and return False, on
+    any other error (an OSError: permissions, a path through a file) remove them and re-raise, so a failed
+    claim leaves no empty run folder behind."""
     made: list[Path] = []
-    for folder in folders:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            folder.mkdir()  # atomic: exactly one creator wins, also across hosts on a shared file system
-        except FileExistsError:
-            for m in reversed(made):
-                m.rmdir()
-            return False
-        made.append(folder)
+    try:
+        for folder in folders:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                folder.mkdir()  # atomic: exactly one creator wins, also across hosts on a shared file system
+            except FileExistsError:
+                _remove_empty(made)
+                return False
+            made.append(folder)
+    except BaseException:
+        _remove_empty(made)
+        raise
     return True
+
+
+def _remove_empty(made: list[Path]) -> None:
+    for m in reversed(made):
+        try:
+            m.rmdir()
+        except OSError:  # no longer empty or already gone: leave it
+            pass
 
 
 def claim_run(run: Run, config: PPOConfig) -> str:

@@ -9,7 +9,10 @@
   ``env/nonfinite_rewards``).
   Over an ``AsyncVectorEnv`` it also turns the bare ``BrokenPipeError`` / ``EOFError`` of a worker that
   died (killed, out of memory) into :class:`EnvWorkerDied`, which names the worker, its pid and its exit
-  code or signal.
+  code or signal, and closes such an env without waiting on the dead worker. Any other exception the
+  vector env raises from ``step`` (the env's own, or gymnasium's when an observation does not
+  fit the observation space) becomes :class:`EnvStepError`, naming the step and the space. All three are
+  :class:`EnvFailure`: what ``mamba-rl train`` reports as one error line after saving the last whole update.
 * :func:`flatten_observation` flattens a raw (Dict, Tuple, ...) observation the way training does, for
   ``predict()``; it raises ValueError naming the space when the observation does not fit it.
 """
@@ -25,17 +28,27 @@ from gymnasium import spaces
 
 from .parts import PartedStep
 
-__all__ = ["EnvGuard", "NonFiniteEnvError", "EnvWorkerDied", "NONFINITE_POLICIES", "flatten_observation"]
+__all__ = ["EnvGuard", "EnvFailure", "NonFiniteEnvError", "EnvWorkerDied", "EnvStepError", "NONFINITE_POLICIES",
+           "flatten_observation"]
 
 NONFINITE_POLICIES = ("raise", "zero")
 
 
-class NonFiniteEnvError(ValueError):
+class EnvFailure(Exception):
+    """The env failed while the agent stepped it: the base of :class:`NonFiniteEnvError`,
+    :class:`EnvWorkerDied` and :class:`EnvStepError` (the env's fault, not the agent's)."""
+
+
+class NonFiniteEnvError(EnvFailure, ValueError):
     """An env returned a NaN or inf observation or reward (policy ``nonfinite="raise"``)."""
 
 
-class EnvWorkerDied(RuntimeError):
+class EnvWorkerDied(EnvFailure, RuntimeError):
     """An ``AsyncVectorEnv`` worker process died (its pipe broke)."""
+
+
+class EnvStepError(EnvFailure, RuntimeError):
+    """The vector env raised while resetting or stepping (the original exception is its ``__cause__``)."""
 
 
 def _describe_exit(code: int | None) -> str:
@@ -85,32 +98,66 @@ class EnvGuard(PartedStep, gym.vector.VectorWrapper):
 
     # ------------------------------------------------------------------ gymnasium API
     def reset(self, *, seed: Any = None, options: Any = None):
-        obs, info = self._call(lambda: self.env.reset(seed=seed, options=options))
+        obs, info = self._call(lambda: self.env.reset(seed=seed, options=options), "the reset", wrap=False)
         return self._check_obs(obs, "reset"), info
 
     def step(self, actions: Any):
-        out = self._call(lambda: self.env.step(actions))
+        out = self._call(lambda: self.env.step(actions), f"step {self.steps + 1}")
         self.steps += 1
         return self._post(slice(None), *out)
 
     def recv_part(self, part: int):
-        out = self.env.recv_part(part)
+        # not wrapped: a part's protocol error (a part not sent) is its caller's, and an env's own failure here
+        # is the parted backend's to report
+        out = self._call(lambda: self.env.recv_part(part), f"step {self.steps + (part == 0)}", wrap=False)
         self.steps += part == 0
         return self._post(self.part_rows[part], *out)
+
+    def close(self, **kwargs: Any) -> None:
+        """Close the vector env. An ``AsyncVectorEnv`` with a dead worker is torn down here (its live workers
+        terminated, its pipes closed, the processes joined): gymnasium's own close would wait on the dead
+        worker's pending step and raise ``EOFError``, again when the env is garbage collected."""
+        u = self.env.unwrapped
+        procs = getattr(u, "processes", None)
+        if not procs or getattr(u, "closed", False) or all(p.exitcode is None for p in procs):
+            return self.env.close(**kwargs)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for pipe in getattr(u, "parent_pipes", None) or ():
+            if pipe is not None:
+                pipe.close()
+        for p in procs:
+            p.join()
+        u.closed = True
+        self.closed = True
 
     def _post(self, rows: slice, obs: Any, reward: Any, term: Any, trunc: Any, info: dict[str, Any]):
         where, first = f"step {self.steps}", rows.start or 0
         return self._check_obs(obs, where, first), self._check_reward(reward, where, first), term, trunc, info
 
     # ------------------------------------------------------------------ checks
-    def _call(self, fn):
+    def _call(self, fn, where: str, wrap: bool = True):
+        """``fn()``; a dead async worker's pipe error becomes :class:`EnvWorkerDied`, and with ``wrap`` (steps:
+        the env's own failure, not its caller's arguments, as a reset's seed / options are) any other
+        exception but gymnasium's own (``gym.error.Error``: a misuse of the API) :class:`EnvStepError`."""
         try:
             return fn()
         except (BrokenPipeError, EOFError, ConnectionResetError) as err:
             dead = self._dead_worker()
             if dead is None:
-                raise
+                if not wrap:
+                    raise
+                raise EnvStepError(f"the vector env's pipe broke at {where} ({type(err).__name__}: {err})") from err
             raise dead from err
+        except (EnvFailure, gym.error.Error):  # gymnasium's errors name a misuse of the API (ResetNeeded, ...)
+            raise
+        except Exception as err:
+            if not wrap:
+                raise
+            raise EnvStepError(
+                f"the vector env raised {type(err).__name__} at {where}: {err} (each sub-env must return an "
+                f"observation of the observation space {self.single_observation_space})") from err
 
     def _dead_worker(self) -> EnvWorkerDied | None:
         """The error naming the first dead worker of an AsyncVectorEnv, or None (not async / none dead)."""

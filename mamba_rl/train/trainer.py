@@ -644,7 +644,16 @@ class MambaTrainer:
     # ----------------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """Everything needed to resume bit-identically: tensors (master weights, AdamW moments, carried
-        state) and plain metadata (config, step, optimizer hyperparameters, scaler)."""
+        state) and plain metadata (config, step, optimizer hyperparameters, scaler).
+
+        Returns:
+            ``{"tensors": {...}, "meta": {...}}``. Tensors (CPU copies, float32): ``master``, ``exp_avg``,
+            ``exp_avg_sq`` [P] (P = the arena's size), ``state_conv`` / ``state_ssm`` [L, B, ...] (the carried
+            state). Meta (JSON-able): ``config``, ``input_dim``, ``batch``, ``seq_len``, ``dtype``, ``step``,
+            ``bias_correction1``, ``bias_correction2``, ``lr``, ``betas``, ``eps``, ``weight_decay``,
+            ``no_decay``, ``max_grad_norm``, ``scaler``. :meth:`load_state_dict` applies the optimizer
+            hyperparameters and requires the same dtype / no_decay (see there).
+        """
         s = self.scalars.detach().cpu()
         return {
             "tensors": {"master": self.net.arena.detach().cpu().clone(),
@@ -660,13 +669,32 @@ class MambaTrainer:
                      "max_grad_norm": self.max_grad_norm, "scaler": self.scaler.state_dict()},
         }
 
-    def load_state_dict(self, sd: dict):
-        """Load :meth:`state_dict` output in place (captured graphs stay valid).
+    def load_state_dict(self, sd: dict, settings: str = "checkpoint"):
+        """Load :meth:`state_dict` output in place (buffers keep their addresses: captured graphs stay valid
+        and pick up the loaded hyperparameters, which live in the device buffer ``hyper``).
 
+        Every field is validated before anything is written
+        (:func:`~mamba_rl.train.checkpoint.validate_trainer_state`), so a refused state dict leaves the
+        trainer bit-identical.
+
+        Args:
+            sd: ``{"meta": dict, "tensors": dict}`` as :meth:`state_dict` returns it (tensors on any device).
+            settings: "checkpoint" (default): lr, betas, eps, weight_decay and max_grad_norm are taken from
+                ``sd`` (torch.optim semantics: the run resumes bit-identically whatever this trainer was built
+                with; a field ``sd`` lacks keeps this trainer's value), and a ``dtype`` or ``no_decay`` that
+                differs from this trainer's is refused (both are fixed when a trainer is built: the compute
+                copy, the loss scaler, the decayed range). "trainer": this trainer keeps all of its settings,
+                lr included, and may differ in dtype / no_decay (an f16 trainer loading a checkpoint without a
+                loss scaler starts its scale from 2**16). Either way a stored ``batch`` / ``seq_len`` may differ:
+                the weights, moments, step and scaler load, and the carried state only when the batch matches.
         Raises:
-            ValueError: when the config, input_dim or a tensor shape differs; nothing is changed then.
+            ValueError: ``settings`` is not "checkpoint" or "trainer"; the config, input_dim, a tensor's shape or
+                dtype differs.
+            CheckpointError (a ValueError): a field of the wrong type or out of its range, a dtype / no_decay
+                mismatch (``settings="checkpoint"``), non-finite weights / moments / carried state or a
+                negative ``exp_avg_sq``. Nothing is changed then.
         """
-        plan = validate_trainer_state(self, sd)  # everything is checked before anything is written
+        plan = validate_trainer_state(self, sd, settings)  # everything is checked before anything is written
         tens = sd["tensors"]
         with torch.no_grad():
             for k, t in (("master", self.net.arena), ("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
@@ -680,4 +708,19 @@ class MambaTrainer:
             self.scalars[BC2] = float(plan.bias_correction2)
             self.scaler.load_state_dict(plan.scaler)
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]
-        self.set_lr(float(plan.lr))
+            # hyper = [lr, beta1, beta2, eps, weight_decay, max_grad_norm (inf: no clip), skip, 0] (ops.optim)
+            if plan.betas is not None:
+                self.betas = plan.betas
+                self.hyper[1] = plan.betas[0]
+                self.hyper[2] = plan.betas[1]
+            if plan.eps is not None:
+                self.eps = plan.eps
+                self.hyper[3] = plan.eps
+            if plan.weight_decay is not None:
+                self.weight_decay = plan.weight_decay
+                self.hyper[4] = plan.weight_decay
+            if plan.max_grad_norm is not None:
+                self.max_grad_norm = None if plan.max_grad_norm == float("inf") else plan.max_grad_norm
+                self.hyper[5] = plan.max_grad_norm
+        if plan.lr is not None:
+            self.set_lr(plan.lr)

@@ -212,14 +212,15 @@ def test_ranks_share_their_observation_statistics_gloo(tmp_path):
 
 
 def test_a_bug_mid_training_keeps_its_traceback_under_torchrun(tmp_path):
-    """A ValueError raised while training (here by the env, at its 12th step: the second rollout) is a bug,
-    not a usage error: on every rank ``mamba-rl train`` raises it with its traceback (the process exits 1
-    through Python's handler, torchrun reports the rank's traceback), never the one-line error of exit 2."""
+    """A ValueError raised while training (here by the env, at its 12th step: the second rollout) is not a
+    usage error: under torchrun every rank's ``mamba-rl train`` raises it (as the EnvStepError it causes, with
+    its traceback: the process exits 1 through Python's handler, torchrun reports the rank's traceback), never
+    the one-line error of exit 2."""
     _spawn(cli_bug_worker, str(tmp_path))
     for r in range(2):
         res = torch.load(tmp_path / f"bug{r}.pt")
         assert res["returned"] is None, res  # main did not turn it into an exit code (2 would be the usage error)
-        assert res["raised"] == "ValueError", res
+        assert res["raised"] == "EnvStepError", res
         tb = res["traceback"]
         assert "Traceback (most recent call last)" in tb and "ValueError: deliberate bug at env step 12" in tb
         assert "in learn" in tb and "in collect_rollout" in tb and "in step" in tb  # the frames down to the bug

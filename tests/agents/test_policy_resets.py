@@ -2,8 +2,11 @@
 are zeroed by a select, not a multiply), so a NaN / inf of the old episode never reaches the new one."""
 import numpy as np
 import pytest
+import torch
 
+from mamba_rl import RecurrentState
 from mamba_rl.agents import PPOConfig, RecurrentPPO
+from mamba_rl.agents.policy import PolicyState
 
 
 @pytest.fixture
@@ -21,9 +24,13 @@ def test_nan_action_of_the_old_episode_does_not_leak_past_a_start(agent):
     obs = rng.standard_normal((2, 3)).astype(np.float32)
     starts = np.ones(2, bool)
     fresh, _ = agent.predict(obs, agent.initial_policy_state(2), starts, deterministic=True, reward=np.zeros(2))
-    bad_action, bad_state = agent.predict(np.full((2, 3), np.nan, np.float32), agent.initial_policy_state(2), starts,
-                                          deterministic=True, reward=np.zeros(2))
-    assert np.isnan(bad_action).all()  # the old episode's last action is NaN, and the state carries it
+    with pytest.raises(ValueError, match=r"obs rows \[0, 1\] hold NaN / inf values"):  # refused at the door
+        agent.predict(np.full((2, 3), np.nan, np.float32), agent.initial_policy_state(2), starts, reward=np.zeros(2))
+    # the old episode's last action and memory NaN (as a NaN from a user's own loop would leave them)
+    _, old = agent.predict(obs, agent.initial_policy_state(2), starts, deterministic=True, reward=np.zeros(2))
+    bad_state = PolicyState(RecurrentState(torch.full_like(old.recurrent.conv, float("nan")),
+                                           torch.full_like(old.recurrent.ssm, float("nan"))),
+                            torch.full_like(old.prev_action, float("nan")), old.prev_reward)
     after, state = agent.predict(obs, bad_state, starts, deterministic=True, reward=np.zeros(2))
     np.testing.assert_array_equal(after, fresh)
     assert bool(state.recurrent.ssm.isfinite().all())

@@ -78,7 +78,12 @@ def test_nan_from_the_env_is_an_error_naming_env_and_step(tmp_path, nan_env_ids,
         agent.learn()
     assert _finite(agent)
     assert not (tmp_path / "ckpt" / agent.run_name / "final").exists()  # nothing saved over anything
+    # the state after the last whole update (here: none) is saved apart, for a resume once the env is fixed
+    assert agent.failed_checkpoint == tmp_path / "ckpt" / agent.run_name / "env_failed"
     agent.close()
+    resumed = RecurrentPPO.load(agent.failed_checkpoint, nonfinite="zero")  # the same env, its NaN zeroed
+    assert resumed.update == 0 and resumed.global_step == 0 and _finite(resumed)
+    resumed.close()
 
 
 @pytest.mark.parametrize("what", ["obs", "reward"])
@@ -320,3 +325,97 @@ def test_resume_with_more_timesteps_continues_the_lr(tmp_path):
     replanned.learn(total_timesteps=5 * BATCH)
     assert replanned.history[0]["charts/learning_rate"] == pytest.approx(lr0 * (1 - 4 / 5))
     replanned.close()
+
+
+# ------------------------------------------------------------- env failures, totals below the steps done, inputs
+class WrongShapeEnv(NaNEnv):
+    """Returns a (4,) observation for its (3,) space at step 2."""
+
+    def step(self, action):
+        obs, reward, term, trunc, info = super().step(action)
+        return (np.zeros(4, np.float32) if self.t == 2 else np.nan_to_num(obs)), 1.0, term, trunc, info
+
+
+def test_an_env_raising_in_its_step_is_an_env_failure_naming_step_and_space(tmp_path):
+    from mamba_rl.envs import EnvFailure, EnvStepError
+
+    gym.register("mamba_rl_test/WrongShape-v0", entry_point=WrongShapeEnv)
+    try:
+        agent = RecurrentPPO("mamba_rl_test/WrongShape-v0", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+        with pytest.raises(EnvStepError, match=r"raised ValueError at step 2: .*observation space Box\(") as info:
+            agent.learn()
+        assert isinstance(info.value, EnvFailure) and isinstance(info.value.__cause__, ValueError)
+        assert (agent.failed_checkpoint / "agent.safetensors").exists()
+        agent.close()
+    finally:
+        del gym.registry["mamba_rl_test/WrongShape-v0"]
+
+
+def test_the_cli_reports_an_env_failure_in_one_line_and_saves(tmp_path, nan_env_ids, capsys):
+    from mamba_rl.agents.cli import main
+
+    rc = main(["train", "--env-id", nan_env_ids["obs"], "--total-timesteps", "32", "--num-envs", "2", "--num-steps",
+               "8", "--num-minibatches", "1", "--d-model", "16", "--n-layers", "1", "--device", "cpu", "--no-progress",
+               "--runs-dir", str(tmp_path / "runs"), "--checkpoint-dir", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "the env failed during update 1: env 0 returned a non-finite observation" in lines[0]
+    saved = list((tmp_path / "ckpt").glob("*/env_failed/agent.safetensors"))
+    assert len(saved) == 1 and f"--resume {saved[0].parent}" in lines[0]
+
+
+def test_a_total_below_the_steps_done_is_refused_and_final_kept(tmp_path, capsys):
+    from mamba_rl.agents.cli import main
+
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=4 * BATCH, track=False))
+    agent.learn()
+    final = tmp_path / "ckpt" / agent.run_name / "final"
+    agent.close()
+    resumed = RecurrentPPO.load(final)
+    with pytest.raises(ValueError, match=r"total_timesteps 16 is below the 64 env steps"):
+        resumed.learn(total_timesteps=BATCH)
+    resumed.learn(total_timesteps=4 * BATCH - 1)  # within the last update: a finished run, nothing to train
+    assert resumed.update == 4 and resumed.global_step == 4 * BATCH
+    resumed.close()
+    stamp = (final / "agent.safetensors").read_bytes()
+    rc = main(["train", "--resume", str(final), "--total-timesteps", "16", "--no-progress"])
+    assert rc == 2 and "--total-timesteps 16 is below the 64 env steps" in capsys.readouterr().err
+    assert (final / "agent.safetensors").read_bytes() == stamp  # `final` not replaced
+
+
+def test_resume_envs_needs_resume_and_an_envs_file(tmp_path, capsys):
+    from mamba_rl.agents.cli import main
+
+    assert main(["train", "--resume-envs", "--no-progress"]) == 2
+    assert "--resume-envs restores the envs of a checkpoint: it needs --resume PATH" in capsys.readouterr().err
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.learn()
+    folder = tmp_path / "ckpt" / agent.run_name / "final"
+    agent.close()
+    (folder / "envs.pkl").unlink()
+    with pytest.raises(CheckpointError, match=r"no envs.pkl beside .*the file is missing"):
+        RecurrentPPO.load(folder, restore_envs=True)
+    RecurrentPPO.load(folder).close()  # without restore_envs the envs are rebuilt: fine
+
+
+def test_predict_and_value_refuse_bad_inputs_by_name(tmp_path):
+    agent = RecurrentPPO("mamba_rl/CartPoleNoVel-v1", config=_cfg(tmp_path, track=False))  # obs_dim 2
+    _, state = agent.predict(np.zeros((2, 2), np.float32))
+    cases = [
+        (lambda: agent.value(np.zeros((1, 4), np.float32), state, np.zeros(2, bool)), r"value: obs must be \[B, 2\]"),
+        (lambda: agent.value(np.zeros((2, 2), np.float32), None, np.zeros(2, bool)), r"value: state must be"),
+        (lambda: agent.value(np.zeros((3, 2), np.float32), state, np.zeros(3, bool)), r"obs has 3 rows but state holds 2"),
+        (lambda: agent.value(np.zeros((2, 2), np.float32), state, None), r"value: episode_start must be \[2\]"),
+        (lambda: agent.predict(np.full((2, 2), np.nan, np.float32), state), r"obs rows \[0, 1\] hold NaN / inf"),
+        (lambda: agent.predict(np.zeros((2, 2)), state, episode_start=np.array([0.5, 2.0])), r"must be bools"),
+        (lambda: agent.predict(np.zeros((2, 2)), state, deterministic="no"), r"deterministic must be a bool"),
+        (lambda: agent.predict(np.array([["a", "b"]])), r"obs must be real numbers"),
+        (lambda: agent.predict(np.zeros((0, 2))), r"with B >= 1"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            call()
+    v = agent.value(np.zeros((2, 2), np.float32), state, np.array([1, 0]))  # 0 / 1 ints are bools
+    assert v.shape == (2,) and v.dtype == np.float32 and np.isfinite(v).all()
+    agent.close()
