@@ -46,6 +46,9 @@ class MaskObservation(gym.ObservationWrapper):
             raise TypeError(
                 f"MaskObservation expects a 1-D Box observation space, got {space!r}"
             )
+        if isinstance(keep, (str, bytes)) or any(isinstance(i, bool) or not isinstance(i, (int, np.integer))
+                                                 for i in keep):
+            raise ValueError(f"MaskObservation keep must be a sequence of int indices, got {keep!r}")
         keep = [int(i) for i in keep]
         n = space.shape[0]
         if not keep or len(set(keep)) != len(keep) or min(keep) < 0 or max(keep) >= n:

@@ -183,8 +183,8 @@ def make_vec_env(
     """
     if nonfinite not in NONFINITE_POLICIES:
         raise ValueError(f"nonfinite must be 'raise' or 'zero', got {nonfinite!r}")
-    if int(num_envs) < 1:
-        raise ValueError(f"num_envs must be >= 1, got {num_envs}")
+    if isinstance(num_envs, bool) or not isinstance(num_envs, (int, np.integer)) or num_envs < 1:
+        raise ValueError(f"num_envs must be an int >= 1, got {num_envs!r}")
     if env_parts not in (1, 2) or isinstance(env_parts, bool):
         raise ValueError(f"env_parts must be 1 or 2, got {env_parts!r}")
     check_start_method(start_method)

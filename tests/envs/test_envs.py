@@ -1,5 +1,7 @@
 """mamba_rl.envs: POMDP ids, make_vec_env's stack, flattening, and the NextStep autoreset it relies on."""
 
+import re
+
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -72,8 +74,19 @@ def test_make_vec_env_stack_and_next_step_autoreset():
 def test_unknown_id_and_bad_num_envs():
     with pytest.raises(gym.error.NameNotFound, match="unknown env id 'NoSuchEnv-v0'"):
         make_vec_env("NoSuchEnv-v0", 2)
-    with pytest.raises(ValueError, match="num_envs must be >= 1, got 0"):
-        make_vec_env("CartPole-v1", 0)
+    for bad in (0, 2.7, "3", True, None):  # no silent int(): 2.7 would build 2 envs, True 1
+        with pytest.raises(ValueError, match=rf"num_envs must be an int >= 1, got {re.escape(repr(bad))}"):
+            make_vec_env("CartPole-v1", bad)
+
+
+def test_mask_observation_refuses_indices_that_are_not_ints():
+    for bad in ([0.7, 2.2], "01", [0, True]):
+        with pytest.raises(ValueError, match="keep must be a sequence of int indices"):
+            MaskObservation(gym.make("CartPole-v1"), bad)
+    env = MaskObservation(gym.make("CartPole-v1"), [2, np.int64(0)])
+    assert env.observation_space.shape == (2,)
+    obs, _ = env.reset(seed=0)
+    assert obs.shape == (2,)
 
 
 class _SpacesEnv(gym.Env):
