@@ -270,6 +270,11 @@ class PPOConfig(_PPOFields):
     """
 
     def __init__(self, *args: Any, **kwargs: Any):
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(_PPOFields)} - set(BACKBONE_FIELDS)
+        if unknown:
+            raise ValueError(f"PPOConfig: unknown fields {sorted(unknown)}; expected PPOConfig's fields "
+                             f"{[f.name for f in dataclasses.fields(_PPOFields)]} or the backbone's "
+                             f"{list(BACKBONE_FIELDS)}")
         flat = {k: kwargs.pop(k) for k in BACKBONE_FIELDS if k in kwargs}
         if flat:  # into the backbone given (positionally or by name), else the default one
             bound = inspect.signature(_PPOFields).bind_partial(*args, **kwargs)

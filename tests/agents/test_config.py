@@ -178,3 +178,19 @@ def test_prev_action_input_refuses_other_settings():
     assert prev_action_input(True, envs) is True and prev_action_input(False, envs) is False
     with pytest.raises(ValueError, match="prev_action must be True, False or 'auto', got 'on'"):
         prev_action_input("on", envs)
+
+
+def test_unknown_fields_are_named_with_the_known_ones(tmp_path):
+    from mamba_rl.agents import RecurrentPPO
+
+    with pytest.raises(ValueError, match=r"PPOConfig: unknown fields \['foo'\]; expected PPOConfig's fields \['env_id'"):
+        PPOConfig(foo=1)
+    with pytest.raises(ValueError, match=r"unknown fields \['bar'\]"):
+        PPOConfig().replace(bar=2)
+    agent = RecurrentPPO("CartPole-v1", config=PPOConfig(num_envs=2, num_steps=8, num_minibatches=1, d_model=16,
+                                                         n_layers=1, total_timesteps=16, track=False, device="cpu",
+                                                         checkpoint_dir=str(tmp_path / "ckpt")))
+    folder = agent.save(tmp_path / "ck")
+    agent.close()
+    with pytest.raises(ValueError, match=r"unknown fields \['foo'\]"):  # RecurrentPPO.load(path, **overrides)
+        RecurrentPPO.load(folder, foo=1)
