@@ -181,8 +181,6 @@ def test_prev_action_input_refuses_other_settings():
 
 
 def test_unknown_fields_are_named_with_the_known_ones(tmp_path):
-    from mamba_rl.agents import RecurrentPPO
-
     with pytest.raises(ValueError, match=r"PPOConfig: unknown fields \['foo'\]; expected PPOConfig's fields \['env_id'"):
         PPOConfig(foo=1)
     with pytest.raises(ValueError, match=r"unknown fields \['bar'\]"):
