@@ -83,9 +83,11 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
         :class:`EvalResult` with returns, lengths and per-step critic values.
 
     Raises:
-        ValueError: ``num_episodes`` not an int >= 1.
+        ValueError: ``num_episodes`` not an int >= 1; ``seed`` not an int with ``seed + num_episodes - 1`` in
+            [0, 2**32 - 1] (gymnasium's seed range).
     """
     check_int("num_episodes", num_episodes, lo=1)
+    check_int("seed", seed, lo=0, hi=2**32 - num_episodes)
     env, reward_scale = _eval_env(env_id, train_envs, video_dir)
     returns, lengths, values = [], [], []
     bar = None

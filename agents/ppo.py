@@ -524,7 +524,7 @@ class RecurrentPPO:
         (default seed: config.seed + 10_000). Actions are sampled from a fresh generator seeded with
         ``config.seed`` (never the rollout's), so evaluating never changes training and the same call
         gives the same result. ``progress``: a tqdm bar over the episodes.
-        Raises ValueError if num_episodes is not an int >= 1."""
+        Raises ValueError if num_episodes is not an int >= 1, or the seeds leave gymnasium's [0, 2**32 - 1]."""
         c = self.config
         return evaluate_policy(self.policy, c.env_id, num_episodes, deterministic,
                                seed=c.seed + 10_000 if seed is None else seed, video_dir=video_dir,

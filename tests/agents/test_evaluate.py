@@ -81,3 +81,15 @@ def test_bad_episode_count():
     with pytest.raises(ValueError, match="num_episodes must be an int >= 1, got 0"):
         agent.evaluate(0)
     agent.close()
+
+
+def test_evaluate_names_a_seed_out_of_gymnasiums_range(tmp_path):
+    from mamba_rl.agents import PPOConfig, RecurrentPPO
+
+    agent = RecurrentPPO("CartPole-v1", config=PPOConfig(num_envs=2, num_steps=8, num_minibatches=1, d_model=16,
+                                                         n_layers=1, track=False, device="cpu"))
+    for seed in (-1, 2**32 - 1, 1.5):  # episode 1's seed would be 2**32 for the second
+        with pytest.raises(ValueError, match="seed"):
+            agent.evaluate(num_episodes=2, seed=seed)
+    assert len(agent.evaluate(num_episodes=2, seed=2**32 - 2).returns) == 2
+    agent.close()
