@@ -267,11 +267,13 @@ def _run_train(args: argparse.Namespace) -> int:
         agent = (RecurrentPPO.load(args.resume, restore_envs=args.resume_envs, **overrides) if args.resume
                  else RecurrentPPO(config=config))
     c = agent.config
-    if c.total_timesteps + c.batch_size <= agent.global_step:  # would train nothing and overwrite `final`
+    try:  # a total below the steps done would train nothing and overwrite `final`
+        agent.check_total_timesteps()
+    except ValueError:
         agent.close()
         raise UsageError(f"--total-timesteps {_steps(c.total_timesteps)} is below the {_steps(agent.global_step)} env "
                          f"steps this checkpoint has done: pass a larger one (or none, to keep the run's "
-                         f"{_steps(read_agent_config(args.resume)[1].total_timesteps)})")
+                         f"{_steps(read_agent_config(args.resume)[1].total_timesteps)})") from None
     try:  # the run's folders, created exclusively, before the name is printed
         claim_run(agent.run, agent.config)
     except (OSError, RunFolderError) as err:

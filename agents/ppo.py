@@ -358,6 +358,14 @@ class RecurrentPPO:
         """``checkpoint_dir / run_name``: the folder of this run's checkpoints."""
         return Path(self.config.checkpoint_dir) / self.run_name
 
+    def check_total_timesteps(self) -> None:
+        """Raise ValueError when ``config.total_timesteps`` is a whole update (``batch_size * world_size`` env
+        steps) or more below :attr:`global_step`: :meth:`learn` would train nothing and overwrite ``final``."""
+        c = self.config
+        if c.total_timesteps + c.batch_size * self.world_size <= self.global_step:
+            raise ValueError(f"learn: total_timesteps {c.total_timesteps:,} is below the {self.global_step:,} env "
+                             f"steps this agent has done; pass a larger total_timesteps")
+
     def learn(self, total_timesteps: int | None = None, progress: bool = False,
               callback: Callable[[RecurrentPPO, dict], None] | None = None) -> "RecurrentPPO":
         """Train until ``total_timesteps`` env steps (default ``config.total_timesteps``).
@@ -386,9 +394,7 @@ class RecurrentPPO:
         if total_timesteps is not None and total_timesteps != self.config.total_timesteps:
             self.config = self.config.replace(total_timesteps=int(total_timesteps))
         c = self.config
-        if c.total_timesteps + c.batch_size * self.world_size <= self.global_step:  # a whole update below them
-            raise ValueError(f"learn: total_timesteps {c.total_timesteps:,} is below the {self.global_step:,} env "
-                             f"steps this agent has done; pass a larger total_timesteps")
+        self.check_total_timesteps()
         self._num_updates = None
         self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
         self._plan_lr()

@@ -708,19 +708,18 @@ class MambaTrainer:
             self.scalars[BC2] = float(plan.bias_correction2)
             self.scaler.load_state_dict(plan.scaler)
             self.scalars[LOSS_SCALE] = self.scaler.scale[0]
-            # hyper = [lr, beta1, beta2, eps, weight_decay, max_grad_norm (inf: no clip), skip, 0] (ops.optim)
+            # the stored AdamW settings (those the plan carries), into the attributes and, through make_hyper's
+            # one layout, the device buffer the optimizer (and any captured graph) reads
             if plan.betas is not None:
                 self.betas = plan.betas
-                self.hyper[1] = plan.betas[0]
-                self.hyper[2] = plan.betas[1]
             if plan.eps is not None:
                 self.eps = plan.eps
-                self.hyper[3] = plan.eps
             if plan.weight_decay is not None:
                 self.weight_decay = plan.weight_decay
-                self.hyper[4] = plan.weight_decay
             if plan.max_grad_norm is not None:
                 self.max_grad_norm = None if plan.max_grad_norm == float("inf") else plan.max_grad_norm
-                self.hyper[5] = plan.max_grad_norm
+            fresh = make_hyper(self.lr, self.betas, self.eps, self.weight_decay, self.max_grad_norm, False,
+                               self.hyper.device)
+            self.hyper[1:6].copy_(fresh[1:6])  # lr (0) is set_lr's below, the skip flag (6) the trainer's own
         if plan.lr is not None:
             self.set_lr(plan.lr)
