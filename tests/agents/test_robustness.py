@@ -419,3 +419,34 @@ def test_predict_and_value_refuse_bad_inputs_by_name(tmp_path):
     v = agent.value(np.zeros((2, 2), np.float32), state, np.array([1, 0]))  # 0 / 1 ints are bools
     assert v.shape == (2,) and v.dtype == np.float32 and np.isfinite(v).all()
     agent.close()
+
+
+class CrashEnv(NaNEnv):
+    """Finite observations and rewards; its process exits (as a killed or crashed worker would) at step 3."""
+
+    def step(self, action):
+        self.t += 1
+        if self.t == 3:
+            os._exit(3)
+        return np.full(3, 0.2 * int(action), np.float32), 1.0, self.t >= 6, False, {}
+
+
+def test_a_dead_async_worker_ends_the_cli_in_one_line_and_closes_quietly(tmp_path):
+    """Run as a subprocess: the dead worker's env must close without gymnasium's EOFError tracebacks (also the one
+    its __del__ printed at interpreter exit)."""
+    script = (
+        "import sys, gymnasium as gym\n"
+        "from tests.agents.test_robustness import CrashEnv\n"
+        "gym.register('mamba_rl_test/Crash-v0', entry_point=CrashEnv)\n"
+        "from mamba_rl.agents.cli import main\n"
+        f"sys.exit(main(['train', '--env-id', 'mamba_rl_test/Crash-v0', '--async-envs', '--async-start-method', "
+        f"'fork', '--total-timesteps', '32', '--num-envs', '2', '--num-steps', '8', '--num-minibatches', '1', "
+        f"'--d-model', '16', '--n-layers', '1', '--device', 'cpu', '--no-progress', '--runs-dir', "
+        f"{str(tmp_path / 'runs')!r}, '--checkpoint-dir', {str(tmp_path / 'ckpt')!r}]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-2000:]
+    assert "error: the env failed during update 1: async env worker" in r.stderr and "exited with code 3" in r.stderr
+    assert list((tmp_path / "ckpt").glob("*/env_failed/agent.safetensors"))
