@@ -3,10 +3,10 @@
 Defaults start from CleanRL's ``ppo.py`` / ``ppo_atari_lstm.py`` (Huang et al. 2022, "CleanRL"): 8 envs x 128
 steps, gamma 0.99, GAE lambda 0.95, 4 minibatches, clip 0.2 (also on the value), value 0.5, max grad norm 0.5,
 Adam eps 1e-5, lr linearly annealed. What differs was measured on the memory tasks (benchmarks/learning/README.md):
-lr 2e-3, 3 epochs stopped early past ``target_kl`` 0.02, no entropy bonus, no per-minibatch advantage
-normalisation, the previous action as an input for discrete actions, and gymnasium's NormalizeObservation (its
-statistics frozen after 20,000 env steps; continuous observations only) and NormalizeReward (actor and critic
-share the backbone, see ``normalize_reward``).
+lr 2e-3, 3 epochs stopped early past ``target_kl`` 0.02, no entropy bonus, a floor on a Box action's std
+(``min_action_std``), no per-minibatch advantage normalisation, the previous action as an input for discrete
+actions, and gymnasium's NormalizeObservation (its statistics frozen after 20,000 env steps; continuous
+observations only) and NormalizeReward (actor and critic share the backbone, see ``normalize_reward``).
 The backbone is a :class:`mamba_rl.MambaConfig` (field ``backbone``), with its defaults:
 d_model 128, 3 layers, d_state 16, d_conv 4, expand 2, dt_rank "auto", rms_norm_eps 1e-5.
 """
@@ -46,7 +46,8 @@ _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0,
                 ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
                 ("gae_lambda", 0.0, 1.0, False, False), ("clip_coef", 0.0, math.inf, True, False),
                 ("ent_coef", 0.0, math.inf, False, False), ("vf_coef", 0.0, math.inf, False, False),
-                ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True))
+                ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True),
+                ("min_action_std", 0.0, 1.0, False, False))
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _PPOFields:
     vf_coef: float = 0.5
     max_grad_norm: float | None = 0.5
     target_kl: float | None = 0.02
+    min_action_std: float = 0.2
     backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool | str = "auto"
     prev_reward: bool = False
@@ -245,6 +247,13 @@ class PPOConfig(_PPOFields):
             0.02 by default: with it and 3 epochs every POPGym task's seed spread stayed <= 0.070 and
             CartPoleNoVel's seeds 1-5 within 11 of return, at the same means (benchmarks/learning/README.md,
             2026-12-05).
+        min_action_std: the smallest std of a Box action's Gaussian, as a fraction of its half-range (0: off).
+            The half-range is ``(high - low) / 2`` per action dimension (1 where a bound is infinite); [0, 1]. After
+            every head step the state-independent ``log_std`` is raised to ``log(min_action_std * half-range)``
+            where it fell below (a projection, as SAC's log-std clamp and DreamerV1's ``min_std``). 0.2 by default:
+            without it a PositionOnlyPendulum run's std shrank to 0.25 by 3M steps, where one update's
+            approx_kl reached 13 and the return fell from 0.90 to 0.11 for good; with the floor the same resumed
+            run held 0.89-0.91 (benchmarks/learning/README.md, 2026-12-05). At 200k steps the std stays above it.
         backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /

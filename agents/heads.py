@@ -175,6 +175,19 @@ class ActorHead(nn.Module):
             self.log_std = nn.Parameter(torch.zeros(out))
         self.linear = _layer_init(nn.Linear(d_model, out), 0.01, generator)
 
+    def log_std_floor(self, min_std: float) -> torch.Tensor | None:
+        """The Gaussian's lowest ``log_std`` [action_dim] float32 for :attr:`PPOConfig.min_action_std`:
+        ``log(min_std * (high - low) / 2)`` per action dimension (``log(min_std)`` where a bound is infinite;
+        -inf for ``min_std`` 0). None for discrete actions."""
+        if self.kind != "gaussian":
+            return None
+        low = np.asarray(self.action_space.low, dtype=np.float64).reshape(-1)
+        high = np.asarray(self.action_space.high, dtype=np.float64).reshape(-1)
+        half = np.where(np.isfinite(low) & np.isfinite(high), (high - low) / 2.0, 1.0)
+        with np.errstate(divide="ignore"):
+            floor = np.log(min_std * half)
+        return torch.as_tensor(floor, dtype=torch.float32, device=self.log_std.device)
+
     @property
     def out_dim(self) -> int:
         """Width of the raw output: logits (sum of them for MultiDiscrete) or the Gaussian mean."""

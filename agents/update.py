@@ -124,6 +124,10 @@ class PPOUpdate:
         self.pack = torch.zeros(n, t, a + 5, device=dev)
         self.init_state = p.net.initial_state(n)
         self.max_steps = c.update_epochs * c.num_minibatches
+        # Box actions: the log_std floor of config.min_action_std, applied after every head step (a buffer the
+        # captured graph reads, refreshed by run() from the config it is given)
+        floor = self.actor.log_std_floor(c.min_action_std)
+        self.log_std_floor = floor.to(dev) if floor is not None else None
         self.perm = torch.zeros(self.max_steps, c.envs_per_minibatch, dtype=torch.int64, device=dev)
         self._perm_host = torch.zeros(self.max_steps, c.envs_per_minibatch, dtype=torch.int64,
                                       pin_memory=dev.type == "cuda")
@@ -272,6 +276,9 @@ class PPOUpdate:
                 g = g.view_as(p)
                 p.grad = g * s[CLIP_COEF].to(g.dtype) if c.max_grad_norm is not None else g
             self.head_optimizer.step()
+        if self.log_std_floor is not None:  # the Gaussian's std never below config.min_action_std (a projection)
+            ls = self.actor.log_std.data
+            ls.copy_(torch.maximum(ls, self.log_std_floor))
         mask = mb.mask
         with torch.no_grad():
             if self._parity_row:
@@ -306,7 +313,7 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         return self.trainer.graph_buffers() + self._head_state() + (
             self.comm, self.stat_buf, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
-            self.mb_index, self.table)
+            self.mb_index, self.table, self.log_std_floor)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture the minibatch as CUDA graphs: one graph of :meth:`_minibatch` on one process; with data
@@ -383,6 +390,8 @@ class PPOUpdate:
             want, got = (dict(zip(_LAYOUT, self._fields(x, _LAYOUT))) for x in (self._config, config))
             raise ValueError(f"PPOUpdate.run: expected a config with {want}, got {got}")
         self._config = c = config
+        if self.log_std_floor is not None:
+            self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))
         if self._capture and self._captured_loss != self._fields(config, _LOSS):
             self._capture_minibatch()
         self._load_rollout()
