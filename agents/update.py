@@ -126,8 +126,8 @@ class PPOUpdate:
         self.max_steps = c.update_epochs * c.num_minibatches
         # Box actions: the log_std floor of config.min_action_std, applied after every head step (a buffer the
         # captured graph reads, refreshed by run() from the config it is given)
-        floor = self.actor.log_std_floor(c.min_action_std)
-        self.log_std_floor = floor.to(dev) if floor is not None else None
+        self.log_std_floor = self.actor.log_std_floor(c.min_action_std)  # on the heads' device; None: discrete
+        self._floor_of = c.min_action_std  # the fraction log_std_floor holds
         self.perm = torch.zeros(self.max_steps, c.envs_per_minibatch, dtype=torch.int64, device=dev)
         self._perm_host = torch.zeros(self.max_steps, c.envs_per_minibatch, dtype=torch.int64,
                                       pin_memory=dev.type == "cuda")
@@ -277,8 +277,7 @@ class PPOUpdate:
                 p.grad = g * s[CLIP_COEF].to(g.dtype) if c.max_grad_norm is not None else g
             self.head_optimizer.step()
         if self.log_std_floor is not None:  # the Gaussian's std never below config.min_action_std (a projection)
-            ls = self.actor.log_std.data
-            ls.copy_(torch.maximum(ls, self.log_std_floor))
+            self.actor.log_std.data.clamp_(min=self.log_std_floor)
         mask = mb.mask
         with torch.no_grad():
             if self._parity_row:
@@ -390,8 +389,9 @@ class PPOUpdate:
             want, got = (dict(zip(_LAYOUT, self._fields(x, _LAYOUT))) for x in (self._config, config))
             raise ValueError(f"PPOUpdate.run: expected a config with {want}, got {got}")
         self._config = c = config
-        if self.log_std_floor is not None:
+        if self.log_std_floor is not None and c.min_action_std != self._floor_of:
             self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))
+            self._floor_of = c.min_action_std
         if self._capture and self._captured_loss != self._fields(config, _LOSS):
             self._capture_minibatch()
         self._load_rollout()
