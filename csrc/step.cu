@@ -12,6 +12,7 @@ const char* backbone_step_cluster2_f32(const StepParams&, int, cudaStream_t);
 const char* backbone_step_cluster2_bf16(const StepParams&, int, cudaStream_t);
 const char* backbone_step_cluster2_f16(const StepParams&, int, cudaStream_t);
 bool backbone_step_cluster2_ok(const StepParams& p);
+size_t backbone_step_cluster2_smem(const StepParams& p, int R);
 
 // Dynamic shared memory of the one-block kernel for R rows (mirrors step_smem_bytes in step.cuh and
 // mamba_rl/ops/capability.py step_smem_bytes).
@@ -20,18 +21,14 @@ static size_t rows_smem(const StepParams& p, int R) {
 }
 
 // rows_per_block R: > 0 the one-block-per-R-rows kernel; -8..-1 the cluster kernel with -R rows per cluster;
-// -48..-33 the second cluster kernel (step_cluster2.cuh, opt-in until timed on a GPU) with -R - 32 rows;
+// -48..-33 the second cluster kernel (step_cluster2.cuh) with -R - 32 rows;
 // -24..-17 the cluster kernel with -R - 16 rows and its RMSNorm as a pass behind a block barrier (the variant
-// before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the cluster
-// kernel where it applies; else the measured R, halved until R rows fit the device's opt-in shared memory per
-// block).
+// before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the second cluster
+// kernel up to B = 16, then the cluster kernel where it applies; else the measured R, halved until R rows fit the
+// device's opt-in shared memory per block).
 int backbone_step_rows(const StepParams& p, int R, const char** err) {
   *err = nullptr;
   if (R != 0) return R;
-  // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
-  // 1-2 rows for large ones
-  if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
-  R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
   int dev = 0, optin = 48 * 1024;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
@@ -39,6 +36,18 @@ int backbone_step_rows(const StepParams& p, int R, const char** err) {
     *err = cudaGetErrorString(e);
     return 0;
   }
+  // measured on H100 (benchmarks/NOTES.md, fourteenth session): the second cluster kernel wins up to B = 16 with
+  // at most 8 clusters (B = 1: 30 us vs 35, B = 16 with 2 rows per cluster: 34 us vs 38; 16 clusters of 8 blocks
+  // do not fit the GPCs at once: 51 us), and loses from B = 256 (156 us vs 68 for one block per 2 rows)
+  if (p.B <= 16 && backbone_step_cluster2_ok(p)) {
+    int rc = 1;
+    while ((p.B + rc - 1) / rc > 8) rc *= 2;
+    if (backbone_step_cluster2_smem(p, rc) <= (size_t)optin) return -rc - 32;
+  }
+  // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
+  // 1-2 rows for large ones
+  if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
+  R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
   while (R > 1 && rows_smem(p, R) > (size_t)optin) R /= 2;
   if (rows_smem(p, R) > (size_t)optin) {
     *err = "backbone_step: one row's activations exceed the shared memory per block";

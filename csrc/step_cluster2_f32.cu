@@ -5,4 +5,5 @@ const char* backbone_step_cluster2_f32(const StepParams& p, int R, cudaStream_t 
   return stepc2_launch_t<float>(p, R, s);
 }
 bool backbone_step_cluster2_ok(const StepParams& p) { return stepc2_supported(p); }
+size_t backbone_step_cluster2_smem(const StepParams& p, int R) { return stepc2_smem_bytes(p, R); }
 }  // namespace mrl

@@ -138,7 +138,8 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
             "cluster2" (d_model 128 / d_inner 256 only; ``rows_per_block`` 1, 2, 4, 8 or 16 rows per cluster of 8
             blocks: lanes over outputs and warps over each projection's reduction, partial sums added in a fixed
             order through shared and distributed shared memory, every weight prefetched into registers one layer
-            ahead; opt-in: not yet timed against the others on a GPU).
+            ahead; "auto" picks it for B <= 16 with the fewest rows per cluster that keep <= 8 clusters, where
+            its shared memory fits the device).
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
         RuntimeError: a forced kernel that cannot take the shapes (e.g. "cluster2" at another d_model).
