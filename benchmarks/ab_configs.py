@@ -7,7 +7,9 @@ as a difference between rounds, not between configurations. Configurations (``CO
 defaults), ``optsplit`` (grad_stats and AdamW as two launches: ``mamba_rl.ops.optim.FUSED = False``),
 ``stream_on`` / ``chain`` (the weight gradients on their second stream at every size / never:
 ``fused.WGRAD_STREAM``), ``wgrad_on`` (the grouped weight-gradient kernel at every size: ``fused.WGRAD = "on"``),
-``notc`` (its bf16 jobs on the FFMA path).
+``notc`` (its bf16 jobs on the FFMA path), ``nocoop`` (each scan direction and the conv backward as separate launches instead of
+one cooperative launch: ``ext.set_coop(0)``), ``coop_sf`` / ``coop_sb`` / ``coop_cb`` (only the scan forward /
+scan backward / conv backward as one cooperative launch).
 
 Usage (device): python3 benchmarks/ab_configs.py --rows 128x16x64 128x64x128 --dtypes f32 bf16
     --configs base optsplit --rounds 2 --out $OUT/ab.json
@@ -34,6 +36,10 @@ CONFIGS = {
     "chain": dict(wgrad_stream="off"),
     "wgrad_on": dict(variant="_wgradon"),
     "notc": dict(tensor_cores=False),
+    "nocoop": dict(coop=0),
+    "coop_sf": dict(coop=1),
+    "coop_sb": dict(coop=2),
+    "coop_cb": dict(coop=4),
 }
 
 

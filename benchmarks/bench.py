@@ -126,7 +126,7 @@ MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer 
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
-                tensor_cores=True, optim_fused=True):
+                tensor_cores=True, optim_fused=True, coop=7):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
@@ -139,6 +139,9 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     net = MambaBackbone(MambaConfig(d_model=dm, n_layers=L, layer=layer), OBS, device="cuda", seed=0, backend="cuda")
+    has_coop = hasattr(net.kernels, "set_coop")
+    if has_coop:
+        net.kernels.set_coop(coop)
     tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
@@ -152,13 +155,15 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     prof = kernel_profile(graph.replay) if profile_it else None
     seq = kernel_sequence(graph.replay) if profile_it else None
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    if has_coop:
+        net.kernels.set_coop(7)
     del tr, net, graph
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
     fused.WGRAD_TENSOR_CORES = True
     optim.FUSED = True
     variant += {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
-        ("" if optim_fused else "_optsplit")
+        ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}")
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:

@@ -6,7 +6,11 @@ builds (e.g. before / after a kernel change) can be timed by two processes on th
 Where the build has ``scan_set_segments``, each shape is also timed with the time split forced off (1
 segment), and the segment counts are recorded.
 
-Usage (device): python3 benchmarks/scan_kernels.py [--tree PATH] [--label NAME] [--shape 16x64 ...] --out scan.json
+``--bwd-blocks 0,3,4`` times the backward's builds (``ext.scan_set_bwd_blocks``) instead, ``--coop MASK`` sets
+``ext.set_coop`` for the run (0: every pass as its own launch).
+
+Usage (device): python3 benchmarks/scan_kernels.py [--tree PATH] [--label NAME] [--shape 16x64 ...]
+    [--segments 1,2] [--bwd-blocks 0,3,4] [--coop 0] --out scan.json
 """
 from __future__ import annotations
 
@@ -30,6 +34,10 @@ def main(argv=None):
     ap.add_argument("--segments", default=None,
                     help="comma-separated forced segment counts to time instead of auto / one_segment, e.g. 1,2,3")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: both")
+    ap.add_argument("--bwd-blocks", default=None,
+                    help="comma-separated backward builds to time (0 = automatic, 3, 4: blocks per SM with the split "
+                    "sized for it; ext.scan_set_bwd_blocks), each as its own mode")
+    ap.add_argument("--coop", type=int, default=None, help="ext.set_coop mask for the whole run (default: the build's)")
     a = ap.parse_args(argv)
     sys.path.insert(0, a.tree)
     import torch
@@ -64,6 +72,8 @@ def main(argv=None):
         return ts[len(ts) // 2]
 
     has_seg = hasattr(ext, "scan_set_segments")
+    if a.coop is not None:
+        ext.set_coop(a.coop)
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in a.shape] if a.shape else SHAPES
     dtypes = [getattr(torch, a.dtype)] if a.dtype else [torch.float32, torch.bfloat16]
     for B, T in shapes:
@@ -88,7 +98,12 @@ def main(argv=None):
             modes = [("auto", 0), ("one_segment", 1)] if has_seg else [("auto", 0)]
             if has_seg and a.segments:
                 modes = [(f"forced_{n}", int(n)) for n in a.segments.split(",")]
+            if a.bwd_blocks:
+                modes = [(f"bwd_blocks_{n}", ("bb", int(n))) for n in a.bwd_blocks.split(",")]
             for mode, forced in modes:
+                if isinstance(forced, tuple):
+                    ext.scan_set_bwd_blocks(forced[1])
+                    forced = 0
                 if has_seg:
                     ext.scan_set_segments(forced)
                 r = dict(label=a.label, mode=mode, B=B, T=T, D=D, N=N, dtype=str(dtype).split(".")[-1],
@@ -97,6 +112,8 @@ def main(argv=None):
                     r["nseg_fwd"] = ext.scan_segments(B, T, D, N, False)
                     r["nseg_bwd"] = ext.scan_segments(B, T, D, N, True)
                     ext.scan_set_segments(0)
+                if a.bwd_blocks:
+                    ext.scan_set_bwd_blocks(0)
                 rows.append(r)
                 print(r, flush=True)
     if a.out:

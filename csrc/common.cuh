@@ -30,6 +30,12 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
+// Cooperative single launches (coop.cu): whether a grid of `threads`-thread blocks with `smem` bytes of dynamic
+// shared memory each is co-resident on the current device (so a cooperative launch with grid barriers can run
+// it), false where the device lacks cooperative launch or set_coop() has cleared `which` (a COOP_* bit; the
+// separate launches then run, with the same bits: a tuning / testing knob).
+bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid);
+
 #define MRL_LAUNCH_CHECK()                                        \
   do {                                                            \
     cudaError_t e__ = cudaGetLastError();                         \
@@ -42,37 +48,58 @@ namespace mrl {
 // Deterministic column sums: for j < M, f(j, sum_{p < P} ws[p * M + j]) with a fixed summation order.
 // Block = 32 columns x 8 row-groups; row-group r sums rows r, r+8, ...; then a fixed-order combine.
 constexpr int COLSUM_RG = 8;
+// Row group r's partial sum of column j (rows r, r + 8, ...; the order colsum_kernel and colsum_grid share).
+__device__ __forceinline__ float colsum_part(const float* __restrict__ ws, int P, int M, int j, int r) {
+  float acc = 0.f;
+  int p = r;
+  // 16 loads in flight, then the same sums in the same order as the 4-row loop below (bit for bit): a
+  // thread's rows are P / 8, and one memory latency per 4 of them made the kernel latency-bound.
+  for (; p + 15 * COLSUM_RG < P; p += 16 * COLSUM_RG) {
+    float a[16];
+#pragma unroll
+    for (int u = 0; u < 16; ++u) a[u] = ws[(int64_t)(p + u * COLSUM_RG) * M + j];
+#pragma unroll
+    for (int u = 0; u < 16; u += 4) acc += (a[u] + a[u + 1]) + (a[u + 2] + a[u + 3]);
+  }
+  for (; p + 3 * COLSUM_RG < P; p += 4 * COLSUM_RG) {
+    float a0 = ws[(int64_t)p * M + j], a1 = ws[(int64_t)(p + COLSUM_RG) * M + j];
+    float a2 = ws[(int64_t)(p + 2 * COLSUM_RG) * M + j], a3 = ws[(int64_t)(p + 3 * COLSUM_RG) * M + j];
+    acc += (a0 + a1) + (a2 + a3);
+  }
+  for (; p < P; p += COLSUM_RG) acc += ws[(int64_t)p * M + j];
+  return acc;
+}
+
 template <typename F>
 __global__ void __launch_bounds__(32 * COLSUM_RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
   __shared__ float part[COLSUM_RG][33];
   const int j = blockIdx.x * 32 + threadIdx.x;
   const int r = threadIdx.y;
-  float acc = 0.f;
-  if (j < M) {
-    int p = r;
-    // 16 loads in flight, then the same sums in the same order as the 4-row loop below (bit for bit): a
-    // thread's rows are P / 8, and one memory latency per 4 of them made the kernel latency-bound.
-    for (; p + 15 * COLSUM_RG < P; p += 16 * COLSUM_RG) {
-      float a[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) a[u] = ws[(int64_t)(p + u * COLSUM_RG) * M + j];
-#pragma unroll
-      for (int u = 0; u < 16; u += 4) acc += (a[u] + a[u + 1]) + (a[u + 2] + a[u + 3]);
-    }
-    for (; p + 3 * COLSUM_RG < P; p += 4 * COLSUM_RG) {
-      float a0 = ws[(int64_t)p * M + j], a1 = ws[(int64_t)(p + COLSUM_RG) * M + j];
-      float a2 = ws[(int64_t)(p + 2 * COLSUM_RG) * M + j], a3 = ws[(int64_t)(p + 3 * COLSUM_RG) * M + j];
-      acc += (a0 + a1) + (a2 + a3);
-    }
-    for (; p < P; p += COLSUM_RG) acc += ws[(int64_t)p * M + j];
-  }
-  part[r][threadIdx.x] = acc;
+  part[r][threadIdx.x] = j < M ? colsum_part(ws, P, M, j, r) : 0.f;
   __syncthreads();
   if (r == 0 && j < M) {
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < COLSUM_RG; ++i) s += part[i][threadIdx.x];
     f(j, s);
+  }
+}
+
+// The same sums by the threads [gtid .. ) of a grid (gtid = thread id in the grid, nthreads a multiple of 32):
+// the 8 row groups of a column in 8 lanes of one warp, added in group order (the same bits as colsum_kernel).
+template <typename F>
+__device__ __forceinline__ void colsum_grid(const float* __restrict__ ws, int P, int M, F f, int64_t gtid,
+                                            int64_t nthreads) {
+  const int lane = (int)(gtid & 31);
+  const int64_t total = (int64_t)M * COLSUM_RG;
+  for (int64_t w0 = gtid - lane; w0 < total; w0 += nthreads) {  // warp-uniform trip count (shuffles below)
+    const int64_t idx = w0 + lane;
+    const int j = (int)(idx / COLSUM_RG), r = lane % COLSUM_RG;
+    const float a = idx < total ? colsum_part(ws, P, M, j, r) : 0.f;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < COLSUM_RG; ++i) s += __shfl_sync(0xffffffffu, a, (lane & ~(COLSUM_RG - 1)) + i);
+    if (r == 0 && idx < total) f(j, s);
   }
 }
 template <typename F>

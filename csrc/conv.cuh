@@ -3,6 +3,7 @@
 // A start at time s zeroes every window entry older than s, which is exactly "taps before the latest
 // start in (tau, t] are zero" since such an entry stays invalid for every later output.
 #pragma once
+#include <cooperative_groups.h>
 #include "common.cuh"
 
 namespace mrl {
@@ -87,7 +88,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
 
 // Partials layout: ws[(b * nC + c) * (K+1) + k][d], k = K is the bias.
 template <typename T, int K>
-__global__ void __launch_bounds__(CONV_THREADS) conv_bwd_kernel(ConvBwdParams p) {
+__device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
   constexpr int LC = CONV_LC, WX = LC + 2 * (K - 1), WP = LC + K - 1;
   // xv/sv index j <-> time t0-K+1+j (j < WX); dp index m <-> time t0+m (m < WP)
   const int d = blockIdx.x * CONV_THREADS + threadIdx.x;
@@ -191,17 +192,57 @@ const char* conv_fwd_t(const ConvFwdParams& p, cudaStream_t s) {
   return nullptr;
 }
 
-template <typename T>
-const char* conv_bwd_main_t(const ConvBwdParams& p, cudaStream_t s) {
-  dim3 grid((p.D + CONV_THREADS - 1) / CONV_THREADS, (p.T + CONV_LC - 1) / CONV_LC, p.B);
-  switch (p.K) {
-    case 2: conv_bwd_kernel<T, 2><<<grid, CONV_THREADS, 0, s>>>(p); break;
-    case 3: conv_bwd_kernel<T, 3><<<grid, CONV_THREADS, 0, s>>>(p); break;
-    case 4: conv_bwd_kernel<T, 4><<<grid, CONV_THREADS, 0, s>>>(p); break;
-    default: return "causal_conv1d: d_conv must be 2, 3 or 4";
+// The weight-gradient partials summed over the (b, chunk) rows into dw [D][K] and dbias [D] (or added).
+struct ConvWGradOut {
+  float* dw; float* dbias; int D, K; bool acc;
+  __device__ void operator()(int j, float v) const {
+    int k = j / D, d = j - k * D;
+    float* dst = k < K ? dw + d * K + k : dbias + d;
+    *dst = acc ? *dst + v : v;
   }
+};
+
+template <typename T, int K>
+__global__ void __launch_bounds__(CONV_THREADS) conv_bwd_kernel(ConvBwdParams p) {
+  conv_bwd_body<T, K>(p);
+}
+// The backward and its weight-gradient sums in one cooperative launch (the grid is co-resident): a grid
+// barrier between them, the sums by every thread of the grid in colsum_kernel's order (the same bits).
+template <typename T, int K>
+__global__ void __launch_bounds__(CONV_THREADS) conv_bwd_coop_kernel(ConvBwdParams p) {
+  conv_bwd_body<T, K>(p);
+  cooperative_groups::this_grid().sync();
+  const int64_t blk = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  colsum_grid(p.ws, p.B * (int)gridDim.y, (p.K + 1) * p.D, ConvWGradOut{p.dw, p.dbias, p.D, p.K, p.accumulate},
+              blk * CONV_THREADS + threadIdx.x, (int64_t)gridDim.x * gridDim.y * gridDim.z * CONV_THREADS);
+}
+
+template <typename T, int K>
+const char* conv_bwd_tk(const ConvBwdParams& p, cudaStream_t s) {
+  const dim3 grid((p.D + CONV_THREADS - 1) / CONV_THREADS, (p.T + CONV_LC - 1) / CONV_LC, p.B);
+  const void* coop = (const void*)conv_bwd_coop_kernel<T, K>;
+  if (coop_fits(COOP_CONV_BWD, coop, CONV_THREADS, 0, grid)) {
+    ConvBwdParams a = p;
+    void* args[] = {&a};
+    const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(CONV_THREADS), args, 0, s);
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  }
+  conv_bwd_kernel<T, K><<<grid, CONV_THREADS, 0, s>>>(p);
+  MRL_LAUNCH_CHECK();
+  launch_colsum(p.ws, p.B * (int)grid.y, (p.K + 1) * p.D, ConvWGradOut{p.dw, p.dbias, p.D, p.K, p.accumulate}, s);
   MRL_LAUNCH_CHECK();
   return nullptr;
+}
+
+// The backward with its weight-gradient sums (one cooperative launch where it fits, else two launches).
+template <typename T>
+const char* conv_bwd_main_t(const ConvBwdParams& p, cudaStream_t s) {
+  switch (p.K) {
+    case 2: return conv_bwd_tk<T, 2>(p, s);
+    case 3: return conv_bwd_tk<T, 3>(p, s);
+    case 4: return conv_bwd_tk<T, 4>(p, s);
+  }
+  return "causal_conv1d: d_conv must be 2, 3 or 4";
 }
 
 }  // namespace mrl

@@ -76,6 +76,12 @@ int64_t scan_bwd_workspace(int B, int T, int D, int N);
 // choice (a tuning/testing knob: results depend on the split in the last bits).
 int scan_segments(int B, int T, int D, int N, bool bwd);
 void scan_set_segments(int n);
+// The backward's build: 3 or 4 (d_state 16) blocks per SM with the split sized for it, 0 = automatic (tuning).
+void scan_set_bwd_blocks(int n);
+// Which kernels run their passes as one cooperative launch where the grid is co-resident (a mask of COOP_*;
+// a cleared bit: the separate launches, the same bits; a tuning / testing knob; coop.cu).
+enum : int { COOP_SCAN_FWD = 1, COOP_SCAN_BWD = 2, COOP_CONV_BWD = 4, COOP_ALL = 7 };
+void set_coop(int mask);
 const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s);
 const char* scan_bwd(int dtype, const ScanBwdParams& p, cudaStream_t s);
 

@@ -1,5 +1,6 @@
 // Selective scan backward: see scan_common.cuh for the layout and the two-level split over T.
 #pragma once
+#include <algorithm>
 #include "scan_common.cuh"
 
 namespace mrl {
@@ -49,19 +50,30 @@ struct ScanBwdLayout {
   }
 };
 
-// Local pass of the backward: segment k = blockIdx.z + 1 (1 <= k < nseg) runs the adjoint recurrence in
+// Shared memory of the backward's local pass (static in its own kernel; carved from the main pass's dynamic
+// buffer in the cooperative kernel, where the two passes are separated by a grid barrier).
+template <int N>
+struct ScanBwdLocalSmem {
+  static constexpr int CPB = ScanGeom<N>::CPB, TC = SCAN_TC;
+  float dl[TC][CPB], gs[TC][CPB];
+  __align__(16) float C[TC][N];
+  bool st[TC];
+};
+
+// Local pass of the backward: segment k (1 <= k < nseg) runs the adjoint recurrence in
 // reverse from a zero adjoint (the last segment from grad_final_state) and stores the adjoint leaving its
 // first step (d loss / d state entering the segment, from inside it) and its decay product.
 template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_bwd_local_kernel(ScanBwdParams q) {
+__device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, const int k, ScanBwdLocalSmem<N>& ls) {
   using Gm = ScanGeom<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
-  __shared__ float sdl[TC][CPB], sgs[TC][CPB];
-  __shared__ __align__(16) float sC[TC][N];
-  __shared__ bool sst[TC];
+  auto& sdl = ls.dl;
+  auto& sgs = ls.gs;
+  auto& sC = ls.C;
+  auto& sst = ls.st;
   const ScanFwdParams& p = q.f;
   const int tid = threadIdx.x, gi = tid % G, cl = tid / G;
-  const int d0 = blockIdx.x * CPB, b = blockIdx.y, k = blockIdx.z + 1;
+  const int d0 = blockIdx.x * CPB, b = blockIdx.y;
   const int T_ = p.T, D = p.D, nz = p.nseg;
   const bool act = d0 + cl < D;
   const int d = act ? d0 + cl : D - 1;
@@ -133,8 +145,10 @@ struct ScanBwdSmem {
   bool st[TC];
 };
 
-template <typename T, int N, int MINB>
-__global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdParams q) {
+// The main pass of segment k: the adjoint entering it from the local pass's results (k < nseg - 1), then
+// every per-step gradient and the partial sums that scan_bwd_reduce() adds up.
+template <typename T, int N>
+__device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const int k) {
   using Gm = ScanGeom<N>;
   using SM = ScanBwdSmem<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NW = Gm::NW, NP = SCAN_NPT;
@@ -147,7 +161,7 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdPar
   const int d0 = blockIdx.x * CPB;
   const bool act = d0 + cl < p.D;
   const int d = act ? d0 + cl : p.D - 1;
-  const int b = blockIdx.y, tile = blockIdx.x, ntiles = gridDim.x, k = blockIdx.z;
+  const int b = blockIdx.y, tile = blockIdx.x, ntiles = gridDim.x;
   const int T_ = p.T, D = p.D, B = p.B, nz = p.nseg;
   const ScanSeg sg(T_, p.seg_len, k);
   const int nC = sg.nC;
@@ -307,35 +321,134 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdPar
   }
 }
 
+// The backward's reductions over its partial sums, by the threads [gtid0 .. gtid0 + nthreads) of a grid
+// (gtid = thread id in the grid), in a fixed order, so any grid gives the same bits: dB / dC of every (b, t)
+// summed over the ntiles channel tiles in tile order, and dA_log / dD / ddt_bias of every column summed
+// over the B * nseg (row, segment) partials as 8 row groups (group g: rows g, g + 8, ...; the 8 group sums
+// then added in group order; 8 lanes of a warp per column). Written (or added, q.accumulate) into the outputs.
+template <typename T, int N>
+__device__ __forceinline__ void scan_bwd_reduce(const ScanBwdParams& q, const int ntiles, const int64_t gtid,
+                                                const int64_t nthreads) {
+  const ScanFwdParams& p = q.f;
+  const ScanBwdLayout<N> L(q.ws, ntiles, p.B, p.T, p.D, p.nseg);
+  const int64_t Mbc = (int64_t)p.B * p.T * 2 * N;
+  for (int64_t i = gtid; i < Mbc; i += nthreads) {
+    float a = 0.f;
+    for (int k = 0; k < ntiles; ++k) a += L.pBC[(int64_t)k * Mbc + i];
+    const int64_t bt = i / (2 * N);
+    const int j = (int)(i % (2 * N));
+    if (j < N) reinterpret_cast<T*>(q.dB)[bt * N + j] = from_f<T>(a);
+    else reinterpret_cast<T*>(q.dC)[bt * N + j - N] = from_f<T>(a);
+  }
+  const int D = p.D, M = D * N + 2 * D, rows = p.B * p.nseg;
+  const int lane = (int)(gtid & 31);
+  const int64_t total = (int64_t)M * 8;  // (column, row group) pairs, the 8 groups of a column in one warp
+  for (int64_t w0 = gtid - lane; w0 < total; w0 += nthreads) {  // warp-uniform trip count (shuffles below)
+    const int64_t idx = w0 + lane;
+    const int col = (int)(idx >> 3), rg = lane & 7;
+    float a = 0.f;
+    if (idx < total)
+      for (int r = rg; r < rows; r += 8) a += L.pPar[(int64_t)r * M + col];
+    float v = 0.f;
+#pragma unroll
+    for (int g = 0; g < 8; ++g) v += __shfl_sync(0xffffffffu, a, (lane & ~7) + g);
+    if (rg == 0 && idx < total) {
+      float* dst = col < D * N ? q.dA_log + col : (col < D * N + D ? q.dD + (col - D * N) : q.ddt_bias + (col - D * N - D));
+      *dst = q.accumulate ? *dst + v : v;
+    }
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_bwd_local_kernel(ScanBwdParams q) {
+  __shared__ ScanBwdLocalSmem<N> ls;
+  scan_bwd_local_body<T, N>(q, blockIdx.z + 1, ls);
+}
+template <typename T, int N, int MINB>
+__global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdParams q) {
+  scan_bwd_main_body<T, N>(q, blockIdx.z);
+}
+template <typename T, int N>
+__global__ void __launch_bounds__(256) scan_bwd_reduce_kernel(ScanBwdParams q, int ntiles) {
+  scan_bwd_reduce<T, N>(q, ntiles, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
+}
+// The whole backward in one cooperative launch (the grid is co-resident): the local pass (nseg > 1, its shared
+// memory carved from the main pass's), a grid barrier, the main pass, a grid barrier, the reductions by every
+// thread of the grid. The same operations in the same order as the separate launches, so the same bits.
+template <typename T, int N, int MINB, bool LOCAL>
+__global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanBwdParams q) {
+  extern __shared__ float4 scan_bwd_smem[];
+  auto grid = cooperative_groups::this_grid();
+  const int k = blockIdx.z;
+  if (LOCAL && q.f.nseg > 1) {
+    if (k >= 1) scan_bwd_local_body<T, N>(q, k, *reinterpret_cast<ScanBwdLocalSmem<N>*>(scan_bwd_smem));
+    grid.sync();
+  }
+  scan_bwd_main_body<T, N>(q, k);
+  grid.sync();
+  const int64_t blk = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  scan_bwd_reduce<T, N>(q, gridDim.x, blk * SCAN_THREADS + threadIdx.x,
+                        (int64_t)gridDim.x * gridDim.y * gridDim.z * SCAN_THREADS);
+}
+
+// The cooperative kernel for the 3-blocks-per-SM build (with the local pass) or the wide build (d_state 16,
+// where nseg is 1: no local pass, which also keeps its code inside 128 registers).
+// (A wide build with a split, forced by scan_set_bwd_blocks, takes the separate launches.)
+template <typename T, int N>
+const void* scan_bwd_coop_fn(bool wide, bool split) {
+  if constexpr (N == 16) {
+    if (wide) return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_WIDE, false>;
+  }
+  return wide ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB, true>;
+}
+
 template <typename T, int N>
 const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
   constexpr int CPB = ScanGeom<N>::CPB;
   constexpr int smem = (int)sizeof(ScanBwdSmem<N>);
+  static_assert(sizeof(ScanBwdLocalSmem<N>) <= sizeof(ScanBwdSmem<N>), "scan bwd: the local pass's shared memory");
   constexpr int wide_minb = N == 16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB;  // d_state 8 spills at 128 registers
   static_assert(wide_minb * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
   static bool attr_set[64] = {};  // per device: the > 48 KB dynamic shared memory opt-in, once
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
   if (!attr_set[dev]) {
-    if (cudaFuncSetAttribute(scan_bwd_kernel<T, N, SCAN_BWD_MINB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem) != cudaSuccess ||
-        cudaFuncSetAttribute(scan_bwd_kernel<T, N, wide_minb>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             smem) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return "selective_scan: the backward's shared memory cannot be reserved on this device";
-    }
+    const void* fns[] = {(const void*)scan_bwd_kernel<T, N, SCAN_BWD_MINB>, (const void*)scan_bwd_kernel<T, N, wide_minb>,
+                         scan_bwd_coop_fn<T, N>(false, true), scan_bwd_coop_fn<T, N>(true, false)};
+    for (const void* fn : fns)
+      if (fn != nullptr && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return "selective_scan: the backward's shared memory cannot be reserved on this device";
+      }
     attr_set[dev] = true;
   }
   const int tiles = (q.f.D + CPB - 1) / CPB;
+  const dim3 grid(tiles, q.f.B, q.f.nseg);
+  // One launch only where the reductions are at most ~4 dB / dC sums per thread of the grid: beyond that the
+  // reduction kernel's own, larger grid is faster (the cooperative grid walks them serially; at 16 x 2048 that
+  // is ~21 per thread).
+  const void* coop = scan_bwd_coop_fn<T, N>(q.wide, q.f.nseg > 1);
+  const int64_t grid_threads = (int64_t)grid.x * grid.y * grid.z * SCAN_THREADS;
+  const bool small_reduce = (int64_t)q.f.B * q.f.T * 2 * N <= 4 * grid_threads;
+  if (coop != nullptr && small_reduce && coop_fits(COOP_SCAN_BWD, coop, SCAN_THREADS, smem, grid)) {
+    ScanBwdParams a = q;
+    void* args[] = {&a};
+    const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(SCAN_THREADS), args, smem, s);
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  }
   if (q.f.nseg > 1) {
     scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
     MRL_LAUNCH_CHECK();
   }
-  const dim3 grid(tiles, q.f.B, q.f.nseg);
   if (q.wide)
     scan_bwd_kernel<T, N, wide_minb><<<grid, SCAN_THREADS, smem, s>>>(q);
   else
     scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
+  MRL_LAUNCH_CHECK();
+  const int64_t work = std::max<int64_t>((int64_t)q.f.B * q.f.T * 2 * N,
+                                         (int64_t)(q.f.D * N + 2 * q.f.D) * 8);
+  const int blocks = (int)std::min<int64_t>((work + 255) / 256, 4096);
+  scan_bwd_reduce_kernel<T, N><<<blocks, 256, 0, s>>>(q, tiles);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

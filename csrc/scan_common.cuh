@@ -18,15 +18,20 @@
 // The forward stores the state entering every chunk (ckpt); the backward walks its segment's chunks in
 // reverse, recomputes each chunk's states from its checkpoint into shared memory, then runs the adjoint
 // recurrence. dB/dC (sums over channels) are reduced in the warp (transpose-reduce), then over warps in
-// shared memory, then over channel tiles by a second, fixed-order kernel, as are dA_log, dD and ddt_bias
+// shared memory, then over channel tiles in a fixed order (scan_bwd_reduce), as are dA_log, dD and ddt_bias
 // (sums over rows and segments): no float atomics, so results are bit-reproducible for a given shape.
+// Where the grid is co-resident, each direction is one cooperative launch with grid barriers between the
+// local pass, the main pass and (backward) the reductions; otherwise they are separate launches. The same
+// code in the same order either way, so the same bits (coop_fits, set_coop in common.cuh).
 // Steps past T in the last chunk are padded (dt = 0 -> decay 1, zero input, zero gradient), so every chunk
 // runs one code path.
 // This header: the constants, the geometry and the chunk staging that scan_fwd.cuh and scan_bwd.cuh share.
 #pragma once
+#include <cooperative_groups.h>
 #include "common.cuh"
 
 namespace mrl {
+
 
 constexpr int SCAN_THREADS = 128;
 constexpr int SCAN_TC = 16;

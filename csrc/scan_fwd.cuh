@@ -8,14 +8,14 @@ namespace mrl {
 // Local pass of the forward: segment k (blockIdx.z, k < nseg - 1) from a zero state (segment 0 from the
 // initial state). Writes its end state e and decay product P ([B][nseg][D][N] each, at p.ws).
 template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_local_kernel(ScanFwdParams p) {
+__device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, const int k) {
   using Gm = ScanGeom<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sdl[TC][CPB], sdx[TC][CPB];
   __shared__ __align__(16) float sB[TC][N];
   __shared__ bool sst[TC];
   const int tid = threadIdx.x, gi = tid % G, cl = tid / G;
-  const int d0 = blockIdx.x * CPB, b = blockIdx.y, k = blockIdx.z;
+  const int d0 = blockIdx.x * CPB, b = blockIdx.y;
   const int T_ = p.T, D = p.D;
   const bool act = d0 + cl < D;
   const int d = act ? d0 + cl : D - 1;
@@ -72,8 +72,10 @@ __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_local
   }
 }
 
+// The main pass of segment k: its entering state from the local pass's results (k > 0), then outputs,
+// checkpoints and (last segment) the final state.
 template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kernel(ScanFwdParams p) {
+__device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const int k) {
   using Gm = ScanGeom<N>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sx[TC][CPB], sdl[TC][CPB], sz[TC][CPB], sy[TC][CPB];
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kerne
   const int tid = threadIdx.x;
   const int gi = tid % G, cl = tid / G;
   const int d0 = blockIdx.x * CPB;
-  const int b = blockIdx.y, k = blockIdx.z;
+  const int b = blockIdx.y;
   const int T_ = p.T, D = p.D;
   const bool act = d0 + cl < D;
   const int d = act ? d0 + cl : D - 1;
@@ -167,14 +169,41 @@ __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kerne
 }
 
 template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_local_kernel(ScanFwdParams p) {
+  scan_fwd_local_body<T, N>(p, blockIdx.z);
+}
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kernel(ScanFwdParams p) {
+  scan_fwd_main_body<T, N>(p, blockIdx.z);
+}
+// Both passes in one cooperative launch (the grid is co-resident): the local pass, a grid barrier (which also
+// orders the local results' stores before the main pass's loads), then the main pass. The same operations in
+// the same order as the two launches, so the same bits.
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_coop_kernel(ScanFwdParams p) {
+  const int k = blockIdx.z;
+  if (k < p.nseg - 1) scan_fwd_local_body<T, N>(p, k);
+  cooperative_groups::this_grid().sync();
+  scan_fwd_main_body<T, N>(p, k);
+}
+
+template <typename T, int N>
 const char* scan_fwd_tn(const ScanFwdParams& p, cudaStream_t s) {
   constexpr int CPB = ScanGeom<N>::CPB;
   const int tiles = (p.D + CPB - 1) / CPB;
+  const dim3 grid(tiles, p.B, p.nseg);
+  if (p.nseg > 1 && coop_fits(COOP_SCAN_FWD, (const void*)scan_fwd_coop_kernel<T, N>, SCAN_THREADS, 0, grid)) {
+    ScanFwdParams a = p;
+    void* args[] = {&a};
+    const cudaError_t e =
+        cudaLaunchCooperativeKernel((const void*)scan_fwd_coop_kernel<T, N>, grid, dim3(SCAN_THREADS), args, 0, s);
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  }
   if (p.nseg > 1) {
     scan_fwd_local_kernel<T, N><<<dim3(tiles, p.B, p.nseg - 1), SCAN_THREADS, 0, s>>>(p);
     MRL_LAUNCH_CHECK();
   }
-  scan_fwd_kernel<T, N><<<dim3(tiles, p.B, p.nseg), SCAN_THREADS, 0, s>>>(p);
+  scan_fwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(p);
   MRL_LAUNCH_CHECK();
   return nullptr;
 }

@@ -419,9 +419,12 @@ int wg_mode(const void* ptr, int64_t ld, int ncol, int dt) {
 // The K slice of the FFMA or the tensor-core jobs, from the shapes only. Candidates: 128, 256, 512, ... rows and
 // the whole K (slices of 64 were slower at every K timed). Cost in K rows of one SM's busiest share: n items of
 // `slice` rows each (n = items / SMs, rounded up), where fewer than 4 co-resident items leave the SM's pipes idle
-// (a lone FFMA item ran a K row ~4x slower than 7 sharing the SM), plus ~5 rows per block and ~4 per partial of a
-// split tile (the last slice's sum). Fitted to the FFMA path timed alone on the H200 (benchmarks/NOTES.md): 128
-// rows at K = 1024 and 4096, 256 at 8192.
+// (a lone FFMA item ran a K row ~4x slower than 7 sharing the SM), plus a fixed cost per item (its prologue,
+// operand pipeline fill and partial store) and ~4 rows per partial of a split tile (the last slice's sum). The
+// FFMA path's ~5 rows per item were fitted on the H200 (benchmarks/NOTES.md): 128 rows at K = 1024 and 4096,
+// 256 at 8192. On tensor cores a K row costs a tenth as much, so the fixed cost weighs ~256 rows: fitted to the
+// real step's jobs timed alone on the H100 (forced slices 128 / 256 / 512 at K = 1024: 36.0 / 24.4 / 32.6 µs;
+// 256 / 384 / 512 at K = 2048: 43.6 / 38.0 / 38.9), which gives 256 rows at 1024 and 512 at 2048.
 int64_t wg_slice(const WGradParams& p, int path, int64_t sms) {
   int64_t kmax = 0;
   for (int j = 0; j < p.n_jobs; ++j)
@@ -438,7 +441,8 @@ int64_t wg_slice(const WGradParams& p, int path, int64_t sms) {
       splits = std::max(splits, sp);
     }
     const int64_t n = (items + sms - 1) / sms;
-    const int64_t cost = slice * std::max<int64_t>(n, 4) + 5 * n + (splits > 1 ? 4 * splits : 0);
+    const int64_t per_item = path == kWgMma ? 256 : 5;
+    const int64_t cost = slice * std::max<int64_t>(n, 4) + per_item * n + (splits > 1 ? 4 * splits : 0);
     if (best_cost < 0 || cost < best_cost) { best_cost = cost; best = slice; }
     if (slice == kfull) break;
   }

@@ -400,3 +400,98 @@ def test_scan_bwd_wide_build_gives_the_same_bits(ext, dtype):
     ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
     for i, (a, r) in enumerate(zip(whole, ref)):
         assert rel(a, r) <= TOL[dtype], i
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("B,T,D,N,forced", [(3, 100, 48, 16, 0), (3, 100, 48, 16, 3), (3, 100, 48, 16, 7),
+                                            (16, 64, 256, 16, 0), (2, 33, 40, 16, 1), (3, 300, 48, 8, 0),
+                                            (3, 300, 48, 8, 5), (4, 2049, 40, 16, 0), (3, 2049, 48, 16, 129)])
+def test_scan_cooperative_launch_gives_the_same_bits(ext, B, T, D, N, forced, dtype):
+    """Each scan direction as one cooperative launch (local pass, grid barrier, main pass, grid barrier, the
+    backward's reductions; csrc/scan_common.cuh) gives bit for bit the separate launches' y, final state and
+    all nine gradients, at split and unsplit shapes (the last case's 387-block grid of 129 one-chunk segments
+    may exceed the co-resident limit, where both runs take the separate launches), and the float64 reference's
+    values."""
+    from mamba_rl.ops import scan as scanmod
+    ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=B * 1000 + T + N + forced)
+    try:
+        ext.scan_set_segments(forced)
+        ext.set_coop(0)
+        sep = _scan_run(ins, starts, dy, dfin)
+        ext.set_coop(7)
+        coop = _scan_run(ins, starts, dy, dfin)
+    finally:
+        ext.set_coop(7)
+        ext.scan_set_segments(0)
+    names = ["y", "final_state", "dx", "ddt", "dA_log", "dB", "dC", "dD", "dz", "ddt_bias", "dstate"]
+    for name, a, b in zip(names, coop, sep):
+        assert torch.equal(a, b), name
+    rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+    ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
+    ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
+    for name, a, r in zip(names, coop, ref):
+        assert rel(a, r) <= TOL[dtype], (name, rel(a, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("B,T,D,K", [(16, 64, 256, 4), (3, 100, 80, 4), (7, 65, 80, 3), (2, 1, 40, 2),
+                                     (64, 128, 256, 4), (64, 2049, 40, 4)])
+def test_conv_bwd_cooperative_launch_gives_the_same_bits(ext, B, T, D, K, dtype):
+    """The conv backward and its weight-gradient sums as one cooperative launch (grid barrier between them;
+    csrc/conv.cuh) give bit for bit the two launches' dx, dweight, dbias and dstate, and the float64
+    reference's values; the large grids (64 x 128 at 256 channels, 64 x 2049) may exceed the co-resident
+    limit, where both runs take the two launches."""
+    from mamba_rl.ops import causal_conv1d
+    from mamba_rl.ops import conv as convmod
+    g = torch.Generator(device="cuda").manual_seed(B * 10000 + T + K)
+    big = torch.randn(B, T, 2 * D, device="cuda", generator=g).to(dtype)
+    ins = (big[..., :D], torch.randn(D, K, device="cuda", generator=g) * 0.5,
+           torch.randn(D, device="cuda", generator=g) * 0.2, torch.randn(B, D, K - 1, device="cuda", generator=g))
+    starts = starts_pattern(B, T, g)
+    dout = torch.randn(B, T, D, device="cuda", generator=g).to(dtype)
+    dfin = torch.randn(B, D, K - 1, device="cuda", generator=g)
+
+    def run():
+        leaves = [t.detach().clone().requires_grad_(True) for t in ins]
+        out, fin = causal_conv1d(*leaves, starts)
+        return torch.autograd.grad([out, fin], leaves, [dout, dfin])
+
+    try:
+        ext.set_coop(0)
+        sep = run()
+        ext.set_coop(7)
+        coop = run()
+    finally:
+        ext.set_coop(7)
+    names = ["dx", "dweight", "dbias", "dstate"]
+    for name, a, b in zip(names, coop, sep):
+        assert torch.equal(a, b), name
+    rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+    rout, rfin = convmod.causal_conv1d_ref(*rleaves, starts)
+    rgrads = torch.autograd.grad([rout, rfin], rleaves, [dout.double(), dfin.double()])
+    for name, a, r in zip(names, coop, rgrads):
+        assert rel(a, r) <= TOL[dtype], (name, rel(a, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("B,T,N", [(16, 64, 16), (3, 257, 16), (5, 100, 8)])
+def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
+    """Either backward build (3 blocks per SM, or at d_state 16 the 4-block one with the split sized for 4:
+    ext.scan_set_bwd_blocks) gives the float64 reference's values, cooperative launch or not."""
+    from mamba_rl.ops import scan as scanmod
+    D = 256 if B == 16 else 48
+    ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=7 * B + T + N)
+    rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+    ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
+    ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
+    try:
+        for blocks in (3, 4):
+            for coop in (0, 7):
+                ext.scan_set_bwd_blocks(blocks)
+                ext.set_coop(coop)
+                out = _scan_run(ins, starts, dy, dfin)
+                for i, (a, r) in enumerate(zip(out, ref)):
+                    assert rel(a, r) <= TOL[dtype], (blocks, coop, i, rel(a, r))
+    finally:
+        ext.scan_set_bwd_blocks(0)
+        ext.set_coop(7)
