@@ -883,11 +883,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
   m.def("scan_segments", &mrl::scan_segments, "time segments of the scan's two-level split for (B, T, D, N, bwd)");
   m.def("scan_set_segments", &mrl::scan_set_segments, "force the scan's segment count (0: automatic; tests)");
-  m.def("scan_set_bwd_blocks", &mrl::scan_set_bwd_blocks,
-        "force the scan backward's build: 3 or 4 (d_state 16) blocks per SM, its split sized for it; 0: automatic");
-  m.def("set_coop", &mrl::set_coop, "which kernels may run their passes as one cooperative launch: a mask of 1 "
-        "(scan forward), 2 (scan backward), 4 (conv backward); 7 (all) is the default, 0 none (the same bits; tests, "
-        "benchmarks)");
+  m.def("scan_set_bwd_blocks", [](int64_t n) {
+          MRL_CHECK(n == 0 || n == 3 || n == 4, "scan_set_bwd_blocks: expected 0 (automatic), 3 or 4, got ", n);
+          mrl::scan_set_bwd_blocks((int)n);
+        }, "force the scan backward's build: 3 or 4 (d_state 16) blocks per SM, its split sized for it; 0: automatic");
+  m.def("set_coop", [](int64_t mask) {
+          MRL_CHECK(mask >= 0 && mask <= mrl::COOP_ALL, "set_coop: expected a mask in 0..", (int)mrl::COOP_ALL,
+                    " (1 scan forward, 2 scan backward, 4 conv backward), got ", mask);
+          mrl::set_coop((int)mask);
+        }, "which kernels may run their passes as one cooperative launch: a mask of 1 (scan forward), 2 (scan "
+        "backward), 4 (conv backward); 7 (all) is the default, 0 none (the same bits; tests, benchmarks); ValueError "
+        "outside 0..7");
   // Mamba-3 (mamba3.cu)
   m.def("m3_fwd", &m3_fwd, "Mamba-3 SISO mixer core forward -> [y, final carry, final ssm, ckpt or None]",
         py::arg("zxbc"), py::arg("headdim"), py::arg("dt_bias"), py::arg("B_bias"), py::arg("C_bias"),

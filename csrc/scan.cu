@@ -45,7 +45,7 @@ static ScanSplit scan_split(int B, int T, int D, int N, int minb) {
 }
 
 static int g_bwd_blocks = 0;  // scan_set_bwd_blocks(): 0 = automatic
-void scan_set_bwd_blocks(int n) { g_bwd_blocks = (n == SCAN_BWD_MINB || n == SCAN_BWD_MINB_WIDE) ? n : 0; }
+void scan_set_bwd_blocks(int n) { g_bwd_blocks = (n == SCAN_BWD_MINB || n == SCAN_BWD_MINB_WIDE) ? n : 0; }  // binding checks n
 
 // The backward's build (blocks per SM: the 3-block one, or at d_state 16 the 4-block "wide" one) and its split.
 // Automatic: the wide build where one segment's grid overfills 3 blocks per SM (nseg is 1 either way), else

@@ -495,3 +495,14 @@ def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
     finally:
         ext.scan_set_bwd_blocks(0)
         ext.set_coop(7)
+
+
+def test_tuning_knobs_reject_bad_values(ext):
+    """set_coop takes a mask in 0..7 and scan_set_bwd_blocks 0, 3 or 4; anything else is a ValueError naming what
+    was expected and what came."""
+    with pytest.raises(ValueError, match=r"set_coop: expected a mask in 0\.\.7.*got 8"):
+        ext.set_coop(8)
+    with pytest.raises(ValueError, match=r"set_coop: expected.*got -1"):
+        ext.set_coop(-1)
+    with pytest.raises(ValueError, match=r"scan_set_bwd_blocks: expected 0 \(automatic\), 3 or 4, got 5"):
+        ext.scan_set_bwd_blocks(5)
