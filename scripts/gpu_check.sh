@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension (cache carried in .build), run every CUDA test, run the benchmark.
 # Usage on the device: scripts/gpu_check.sh [tests|bench|all] ; logs and JSON go to $OUT (or ./gpu_out).
+# The wheels the device lacks (gymnasium, popgym, sb3, pytest-xdist): scripts/fetch_wheels.sh here, then carry .whl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
