@@ -35,6 +35,9 @@ __device__ __forceinline__ float group_sum(float v) {
 // it), false where the device lacks cooperative launch or set_coop() has cleared `which` (a COOP_* bit; the
 // separate launches then run, with the same bits: a tuning / testing knob).
 bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid);
+// The co-resident blocks of `kernel` on the current device (0: no cooperative launch there, or a query failed),
+// whatever set_coop() says; cached per kernel, block size, shared memory and device.
+int64_t coop_capacity(const void* kernel, int threads, int smem);
 
 #define MRL_LAUNCH_CHECK()                                        \
   do {                                                            \

@@ -1,5 +1,6 @@
 // Cooperative single launches: a kernel whose passes are separated by grid barriers instead of separate
-// launches (the scan's local / main / reduction passes, the conv backward and its weight-gradient sums).
+// launches (the scan's local / main / reduction passes, the conv backward and its weight-gradient sums, the
+// optimizer's statistics and AdamW).
 #include "common.cuh"
 
 namespace mrl {
@@ -7,25 +8,25 @@ namespace mrl {
 static int g_coop = COOP_ALL;
 void set_coop(int mask) { g_coop = mask & COOP_ALL; }
 
-bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid) {
-  if ((g_coop & which) == 0) return false;
+int64_t coop_capacity(const void* kernel, int threads, int smem) {
   // co-resident blocks per SM of each kernel (a handful of instantiations), and the device's SM count and
-  // cooperative-launch attribute, asked once per device so that an eager step pays no driver queries
+  // cooperative-launch attribute, asked once per device so that an eager step pays no driver queries (a failed
+  // query is not cached: asked again next time)
   struct Entry { const void* fn; int threads, smem, per_sm; };
   static Entry cache[64][32] = {};
   static int sms[64] = {};  // 0: not asked; -1: no cooperative launch
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { (void)cudaGetLastError(); return false; }
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { (void)cudaGetLastError(); return 0; }
   if (sms[dev] == 0) {
     int c = 0, n = 0;
     if (cudaDeviceGetAttribute(&c, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
         cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
       (void)cudaGetLastError();
-      return false;
+      return 0;
     }
     sms[dev] = (c && n > 0) ? n : -1;
   }
-  if (sms[dev] < 0) return false;
+  if (sms[dev] < 0) return 0;
   int per_sm = -1, slot = -1;
   for (int i = 0; i < 32; ++i) {
     const Entry& e = cache[dev][i];
@@ -35,11 +36,15 @@ bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid) 
   if (per_sm < 0) {
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem) != cudaSuccess) {
       (void)cudaGetLastError();
-      return false;
+      return 0;
     }
     if (slot >= 0) cache[dev][slot] = {kernel, threads, smem, per_sm};
   }
-  return (int64_t)grid.x * grid.y * grid.z <= (int64_t)per_sm * sms[dev];
+  return (int64_t)per_sm * sms[dev];
+}
+
+bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid) {
+  return (g_coop & which) != 0 && (int64_t)grid.x * grid.y * grid.z <= coop_capacity(kernel, threads, smem);
 }
 
 }  // namespace mrl

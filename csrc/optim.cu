@@ -286,27 +286,6 @@ static void* optim_step_fn(int compute_dtype) {
   return nullptr;
 }
 
-// The co-resident blocks of the fused kernel on the current device (0: no cooperative launch), asked once per
-// (device, compute dtype): an eager step then pays no driver queries.
-static int64_t optim_step_capacity(void* fn, int compute_dtype) {
-  static int64_t cache[64][3] = {};  // + 1, so that 0 means "not asked yet"
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) { (void)cudaGetLastError(); return 0; }
-  const int k = compute_dtype == kF32 ? 0 : compute_dtype == kBF16 ? 1 : 2;
-  if (dev >= 0 && dev < 64 && cache[dev][k] > 0) return cache[dev][k] - 1;
-  int sms = 0, per_sm = 0, coop = 0;
-  int64_t cap = 0;
-  if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, GS_THREADS, 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;  // not cached: asked again next time
-  }
-  if (coop) cap = (int64_t)per_sm * sms;
-  if (dev >= 0 && dev < 64) cache[dev][k] = cap + 1;
-  return cap;
-}
-
 // Whether the fused launch runs P elements on the current device: grad_stats' grid must be co-resident (a
 // cooperative launch) and uncapped (P <= 8 elements per thread of it, so that each thread's share of AdamW is
 // at most one round of 2 x 4 elements and the 264-block grid is no slower than AdamW's own).
@@ -314,7 +293,7 @@ bool optim_step_fits(int64_t P, int compute_dtype) {
   const int grid = grad_stats_blocks(P);
   void* fn = optim_step_fn(compute_dtype);
   if (fn == nullptr || P > (int64_t)grid * GS_THREADS * 8) return false;
-  return optim_step_capacity(fn, compute_dtype) >= grid;
+  return coop_capacity(fn, GS_THREADS, 0) >= grid;
 }
 
 const char* optim_step(const GradStatsParams& gp, const AdamWParams& p, cudaStream_t s) {
