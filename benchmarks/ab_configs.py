@@ -9,7 +9,10 @@ defaults), ``optsplit`` (grad_stats and AdamW as two launches: ``mamba_rl.ops.op
 ``fused.WGRAD_STREAM``), ``wgrad_on`` (the grouped weight-gradient kernel at every size: ``fused.WGRAD = "on"``),
 ``notc`` (its bf16 jobs on the FFMA path), ``nocoop`` (each scan direction and the conv backward as separate launches instead of
 one cooperative launch: ``ext.set_coop(0)``), ``coop_sf`` / ``coop_sb`` / ``coop_cb`` (only the scan forward /
-scan backward / conv backward as one cooperative launch).
+scan backward / conv backward as one cooperative launch), ``fewer_off`` (the conv inside the x_proj kernel, the
+input projection inside the first norm, the float32 out_proj through cuBLASLt and the final state written into
+the carried state, the final norm's forward and backward as one kernel, all off: ``fused.CONV_XDT`` etc.),
+``no_conv_xdt`` / ``no_input_norm`` / ``no_lt`` / ``no_final_direct`` / ``no_norm_f_fused`` (one of them off).
 
 Usage (device): python3 benchmarks/ab_configs.py --rows 128x16x64 128x64x128 --dtypes f32 bf16
     --configs base optsplit --rounds 2 --out $OUT/ab.json
@@ -40,6 +43,14 @@ CONFIGS = {
     "coop_sf": dict(coop=1),
     "coop_sb": dict(coop=2),
     "coop_cb": dict(coop=4),
+    # the sixteenth session's launch cuts off, all four (the version before) and one at a time
+    "fewer_off": dict(fused_flags=dict(CONV_XDT="off", INPUT_NORM="off", OUT_PROJ_LT=False, FINAL_DIRECT="off",
+                                       NORM_F_FUSED="off"), tag="_fewer_off"),
+    "no_conv_xdt": dict(fused_flags=dict(CONV_XDT="off"), tag="_no_conv_xdt"),
+    "no_input_norm": dict(fused_flags=dict(INPUT_NORM="off"), tag="_no_input_norm"),
+    "no_lt": dict(fused_flags=dict(OUT_PROJ_LT=False), tag="_no_lt"),
+    "no_final_direct": dict(fused_flags=dict(FINAL_DIRECT="off"), tag="_no_final_direct"),
+    "no_norm_f_fused": dict(fused_flags=dict(NORM_F_FUSED="off"), tag="_no_norm_f_fused"),
 }
 
 

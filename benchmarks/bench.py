@@ -125,8 +125,13 @@ VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("of
 MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer kind
 
 
+# fused-node switches set by bench_train(fused_flags=...): name -> the default it is restored to afterwards
+FUSED_DEFAULTS = {"CONV_XDT": "auto", "INPUT_NORM": "auto", "OUT_PROJ_LT": True, "FINAL_DIRECT": "auto",
+                  "NORM_F_FUSED": "auto"}
+
+
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
-                tensor_cores=True, optim_fused=True, coop=7):
+                tensor_cores=True, optim_fused=True, coop=7, fused_flags=None, tag=""):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
@@ -135,6 +140,10 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     fused.WGRAD, fused.XDT = VARIANTS[variant]
     fused.WGRAD_STREAM = wgrad_stream
     fused.WGRAD_TENSOR_CORES = tensor_cores
+    for k, v in (fused_flags or {}).items():
+        if k not in FUSED_DEFAULTS:
+            raise ValueError(f"bench_train: fused_flags: expected names in {sorted(FUSED_DEFAULTS)}, got {k!r}")
+        setattr(fused, k, v)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -161,8 +170,10 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
     fused.WGRAD_TENSOR_CORES = True
+    for k, v in FUSED_DEFAULTS.items():
+        setattr(fused, k, v)
     optim.FUSED = True
-    variant += {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
+    variant += tag + {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
         ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}")
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))

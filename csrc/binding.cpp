@@ -482,8 +482,47 @@ std::vector<Tensor> rmsnorm_fwd(const Tensor& x, const Tensor& w, double eps, at
   return {out, rstd};
 }
 
-Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                   const OptT& dx_acc, const OptT& dx_c) {
+// The input projection and the first RMSNorm in one pass: h = x @ in_w^T + in_b (float32) -> (h, RMSNorm(h) in
+// out_dtype, rstd). x [rows, in_dim] contiguous float32; optional x_copy receives a second copy of h.
+std::vector<Tensor> input_rmsnorm_fwd(const Tensor& x, const Tensor& in_w, const Tensor& in_b, const Tensor& w,
+                                      double eps, at::ScalarType out_dtype, const OptT& x_copy) {
+  check_cuda(x, "input_rms_norm: x", x);
+  MRL_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "input_rms_norm: x must be a "
+            "contiguous float32 [rows, in_dim] tensor, got ", shape_str(x), " ", x.scalar_type());
+  MRL_CHECK(in_w.dim() == 2, "input_rms_norm: in_w must be [C, in_dim], got ", shape_str(in_w));
+  const int64_t rows = x.size(0), I = x.size(1), C = in_w.size(0);
+  check_f32(in_w, "input_rms_norm: in_w", x, {C, I});
+  check_f32(in_b, "input_rms_norm: in_b", x, {C});
+  check_f32(w, "input_rms_norm: weight", x, {C});
+  MRL_CHECK(C >= 1 && C <= 1024, "input_rms_norm: channels must be in [1, 1024], got ", C);
+  MRL_CHECK(I >= 1 && I * C <= mrl::NORM_IN_MAX_WEIGHTS, "input_rms_norm: in_dim * C must be in [1, ",
+            mrl::NORM_IN_MAX_WEIGHTS, "], got ", I, " * ", C);
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto h = new_empty({rows, C}, x.options());
+  auto out = new_empty({rows, C}, x.options().dtype(out_dtype));
+  const int odt = dtype_code(out, "input_rms_norm: out_dtype");
+  auto rstd = new_empty({rows, 1}, x.options());
+  mrl::NormFwdParams p{nullptr, rows, (int)C, w.data_ptr<float>(), (float)eps, out.data_ptr(), odt,
+                       rstd.data_ptr<float>()};
+  p.in_x = x.data_ptr<float>();
+  p.in_w = in_w.data_ptr<float>();
+  p.in_b = in_b.data_ptr<float>();
+  p.in_dim = (int)I;
+  p.h_out = h.data_ptr<float>();
+  if (x_copy) {
+    check_cuda(*x_copy, "input_rms_norm: x_copy", x);
+    MRL_CHECK(x_copy->scalar_type() == at::kFloat && x_copy->sizes() == h.sizes() && x_copy->is_contiguous(),
+              "input_rms_norm: x_copy must be a contiguous float32 [", rows, ", ", C, "] tensor, got ",
+              shape_str(*x_copy), " ", x_copy->scalar_type());
+    p.x_copy = x_copy->data_ptr<float>();
+  }
+  if (rows) raise_if(mrl::norm_fwd(p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {h, out, rstd};
+}
+
+// fwd: {out, rstd} of the forward computed in the same pass (rmsnorm_fwd_bwd; dw_acc then assigned), or nullptr.
+Tensor rmsnorm_bwd_impl(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
+                        const OptT& dx_acc, const OptT& dx_c, const Tensor* fwd_out, double eps) {
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
   MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
@@ -524,8 +563,35 @@ Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const 
     p.dx_c = dx_c->data_ptr();
     p.dxc_dtype = dxc_code;
   }
+  if (fwd_out) {
+    p.fwd_out = fwd_out->data_ptr<float>();
+    p.fwd_rstd = rstd.data_ptr<float>();
+    p.eps = (float)eps;
+    p.dw_assign = 1;
+  }
   raise_if(mrl::norm_bwd(p, c10::cuda::getCurrentCUDAStream().stream()));
   return dx;
+}
+
+Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
+                   const OptT& dx_acc, const OptT& dx_c) {
+  return rmsnorm_bwd_impl(dy, x, rstd, w, dw_acc, dx_acc, dx_c, nullptr, 0.0);
+}
+
+// RMSNorm forward and backward in one pass, for a caller that knows dL/dout before the forward: x [..., C]
+// contiguous float32 -> (out float32, rstd [..., 1], dx float32); dw_out [C] = sum_rows dy * xhat (assigned).
+std::vector<Tensor> rmsnorm_fwd_bwd(const Tensor& x, const Tensor& w, double eps, const Tensor& dy, Tensor& dw_out,
+                                    const OptT& dx_c) {
+  MRL_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
+  check_cuda(x, "rms_norm: x", x);
+  MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
+  std::vector<int64_t> rshape(x.sizes().begin(), x.sizes().end());
+  rshape.back() = 1;
+  const c10::cuda::CUDAGuard guard(x.device());
+  auto out = new_empty(x.sizes(), x.options());
+  auto rstd = new_empty(rshape, x.options());
+  auto dx = rmsnorm_bwd_impl(dy, x, rstd, w, dw_out, OptT(), dx_c, &out, eps);
+  return {out, rstd, dx};
 }
 
 
@@ -630,27 +696,58 @@ void check_rows(const Tensor& t, const char* name, const Tensor& ref, int64_t ro
   MRL_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
+// The checks of xdt_fwd's weights against xc [rows, D] (ref: xc, or the conv input with xc's dtype and device);
+// returns the params with dbc [rows, E] and dt [rows, D] allocated into dbc / dto.
+mrl::XdtFwdParams xdt_fwd_params(const Tensor& ref, int64_t rows, int64_t D, const Tensor& wx, const Tensor& wdt,
+                                 Tensor& dbc, Tensor& dto) {
+  MRL_CHECK(wx.dim() == 2 && wdt.dim() == 2, "xdt_fwd: x_proj.weight [E, d_inner] and dt_proj.weight [d_inner, R] "
+            "expected, got ", shape_str(wx), " and ", shape_str(wdt));
+  const int64_t E = wx.size(0), R = wdt.size(1);
+  check_rows(wx, "xdt_fwd: x_proj.weight", ref, E, D);
+  check_rows(wdt, "xdt_fwd: dt_proj.weight", ref, D, R);
+  MRL_CHECK(R >= 1 && R <= E, "xdt_fwd: dt_rank must be in [1, ", E, "], got ", R);
+  MRL_CHECK(mrl::xdt_smem_ok((int)E, (int)D), "xdt_fwd: x_proj.weight [", E, ", ", D, "] exceeds the kernel's "
+            "shared memory");
+  dbc = new_empty({rows, E}, ref.options());
+  dto = new_empty({rows, D}, ref.options());
+  return mrl::XdtFwdParams{nullptr, wx.data_ptr(), wdt.data_ptr(), dbc.data_ptr(), dto.data_ptr(), rows, (int)D,
+                           (int)E, (int)R};
+}
+
 // xc [rows, D], wx [E, D], wdt [D, R] -> (dbc [rows, E], dt [rows, D]), one dtype.
 std::vector<Tensor> xdt_fwd(const Tensor& xc, const Tensor& wx, const Tensor& wdt) {
   MRL_CHECK(xc.dim() == 2, "xdt_fwd: xc must be [rows, d_inner], got ", shape_str(xc));
   const int dt = dtype_code(xc, "xdt_fwd: xc");
   const int64_t rows = xc.size(0), D = xc.size(1);
-  MRL_CHECK(wx.dim() == 2 && wdt.dim() == 2, "xdt_fwd: x_proj.weight [E, d_inner] and dt_proj.weight [d_inner, R] "
-            "expected, got ", shape_str(wx), " and ", shape_str(wdt));
-  const int64_t E = wx.size(0), R = wdt.size(1);
   check_rows(xc, "xdt_fwd: xc", xc, rows, D);
-  check_rows(wx, "xdt_fwd: x_proj.weight", xc, E, D);
-  check_rows(wdt, "xdt_fwd: dt_proj.weight", xc, D, R);
-  MRL_CHECK(R >= 1 && R <= E, "xdt_fwd: dt_rank must be in [1, ", E, "], got ", R);
-  MRL_CHECK(mrl::xdt_smem_ok((int)E, (int)D), "xdt_fwd: x_proj.weight [", E, ", ", D, "] exceeds the kernel's "
-            "shared memory");
   const c10::cuda::CUDAGuard guard(xc.device());
-  auto dbc = new_empty({rows, E}, xc.options());
-  auto dto = new_empty({rows, D}, xc.options());
-  mrl::XdtFwdParams p{xc.data_ptr(), wx.data_ptr(), wdt.data_ptr(), dbc.data_ptr(), dto.data_ptr(), rows, (int)D,
-                      (int)E, (int)R};
+  Tensor dbc, dto;
+  auto p = xdt_fwd_params(xc, rows, D, wx, wdt, dbc, dto);
+  p.xc = xc.data_ptr();
   raise_if(mrl::xdt_fwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
   return {dbc, dto};
+}
+
+// conv_fwd then xdt_fwd in one launch: x [B, T, D] (the conv input; last-dim stride 1), the conv's weight, bias,
+// initial window, starts and final_out as conv_fwd, wx / wdt as xdt_fwd -> (xc [B, T, D], dbc [B*T, E],
+// dt [B*T, D], final window [B, D, K-1]): the same values as the two calls.
+std::vector<Tensor> conv_xdt_fwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
+                                 const OptT& starts, const OptT& final_out, const Tensor& wx, const Tensor& wdt) {
+  const auto [B, T, D, K, dt] = conv_check(x, w, bias, init, starts);
+  MRL_CHECK(K >= 2 && K <= 4, "causal_conv1d: d_conv must be 2, 3 or 4, got ", K);
+  if (final_out) check_f32(*final_out, "causal_conv1d: final_out", x, {B, D, K - 1});
+  const c10::cuda::CUDAGuard guard(x.device());
+  Tensor dbc, dto;
+  auto p = xdt_fwd_params(x, B * T, D, wx, wdt, dbc, dto);
+  auto out = new_empty({B, T, D}, x.options());
+  auto fin = final_out ? *final_out : new_empty({B, D, K - 1}, x.options().dtype(at::kFloat));
+  p.xc = out.data_ptr();
+  p.conv_on = 1;
+  p.conv = mrl::ConvFwdParams{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
+                              ptr_or_null<float>(init), ptr_or_null<bool>(starts), out.data_ptr(),
+                              fin.data_ptr<float>(), (int)B, (int)T, (int)D, (int)K};
+  raise_if(mrl::xdt_fwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
+  return {out, dbc, dto, fin};
 }
 
 // ddt [rows, D], dB / dC [rows, N], wx [E, D], wdt [D, R], dxc [rows, D] (+= in place) -> ddbc [rows, E].
@@ -866,9 +963,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("rows_per_block", &PreparedStep::rows);
   m.def("backbone_step_prepare", &backbone_step_prepare, "check and bind the one-token step's weights and states "
         "once (x gives B, input_dim and the device) -> PreparedStep");
+  m.def("conv_xdt_fwd", &conv_xdt_fwd, "causal conv1d + SiLU, then x_proj and dt_proj, in one launch -> (xc, dbc, dt, "
+        "final conv window): the values of conv_fwd then xdt_fwd", py::arg("x"), py::arg("w"), py::arg("bias"),
+        py::arg("init"), py::arg("starts"), py::arg("final_out"), py::arg("wx"), py::arg("wdt"));
   m.def("rmsnorm_fwd", &rmsnorm_fwd, "RMSNorm forward -> (out in out_dtype, rstd [..., 1]); optional x_copy (float32, "
         "shaped like x) receives a copy of x in the same pass", py::arg("x"), py::arg("w"), py::arg("eps"),
         py::arg("out_dtype"), py::arg("x_copy") = py::none());
+  m.def("input_rmsnorm_fwd", &input_rmsnorm_fwd, "the input projection and RMSNorm in one pass -> (h = x @ in_w^T + "
+        "in_b float32, RMSNorm(h) in out_dtype, rstd [rows, 1]); optional x_copy receives a copy of h",
+        py::arg("x"), py::arg("in_w"), py::arg("in_b"), py::arg("w"), py::arg("eps"), py::arg("out_dtype"),
+        py::arg("x_copy") = py::none());
+  m.def("rmsnorm_fwd_bwd", &rmsnorm_fwd_bwd, "RMSNorm forward and backward in one pass -> (out float32, rstd [..., 1], "
+        "dx); dw_out [C] = dL/dw (assigned); optional dx_c receives a bf16 / f16 copy of dx", py::arg("x"),
+        py::arg("w"), py::arg("eps"), py::arg("dy"), py::arg("dw_out"), py::arg("dx_c") = py::none());
   m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
         "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
         py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());

@@ -21,20 +21,66 @@ template <typename T> __device__ __forceinline__ float ld_any(const void* p, int
   return to_f(reinterpret_cast<const T*>(p)[i]);
 }
 
-template <typename OT, int CPL>
-__global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p) {
-  const int lane = threadIdx.x % 32;
-  const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32;
-  if (row >= p.rows) return;
-  const float* xr = p.x + row * p.C;
-  float v[CPL];
-  float ss = 0.f;
+// The input projection prologue: v[k] = (in_x[row] @ in_w^T)[c] + in_b[c] for c = lane + 32 k, in float32, with
+// in_w^T staged in shared memory (ws [in_dim][C]) and the row's inputs broadcast from the lanes that loaded them.
+template <int CPL>
+__device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const float* ws, int64_t row, int lane,
+                                                float (&v)[CPL]) {
+  const int C = p.C, I = p.in_dim;
+  float acc[CPL];
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) acc[k] = 0.f;
+  const float* xrow = p.in_x + row * I;
+  for (int j0 = 0; j0 < I; j0 += 32) {
+    const float xl = j0 + lane < I ? xrow[j0 + lane] : 0.f;
+    const int jn = I - j0 < 32 ? I - j0 : 32;
+    for (int jj = 0; jj < jn; ++jj) {
+      const float xv = __shfl_sync(0xffffffffu, xl, jj);
+      const float* wr = ws + (size_t)(j0 + jj) * C;
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) {
+        const int c = lane + 32 * k;
+        if (c < C) acc[k] = fmaf(xv, wr[c], acc[k]);
+      }
+    }
+  }
+  float* ho = p.h_out + row * C;
 #pragma unroll
   for (int k = 0; k < CPL; ++k) {
     const int c = lane + 32 * k;
-    v[k] = c < p.C ? xr[c] : 0.f;
-    ss = fmaf(v[k], v[k], ss);
+    v[k] = c < C ? acc[k] + p.in_b[c] : 0.f;
+    if (c < C) ho[c] = v[k];
   }
+}
+
+template <typename OT, int CPL>
+__global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p) {
+  extern __shared__ float norm_ws[];  // [in_dim][C]: in_w^T, only with the input projection prologue
+  const int lane = threadIdx.x % 32;
+  const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32;
+  if (p.in_x) {
+    const int n = p.in_dim * p.C;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS) {  // coalesced reads of in_w [C][in_dim]
+      const int c = i / p.in_dim, j = i - c * p.in_dim;
+      norm_ws[j * p.C + c] = p.in_w[i];
+    }
+    __syncthreads();
+  }
+  if (row >= p.rows) return;
+  float v[CPL];
+  if (p.in_x) {
+    norm_input_proj<CPL>(p, norm_ws, row, lane, v);
+  } else {
+    const float* xr = p.x + row * p.C;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int c = lane + 32 * k;
+      v[k] = c < p.C ? xr[c] : 0.f;
+    }
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) ss = fmaf(v[k], v[k], ss);
   ss = group_sum<32>(ss);
   const float rs = rsqrtf(ss / p.C + p.eps);
   OT* o = reinterpret_cast<OT*>(p.out) + row * p.C;
@@ -74,7 +120,7 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
   for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
     const int64_t row = r0 + i;
     const bool rok = row < p.rows;
-    rsv[i] = rok ? p.rstd[row] : 0.f;
+    rsv[i] = (rok && !p.fwd_out) ? p.rstd[row] : 0.f;
 #pragma unroll
     for (int k = 0; k < CPL; ++k) {
       const int c = lane + 32 * k;
@@ -82,6 +128,26 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
       dyv[i][k] = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
       xv[i][k] = ok ? p.x[row * p.C + c] : 0.f;
       av[i][k] = (ok && has_acc) ? p.dx_acc[row * p.C + c] : 0.f;
+    }
+  }
+  if (p.fwd_out) {  // the forward first: rstd and the normed rows, as norm_fwd_kernel computes them
+#pragma unroll
+    for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
+      const int64_t row = r0 + i;
+      float ss = 0.f;
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) ss = fmaf(xv[i][k], xv[i][k], ss);
+      ss = group_sum<32>(ss);
+      const float rs = rsqrtf(ss / p.C + p.eps);
+      rsv[i] = rs;
+      if (row < p.rows) {
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) {
+          const int c = lane + 32 * k;
+          if (c < p.C) p.fwd_out[row * p.C + c] = xv[i][k] * rs * w[k];
+        }
+        if (lane == 0) p.fwd_rstd[row] = rs;
+      }
     }
   }
 #pragma unroll
@@ -157,7 +223,8 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
     float t = 0.f;
 #pragma unroll
     for (int q = 0; q < NORM_WARPS; ++q) t += part[q][c];
-    p.dw_acc[c] += t;
+    if (p.dw_assign) p.dw_acc[c] = t;
+    else p.dw_acc[c] += t;
   }
   if (threadIdx.x == 0) *p.counter = 0u;
 }
@@ -165,10 +232,13 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
 template <int CPL>
 static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
   const unsigned nb = (unsigned)((p.rows + NORM_WARPS - 1) / NORM_WARPS);
+  if (p.in_x && (p.in_dim < 1 || (int64_t)p.in_dim * p.C > NORM_IN_MAX_WEIGHTS))
+    return "rms_norm: the input projection prologue takes 1 <= in_dim and in_dim * C <= 12288";
+  const size_t smem = p.in_x ? sizeof(float) * (size_t)p.in_dim * p.C : 0;
   switch (p.out_dtype) {
-    case kF32: norm_fwd_kernel<float, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
-    case kBF16: norm_fwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
-    case kF16: norm_fwd_kernel<__half, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kF32: norm_fwd_kernel<float, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
+    case kBF16: norm_fwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
+    case kF16: norm_fwd_kernel<__half, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
     default: return "rms_norm: unsupported output dtype";
   }
   MRL_LAUNCH_CHECK();

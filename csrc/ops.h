@@ -158,7 +158,13 @@ struct NormFwdParams {
   float* rstd;                           // [rows]
   float* x_copy = nullptr;               // [rows, C] float32 copy of x, or nullptr (the fused node's next
                                          //   residual buffer: saves the copy an out-of-place addmm makes)
+  // Input projection prologue (in_x != nullptr; x is then unused): x[row] = in_x[row] @ in_w^T + in_b, computed
+  // in float32 and written to h_out. in_x [rows, in_dim] contiguous, in_w [C, in_dim], in_b [C], all float32;
+  // in_dim * C <= NORM_IN_MAX_WEIGHTS (in_w is staged in shared memory).
+  const float* in_x = nullptr; const float* in_w = nullptr; const float* in_b = nullptr; int in_dim = 0;
+  float* h_out = nullptr;                // [rows, C]
 };
+constexpr int NORM_IN_MAX_WEIGHTS = 12288;  // 48 KB of float32: the static shared-memory limit
 struct NormBwdParams {
   const void* dy; int dy_dtype;          // [rows, C]
   const float* x; const float* rstd; const float* w;
@@ -170,6 +176,9 @@ struct NormBwdParams {
   unsigned int* counter;                 // self-resetting
   void* dx_c = nullptr;                  // [rows, C] copy of dx in dxc_dtype (kBF16 / kF16: the next GEMM's
   int dxc_dtype = kBF16;                 //   input, saving a cast pass), or nullptr
+  // The forward in the same pass (fwd_out != nullptr; rstd is then an output): rstd = rsqrt(mean(x^2) + eps) and
+  // fwd_out = x * rstd * w (float32), the bits of norm_fwd; dw_assign: dw_acc = sum (not +=).
+  float* fwd_out = nullptr; float* fwd_rstd = nullptr; float eps = 0.f; int dw_assign = 0;
 };
 int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);
@@ -216,6 +225,11 @@ struct XdtFwdParams {
   void* dbc;               // [rows, E]
   void* dt;                // [rows, D]
   int64_t rows; int D, E, R;
+  // conv_on: the block first computes its rows of xc as causal_conv1d + SiLU (conv: the conv_fwd contract, rows =
+  // B * T, conv.out = xc, the final windows written by the block holding each row's t = T - 1), the same values
+  // conv_fwd writes; xc is then an output.
+  int conv_on = 0;
+  ConvFwdParams conv{};
 };
 // Backward: ddbc[r, :R] = ddt[r, :] @ Wdt (rounded), ddbc[r, R:R+N] = dB[r], ddbc[r, R+N:] = dC[r];
 // dxc[r, :] = dxc[r, :] + ddbc[r, :] @ Wx (in place, rounded once).

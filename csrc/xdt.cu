@@ -4,6 +4,7 @@
 // layer, plus cuBLAS's split-K reduce for the skinny ones in float32. Block = XDT_RB rows; float32
 // accumulation, each output rounded once to the tensors' dtype (dt from the rounded dbc, as two GEMMs do).
 #include "common.cuh"
+#include "conv.cuh"
 
 namespace mrl {
 
@@ -61,7 +62,104 @@ __device__ __forceinline__ void xdt_stage(float* dst, const T* __restrict__ src,
   }
 }
 
-template <typename T>
+// The conv prologue of xdt_fwd_kernel (conv_on): rows r0 .. r0 + nrow - 1 of xc = SiLU(causal_conv1d(x)) written
+// to c.out and, as the rounded values, to xs [XDT_RB][D] (rows past nrow zero). Thread per channel; the same
+// taps, validity rule and fmaf order as conv_fwd_kernel, so the same bits. A block whose rows lie in one sequence
+// loads one register window of XDT_RB + K - 1 inputs per channel; one whose rows cross a sequence boundary loads
+// each row's K taps. The block holding t = T - 1 of a sequence writes its final window.
+template <typename T, int K>
+__device__ __forceinline__ void xdt_conv_rows(const ConvFwdParams& c, float* xs, int64_t r0, int nrow) {
+  constexpr int W = XDT_RB + K - 1;
+  const int T_ = c.T, D = c.D;
+  const T* __restrict__ x = reinterpret_cast<const T*>(c.x);
+  T* out = reinterpret_cast<T*>(c.out);
+  const int64_t b0 = r0 / T_;
+  const int t0 = (int)(r0 - b0 * T_);
+  const bool one_seq = t0 + nrow <= T_;
+  for (int d = threadIdx.x; d < D; d += XDT_THREADS) {
+    float w[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) w[k] = c.w[d * K + k];
+    const float bias = c.bias[d];
+    if (one_seq) {
+      const T* __restrict__ xb = x + b0 * c.x_sb + d;
+      const float* initbd = c.init ? c.init + (b0 * D + d) * (K - 1) : nullptr;
+      const bool* sb = c.starts ? c.starts + b0 * T_ : nullptr;
+      float xv[W];
+      bool sv[W];
+      {
+        T xr[W];
+        load_window<T, W>(xr, xv, xb, c.x_st, initbd, t0 - (K - 1), T_, K);
+      }
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const int tau = t0 - (K - 1) + j;
+        sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
+      }
+#pragma unroll
+      for (int i = 0; i < XDT_RB; ++i) {
+        float v = 0.f;
+        if (i < nrow) {
+          float pre = bias;
+          bool valid = true;
+#pragma unroll
+          for (int k = K - 1; k >= 0; --k) {
+            if (valid) pre = fmaf(w[k], xv[i + k], pre);
+            if (sv[i + k]) valid = false;
+          }
+          const T o = from_f<T>(siluf_(pre));
+          out[(r0 + i) * D + d] = o;
+          v = to_f(o);
+        }
+        xs[i * D + d] = v;
+      }
+    } else {
+      for (int i = 0; i < XDT_RB; ++i) {
+        float v = 0.f;
+        if (i < nrow) {
+          const int64_t r = r0 + i, b = r / T_;
+          const int t = (int)(r - b * T_);
+          const T* __restrict__ xb = x + b * c.x_sb + d;
+          const float* initbd = c.init ? c.init + (b * D + d) * (K - 1) : nullptr;
+          const bool* sb = c.starts ? c.starts + b * T_ : nullptr;
+          float pre = bias;
+          bool valid = true;
+#pragma unroll
+          for (int k = K - 1; k >= 0; --k) {
+            const int tau = t - (K - 1) + k;
+            if (valid) {
+              const float xk = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : to_f(xb[(int64_t)tau * c.x_st]);
+              pre = fmaf(w[k], xk, pre);
+            }
+            if (sb && tau >= 0 && sb[tau]) valid = false;
+          }
+          const T o = from_f<T>(siluf_(pre));
+          out[r * D + d] = o;
+          v = to_f(o);
+        }
+        xs[i * D + d] = v;
+      }
+    }
+    for (int i = 0; i < nrow; ++i) {  // final windows: as conv_fwd_kernel's chunk holding T - 1
+      const int64_t r = r0 + i, b = r / T_;
+      if (r - b * T_ != T_ - 1) continue;
+      const T* __restrict__ xb = x + b * c.x_sb + d;
+      const float* initbd = c.init ? c.init + (b * D + d) * (K - 1) : nullptr;
+      const bool* sb = c.starts ? c.starts + b * T_ : nullptr;
+      float* fb = c.final_state + (b * D + d) * (K - 1);
+      bool valid = true;
+      for (int j = K - 2; j >= 0; --j) {
+        const int tau = T_ - K + 1 + j;
+        const float v = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : to_f(xb[(int64_t)tau * c.x_st]);
+        fb[j] = valid ? v : 0.f;
+        if (tau >= 0 && sb && sb[tau]) valid = false;
+      }
+    }
+  }
+}
+
+// K > 0: xc computed by the conv prologue (xdt_conv_rows<T, K>); K == 0: xc read.
+template <typename T, int K>
 __global__ void __launch_bounds__(XDT_THREADS) xdt_fwd_kernel(XdtFwdParams p) {
   extern __shared__ float sm[];
   const int D = p.D, E = p.E, R = p.R;
@@ -77,7 +175,10 @@ __global__ void __launch_bounds__(XDT_THREADS) xdt_fwd_kernel(XdtFwdParams p) {
   xdt_stage<T>(ws, reinterpret_cast<const T*>(p.wx), E * D, E * D);
   {
     const int nrow = (int)(p.rows - r0 < XDT_RB ? p.rows - r0 : XDT_RB);
-    xdt_stage<T>(xs, xc + r0 * D, XDT_RB * D, nrow * D);
+    if constexpr (K > 0)
+      xdt_conv_rows<T, K>(p.conv, xs, r0, nrow);
+    else
+      xdt_stage<T>(xs, xc + r0 * D, XDT_RB * D, nrow * D);
   }
   __syncthreads();
   {  // phase 1: warp `warp` computes row r0 + warp of dbc, 8 outputs at a time (independent accumulators)
@@ -205,14 +306,25 @@ static const char* xdt_smem_attr(K kern, size_t smem) {
   return nullptr;
 }
 
-template <typename T>
-static const char* xdt_fwd_t(const XdtFwdParams& p, cudaStream_t s) {
+template <typename T, int K>
+static const char* xdt_fwd_tk(const XdtFwdParams& p, cudaStream_t s) {
   const unsigned nb = (unsigned)((p.rows + XDT_RB - 1) / XDT_RB);
   const size_t smem = xdt_smem(p.E, p.D);
-  if (const char* e = xdt_smem_attr(xdt_fwd_kernel<T>, smem)) return e;
-  xdt_fwd_kernel<T><<<nb, XDT_THREADS, smem, s>>>(p);
+  if (const char* e = xdt_smem_attr(xdt_fwd_kernel<T, K>, smem)) return e;
+  xdt_fwd_kernel<T, K><<<nb, XDT_THREADS, smem, s>>>(p);
   MRL_LAUNCH_CHECK();
   return nullptr;
+}
+template <typename T>
+static const char* xdt_fwd_t(const XdtFwdParams& p, cudaStream_t s) {
+  if (!p.conv_on) return xdt_fwd_tk<T, 0>(p, s);
+  if (p.conv.D != p.D || (int64_t)p.conv.B * p.conv.T != p.rows) return "xdt: the conv's B * T and D must be rows and D";
+  switch (p.conv.K) {
+    case 2: return xdt_fwd_tk<T, 2>(p, s);
+    case 3: return xdt_fwd_tk<T, 3>(p, s);
+    case 4: return xdt_fwd_tk<T, 4>(p, s);
+  }
+  return "causal_conv1d: d_conv must be 2, 3 or 4";
 }
 template <typename T>
 static const char* xdt_bwd_t(const XdtBwdParams& p, cudaStream_t s) {

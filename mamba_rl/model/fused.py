@@ -10,6 +10,9 @@ functions and contracts); the parity tests compare it with the float64 reference
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
 import weakref
 
 import torch
@@ -17,7 +20,7 @@ import torch
 from ..ops.capability import kernel_support
 from ..ops.step import pack_step_weights
 
-__all__ = ["fused_backbone", "cpu_whole_applies", "cpu_whole_forward", "cpu_whole_backward"]
+__all__ = ["fused_backbone", "final_state_into", "grad_known", "cpu_whole_applies", "cpu_whole_forward", "cpu_whole_backward"]
 
 # Per backbone: {(data_ptr, dtype, numel) of a flat arena: {parameter name: its view}}. Building the ~26 views
 # of each of the three arenas (weights, masters, grads) on every call was a measurable share of a CPU step
@@ -143,6 +146,9 @@ _WGRAD_MAX_ROWS = {torch.float32: 4096, torch.bfloat16: 2048, torch.float16: 204
 # The grouped kernel's bf16 / f16 jobs on tensor cores (mma.sync, compute capability >= 8.0) where both operands
 # allow 16-byte row loads; False keeps them on its FFMA path (comparisons: bench.py --tc-ab).
 WGRAD_TENSOR_CORES = True
+# CONV_XDT: where the x_proj + dt_proj kernel runs (XDT), it also computes the conv's rows first (conv_xdt_fwd:
+# one launch a layer fewer, xc written once and not read back); "off": conv_fwd, then xdt_fwd.
+CONV_XDT = "auto"
 _XDT_MAX_D_INNER = 1024  # "auto": above this the x_proj GEMM is large enough for cuBLAS
 # "auto": x_proj + dt_proj kernels only up to this many rows (B*T): measured faster than cuBLAS at 1024 rows
 # (f32 574 vs 591 us a step, bf16 equal) and slower at 8192 (f32 1509 vs 1426, bf16 1107 vs 989)
@@ -324,6 +330,116 @@ def _norm_ok(net, out_dtype):
             bool(kernel_support(net.backend, "rms_norm_bwd", **kw)))
 
 
+# final_state_into: the (conv, ssm) tensors the next CUDA forward of this thread writes its final states into
+_FINAL_INTO = threading.local()
+# FINAL_DIRECT: "auto" honours final_state_into on CUDA; "off" ignores it (the forward's own stacks, which the
+# trainer then copies: the version before, for A/Bs)
+FINAL_DIRECT = "auto"
+
+
+@contextlib.contextmanager
+def final_state_into(conv: torch.Tensor, ssm: torch.Tensor):
+    """Within this block, the next fused CUDA forward (:func:`fused_backbone`) writes its final states straight
+    into ``conv`` [L, B, d_inner, d_conv-1] and ``ssm`` [L, B, d_inner, d_state] (contiguous float32, on the
+    backbone's device, not overlapping the initial state) and returns those tensors, not differentiable: the
+    trainer's carried state, so no copy follows the forward (two launches fewer per step). Where the forward
+    cannot (CPU, another layer kind, other shapes), it returns new tensors as usual and the caller copies."""
+    _FINAL_INTO.v = (conv, ssm)
+    try:
+        yield
+    finally:
+        _FINAL_INTO.v = None
+
+
+def _take_final_into(conv0: torch.Tensor, ssm0: torch.Tensor):
+    """The (conv, ssm) of :func:`final_state_into`, consumed, if they fit this forward's initial state; else None."""
+    dest = getattr(_FINAL_INTO, "v", None)
+    _FINAL_INTO.v = None
+    if dest is None or FINAL_DIRECT == "off":
+        return None
+    for d, s in zip(dest, (conv0, ssm0)):
+        if (d.dtype != torch.float32 or d.shape != s.shape or d.device != s.device or not d.is_contiguous()
+                or d.requires_grad):
+            return None
+        lo, hi = d.data_ptr(), d.data_ptr() + d.numel() * 4
+        for o in (conv0, ssm0):
+            if lo < o.data_ptr() + o.numel() * 4 and o.data_ptr() < hi:
+                return None
+    return dest
+
+
+# INPUT_NORM: "auto" runs the input projection in float32 inside the first layer's norm kernel on CUDA where
+# input_dim * d_model <= _INPUT_NORM_MAX_WEIGHTS (csrc/ops.h NORM_IN_MAX_WEIGHTS: its weight staged in shared
+# memory): one launch instead of a GEMM (bf16 / f16: and the casts of x and h, three launches). "off": the GEMM.
+INPUT_NORM = "auto"
+_INPUT_NORM_MAX_WEIGHTS = 12288
+
+
+# grad_known: dL/dfeatures of the next CUDA forward of this thread, known before it runs
+_GRAD_KNOWN = threading.local()
+# NORM_F_FUSED: "auto" runs the final norm's forward and backward as one kernel where grad_known gave dL/dfeatures;
+# "off": two kernels, as before.
+NORM_F_FUSED = "auto"
+
+
+@contextlib.contextmanager
+def grad_known(dfeat: torch.Tensor):
+    """Within this block, the next fused CUDA forward is told that its features' gradient will be ``dfeat``
+    [B, T, d_model] (float32, contiguous; the tensor later passed to ``backward``): it then runs the final RMSNorm's
+    forward and backward as one kernel and keeps the backward's results. Its backward uses them only if it receives
+    this same tensor, unchanged (same storage, shape, strides and version); otherwise it computes them as usual.
+    One launch fewer per training step (:meth:`MambaTrainer.step`)."""
+    _GRAD_KNOWN.v = dfeat
+    try:
+        yield
+    finally:
+        _GRAD_KNOWN.v = None
+
+
+def _take_grad_known(B: int, T: int, d_model: int, device):
+    """The tensor of :func:`grad_known`, consumed, if it fits features [B, T, d_model] float32 here; else None."""
+    g = getattr(_GRAD_KNOWN, "v", None)
+    _GRAD_KNOWN.v = None
+    if (g is None or NORM_F_FUSED == "off" or g.dtype != torch.float32 or tuple(g.shape) != (B, T, d_model)
+            or g.device != device or not g.is_contiguous() or g.requires_grad):
+        return None
+    return g
+
+
+def _same_grad(dfeat, pre) -> bool:
+    """Is the backward's dfeat the tensor :func:`grad_known` announced, unchanged since the forward?"""
+    g, version = pre[0], pre[1]
+    return (dfeat is not None and dfeat.dtype == g.dtype and dfeat.data_ptr() == g.data_ptr()
+            and dfeat.shape == g.shape and dfeat.stride() == g.stride() and g._version == version)
+
+
+# OUT_PROJ_LT: float32 out_proj GEMMs (with the residual add) through cuBLASLt. Through cuBLAS, torch's
+# ``addmm_`` at 1024 x 128 x 256 is two kernels on the H200 (benchmarks/NOTES.md, sixteenth session); cuBLASLt
+# runs it as one. False: the process's preferred BLAS library, as before.
+OUT_PROJ_LT = True
+
+
+@contextlib.contextmanager
+def _blas_lt(on: bool):
+    """torch's preferred BLAS library set to cuBLASLt inside the block (when ``on``), restored after."""
+    if not on:
+        yield
+        return
+    prev = torch.backends.cuda.preferred_blas_library()
+    if prev == torch._C._BlasBackend.Cublaslt:
+        yield
+        return
+    with warnings.catch_warnings():  # torch calls the setting "experimental" (a UserWarning, once)
+        warnings.simplefilter("ignore", UserWarning)
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.backends.cuda.preferred_blas_library(prev)
+
+
 class _Backbone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, anchor, net, conv0, ssm0, starts):
@@ -349,16 +465,34 @@ class _Backbone(torch.autograd.Function):
 
         nf_ok, nb_ok, nff_ok = _norm_flags(net, cdt)
         use_xdt = _use_xdt(ext, net, BT)
-        conv_stack = torch.empty_like(conv0) if _small_gemm_ok(ext, net) else None  # CUDA: conv_fwd's final_out
-        ssm_stack = torch.empty_like(ssm0) if conv_stack is not None else None  # and scan_fwd's (no stack copy)
+        dest = _take_final_into(conv0, ssm0)
+        conv_stack = ssm_stack = None
+        if _small_gemm_ok(ext, net):  # CUDA: conv_fwd's and scan_fwd's final_out (no stack copy)
+            conv_stack, ssm_stack = dest if dest is not None else (torch.empty_like(conv0), torch.empty_like(ssm0))
+        out_lt = OUT_PROJ_LT and cdt == torch.float32 and conv_stack is not None
+        conv_xdt = (use_xdt and CONV_XDT != "off" and conv_stack is not None and hasattr(ext, "conv_xdt_fwd")
+                    and 2 <= c.d_conv <= 4)
         resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
-        x2 = x.reshape(BT, -1).to(cdt)
-        h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
+        # CUDA: the input projection (float32, master weights) inside the first norm kernel, which writes h, its
+        # copy (the residual buffer) and the normed rows in one pass; else a GEMM in the compute dtype
+        in_norm = (resid_copy and INPUT_NORM != "off" and hasattr(ext, "input_rmsnorm_fwd")
+                   and 1 <= net.input_dim and net.input_dim * c.d_model <= _INPUT_NORM_MAX_WEIGHTS)
+        if in_norm:
+            x2 = x.reshape(BT, -1)
+            x2 = (x2 if x2.dtype == torch.float32 else x2.float()).contiguous()
+            h_next = torch.empty(BT, c.d_model, device=x.device, dtype=torch.float32)
+            h, u0, rstd0 = ext.input_rmsnorm_fwd(x2, w("input_proj.weight", M), w("input_proj.bias", M),
+                                                 w("layers.0.norm.weight", M), eps, cdt, x_copy=h_next)
+        else:
+            x2 = x.reshape(BT, -1).to(cdt)
+            h = torch.addmm(w("input_proj.bias"), x2, w("input_proj.weight").t()).float()
         saved = []
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            if resid_copy:  # the norm kernel also copies h into the next residual buffer (then an in-place GEMM)
+            if i == 0 and in_norm:
+                u, rstd = u0, rstd0
+            elif resid_copy:  # the norm kernel also copies h into the next residual buffer (then an in-place GEMM)
                 h_next = torch.empty_like(h)
                 u, rstd = ext.rmsnorm_fwd(h, w(p + "norm.weight", M), eps, cdt, x_copy=h_next)
             else:
@@ -367,15 +501,20 @@ class _Backbone(torch.autograd.Function):
             xi = xz.view(B, T, 2 * di)[..., :di]
             z = xz.view(B, T, 2 * di)[..., di:]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
-            if conv_stack is not None:  # the final window straight into its slice of the stacked output
-                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts, final_out=conv_stack[i])
+            if conv_xdt:  # one launch: the conv's rows, then dbc = xc @ Wx^T, dt = dbc[:, :r] @ Wdt^T
+                xc, dbc, dt, cf = ext.conv_xdt_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts,
+                                                   conv_stack[i], w(p + "mixer.x_proj.weight"),
+                                                   w(p + "mixer.dt_proj.weight"))
             else:
-                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts)
-            if use_xdt:  # one launch: dbc = xc @ Wx^T, dt = dbc[:, :r] @ Wdt^T
-                dbc, dt = ext.xdt_fwd(xc.view(BT, di), w(p + "mixer.x_proj.weight"), w(p + "mixer.dt_proj.weight"))
-            else:
-                dbc = torch.mm(xc.view(BT, di), w(p + "mixer.x_proj.weight").t())  # [BT, r+2n]
-                dt = torch.mm(dbc[:, :r], w(p + "mixer.dt_proj.weight").t())  # [BT, di]
+                # the final window straight into its slice of the stacked output (CUDA)
+                kw = {} if conv_stack is None else {"final_out": conv_stack[i]}
+                xc, cf = ext.conv_fwd(xi, cw, w(p + "mixer.conv1d.bias", M), conv0[i], starts, **kw)
+                if use_xdt:  # one launch: dbc = xc @ Wx^T, dt = dbc[:, :r] @ Wdt^T
+                    dbc, dt = ext.xdt_fwd(xc.view(BT, di), w(p + "mixer.x_proj.weight"),
+                                          w(p + "mixer.dt_proj.weight"))
+                else:
+                    dbc = torch.mm(xc.view(BT, di), w(p + "mixer.x_proj.weight").t())  # [BT, r+2n]
+                    dt = torch.mm(dbc[:, :r], w(p + "mixer.dt_proj.weight").t())  # [BT, di]
             dbc3 = dbc.view(B, T, r + 2 * n)
             kw = {} if ssm_stack is None else {"final_out": ssm_stack[i]}
             y, sf, ckpt = ext.scan_fwd(xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n],
@@ -383,19 +522,32 @@ class _Backbone(torch.autograd.Function):
                                        ssm0[i], starts, True, **kw)
             h_in = h
             w_out = w(p + "mixer.out_proj.weight").t()
-            if resid_copy:
-                h = _residual_acc(h_next, y.view(BT, di), w_out)
-            else:
-                h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
+            with _blas_lt(out_lt):
+                if resid_copy:
+                    h = _residual_acc(h_next, y.view(BT, di), w_out)
+                else:
+                    h = _residual_mm(h_in, y.view(BT, di), w_out)  # residual add fused into the GEMM, h stays f32
             saved.append((h_in, u, rstd, xz, xc, dbc, dt, y, ckpt))
             conv_f.append(cf)
             ssm_f.append(sf)
-        feat, rstd_f = _norm_fwd(ext, nff_ok, h, w("norm_f.weight", M), eps, torch.float32)
+        gk = _take_grad_known(B, T, c.d_model, x.device) if conv_stack is not None else None
+        ctx.pre = None
+        if gk is not None and nff_ok and nb_ok and hasattr(ext, "rmsnorm_fwd_bwd"):
+            # the final norm's backward now (dL/dfeatures announced): one kernel instead of two; dw kept aside
+            # and added to the arena by the backward, which uses all this only if it gets the same gradient
+            dw_f = torch.empty(c.d_model, device=x.device, dtype=torch.float32)
+            dh_c0 = torch.empty(BT, c.d_model, device=x.device, dtype=cdt) if cdt != torch.float32 else None
+            feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1), dw_f, dh_c0)
+            ctx.pre = (gk, gk._version, dh0, dh_c0, dw_f)
+        else:
+            feat, rstd_f = _norm_fwd(ext, nff_ok, h, w("norm_f.weight", M), eps, torch.float32)
         ctx.net, ctx.saved, ctx.shape = net, saved, (B, T)
-        ctx.h_last, ctx.rstd_f, ctx.x2 = h, rstd_f, x2
+        ctx.h_last, ctx.rstd_f, ctx.x2, ctx.in_f32 = h, rstd_f, x2, in_norm
         ctx.conv0, ctx.ssm0, ctx.starts = conv0, ssm0, starts
         ctx.norm_bwd_ok = nb_ok
         ctx.use_xdt = use_xdt
+        if dest is not None and conv_stack is dest[0]:
+            ctx.mark_non_differentiable(conv_stack, ssm_stack)
         return (feat.view(B, T, -1), torch.stack(conv_f) if conv_stack is None else conv_stack,
                 torch.stack(ssm_f) if ssm_stack is None else ssm_stack)
 
@@ -422,10 +574,15 @@ class _Backbone(torch.autograd.Function):
         use_xdt = ctx.use_xdt
         side = _side_stream(net.device, BT)
         wg = _WGrads(ext, _use_wgrad(ext, net, BT, cdt), side)
-        if dfeat is None:  # only the final states were differentiated
-            dfeat = torch.zeros(B, T, c.d_model, device=ctx.h_last.device, dtype=torch.float32)
-        dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
-                             w("norm_f.weight", M), w("norm_f.weight", G), None, cdt)
+        pre, ctx.pre = ctx.pre, None
+        if pre is not None and _same_grad(dfeat, pre):  # the forward's fused norm kernel did this already
+            dh, dh_c = pre[2], pre[3]
+            wg.add(w("norm_f.weight", G), pre[4].view(1, -1), None)
+        else:
+            if dfeat is None:  # only the final states were differentiated
+                dfeat = torch.zeros(B, T, c.d_model, device=ctx.h_last.device, dtype=torch.float32)
+            dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
+                                 w("norm_f.weight", M), w("norm_f.weight", G), None, cdt)
         for i in reversed(range(c.n_layers)):
             p = f"layers.{i}."
             h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
@@ -468,7 +625,7 @@ class _Backbone(torch.autograd.Function):
             # on a side stream, each layer's grouped launch runs beside the next layers' chain; in the chain, it
             # waits for the end unless its operands grow large (long B*T: peak memory)
             wg.flush(if_above=0 if side is not None else WGRAD_HOLD_BYTES)
-        if dh_c is None:
+        if dh_c is None or ctx.in_f32:  # the input projection ran in float32 (input_rmsnorm_fwd)
             dh_c = dh
         wg.add(w("input_proj.weight", G), dh_c, ctx.x2)
         wg.add(w("input_proj.bias", G), dh, None)
@@ -476,7 +633,8 @@ class _Backbone(torch.autograd.Function):
         wg.join()
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(dh_c, w("input_proj.weight")).view(B, T, -1).to(ctx.x_dtype)
+            w_in = w("input_proj.weight", M if ctx.in_f32 else W)
+            dx = torch.mm(dh_c, w_in).view(B, T, -1).to(ctx.x_dtype)
         return dx, None, None, None, None, None
 
 

@@ -312,12 +312,21 @@ class MambaTrainer:
             with torch.no_grad():
                 self._state_used.copy_(self.state)
 
-    def _forward_body(self):
+    def _forward_body(self, grad: torch.Tensor | None = None):
+        """The forward into ``_feat``; ``grad``: the dL/dfeatures the backward will get (the fused step knows it
+        before the forward: ``fused.grad_known``, one launch fewer on CUDA), or None."""
         self._take_state()
-        with _tf32_matmul(self.tf32):
+        st = self.state
+        cuda = self.device.type == "cuda"
+        # CUDA: the fused forward writes the final states straight into the carried state where it can
+        # (fused.final_state_into: two copy launches fewer per step); the copy below then has nothing to do
+        into = fused.final_state_into(st.conv, st.ssm) if cuda and self._state_is_own() else contextlib.nullcontext()
+        known = fused.grad_known(grad) if cuda and grad is not None else contextlib.nullcontext()
+        with _tf32_matmul(self.tf32), into, known:
             feat, final = self.net(self.x_buf, self._state_used, self.starts_buf)
         with torch.no_grad():  # as the direct step: a re-bound state that requires grad is written too
-            self.state.copy_(final.detach())
+            if final.conv is not st.conv or final.ssm is not st.ssm:
+                st.copy_(final.detach())
             if self.skip_nonfinite:
                 self._keep_finite_rows()
         self._feat = feat
@@ -415,10 +424,19 @@ class MambaTrainer:
         if optimizer_step:
             self._optimize()
 
-    def _backprop(self, retain_graph: bool = False):
-        """d_buf (times the loss scale) back through the last forward, into the gradient arena."""
-        net = self.net
+    def _step_body(self):
+        """The fused step: forward, backward and optimizer, with dL/dfeatures (d_buf times the loss scale)
+        computed first and announced to the forward."""
         g = self._scaled_d()
+        self._forward_body(g)
+        self._backprop(g=g)
+        self._optimize()
+
+    def _backprop(self, retain_graph: bool = False, g: torch.Tensor | None = None):
+        """d_buf (times the loss scale; ``g`` when the caller computed it already) back through the last
+        forward, into the gradient arena."""
+        net = self.net
+        g = self._scaled_d() if g is None else g
         if net.device.type == "cpu":
             self._attach_grads_cpu()
         elif not torch.cuda.is_current_stream_capturing():
@@ -497,8 +515,7 @@ class MambaTrainer:
             self._step_cpu_direct()
             return self._metrics(False)
         if not self._graphs.replay("step"):
-            self._forward_body()
-            self._backward_body(True)
+            self._step_body()
             self._feat = None
             return self._metrics(False)
         return self._metrics(True)
@@ -617,15 +634,14 @@ class MambaTrainer:
             raise RuntimeError(f"MambaTrainer.capture_graph needs a CUDA device, the trainer is on {self.device}")
 
         def warm() -> None:
-            self._forward_body()
-            self._backward_body(True)
+            self._step_body()
             self._feat = None  # the warm-up's activations are not needed by any graph
 
         # The fused step gets its own pool (it may run between forward and backward_step); forward and
         # the two backward graphs share one.
         pool = torch.cuda.graph_pool_handle()
         capture_restoring(self._graphs, {
-            "step": lambda: (self._forward_body(), self._backward_body(True)),
+            "step": self._step_body,
             "forward": self._forward_body,
             "backward_step": lambda: self._backward_body(True, retain_graph=True),
             "accumulate": lambda: self._backward_body(False, retain_graph=True),

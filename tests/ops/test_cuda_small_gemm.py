@@ -226,3 +226,222 @@ def test_fused_node_kernels_on_vs_off(dtype, tol):
             fused.WGRAD = fused.XDT = "auto"
     assert rel(grads["on"][0], grads["off"][0]) <= tol
     assert rel(grads["on"][1], grads["off"][1]) <= tol
+
+
+def _starts_every_kind(B, T, gen):
+    """episode_starts with a start at t = 0, one in the middle, one at T - 1 and random ones (rows of 8 that cross
+    a start, and the last step)."""
+    s = torch.rand(B, T, generator=gen) < 0.1
+    s[0, 0] = True
+    if B > 1:
+        s[1, T // 2] = True
+        s[1, T - 1] = True
+    return s.cuda()
+
+
+@pytest.mark.parametrize("B,T", [(16, 64), (3, 37), (5, 2), (1, 9), (2, 1)])
+@pytest.mark.parametrize("K", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("init", [True, False])
+def test_conv_xdt_fwd_is_conv_then_xdt_bit_for_bit(ext, B, T, K, dtype, init):
+    """conv_xdt_fwd (the conv's rows computed inside the x_proj + dt_proj kernel) gives the bits of conv_fwd then
+    xdt_fwd: xc, dbc, dt and the final window, at row blocks inside one sequence and across sequences (T not a
+    multiple of 8, T < d_conv - 1), with resets anywhere, a strided input (the in_proj output's left half) and
+    with / without an initial window; and the float64 reference within rounding."""
+    from mamba_rl.ops.conv import causal_conv1d_ref
+    from mamba_rl.ops.small_gemm import xdt_fwd_ref
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + K)
+    D, R, N = 96, 6, 16
+    E = R + 2 * N
+    xz = torch.randn(B, T, 2 * D, generator=gen).to("cuda", dtype)
+    x = xz[..., :D]  # strided, as the fused node passes it
+    w = (torch.randn(D, K, generator=gen) / K ** 0.5).cuda()
+    cb = torch.randn(D, generator=gen).cuda()
+    st = torch.randn(B, D, K - 1, generator=gen).cuda() if init else None
+    starts = _starts_every_kind(B, T, gen)
+    wx = (torch.randn(E, D, generator=gen) / D ** 0.5).to("cuda", dtype)
+    wdt = (torch.randn(D, R, generator=gen) / R ** 0.5).to("cuda", dtype)
+    xc0, fin0 = ext.conv_fwd(x, w, cb, st, starts)
+    dbc0, dt0 = ext.xdt_fwd(xc0.view(B * T, D), wx, wdt)
+    fin_out = torch.full((B, D, K - 1), float("nan"), device="cuda")
+    xc, dbc, dt, fin = ext.conv_xdt_fwd(x, w, cb, st, starts, fin_out, wx, wdt)
+    assert fin.data_ptr() == fin_out.data_ptr()
+    for a, b in ((xc, xc0), (dbc, dbc0), (dt, dt0), (fin, fin0)):
+        assert a.dtype == b.dtype and torch.equal(a.view(b.shape), b)
+    xc_r, fin_r = causal_conv1d_ref(x.double(), w.double(), cb.double(), None if st is None else st.double(), starts)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert rel(xc, xc_r) <= tol and rel(fin, fin_r) <= tol
+    dbc_r, dt_r = xdt_fwd_ref(xc.view(B * T, D), wx, wdt)  # from the kernel's rounded xc
+    assert rel(dbc, dbc_r) <= tol and rel(dt, dt_r) <= tol
+    # without final_out: a new final window, the same bits
+    xc2, _, _, fin2 = ext.conv_xdt_fwd(x, w, cb, st, starts, None, wx, wdt)
+    assert torch.equal(xc2, xc) and torch.equal(fin2, fin0)
+
+
+def test_conv_xdt_fwd_bad_input_raises(ext):
+    x = torch.randn(2, 5, 32, device="cuda")
+    w, cb = torch.randn(32, 4, device="cuda"), torch.randn(32, device="cuda")
+    wx, wdt = torch.randn(10, 32, device="cuda"), torch.randn(32, 2, device="cuda")
+    with pytest.raises(ValueError, match="d_conv must be 2, 3 or 4"):
+        ext.conv_xdt_fwd(x, torch.randn(32, 5, device="cuda"), cb, None, None, None, wx, wdt)
+    with pytest.raises(ValueError, match="x_proj.weight"):
+        ext.conv_xdt_fwd(x, w, cb, None, None, None, torch.randn(10, 31, device="cuda"), wdt)
+    with pytest.raises(ValueError, match="dtype"):
+        ext.conv_xdt_fwd(x, w, cb, None, None, None, wx.bfloat16(), wdt)
+    with pytest.raises(ValueError, match="final_out"):
+        ext.conv_xdt_fwd(x, w, cb, None, None, torch.zeros(2, 32, 2, device="cuda"), wx, wdt)
+
+
+@pytest.mark.parametrize("rows,C,I", [(1024, 128, 32), (7, 128, 4), (37, 96, 45), (5, 40, 1), (16, 1024, 12),
+                                      (3, 256, 48)])
+@pytest.mark.parametrize("odt", [torch.float32, torch.bfloat16])
+def test_input_rmsnorm_fwd_vs_ref(ext, rows, C, I, odt):
+    """input_rmsnorm_fwd: h = x @ W^T + b in float32 and RMSNorm(h) in one pass, within float32 rounding of the
+    float64 reference; the norm is the bits of rmsnorm_fwd on the returned h; x_copy receives h."""
+    from mamba_rl.ops.norm import rms_norm_ref
+    gen = torch.Generator().manual_seed(rows + C + I)
+    x = torch.randn(rows, I, generator=gen).cuda()
+    wi = (torch.randn(C, I, generator=gen) / I ** 0.5).cuda()
+    bi = torch.randn(C, generator=gen).cuda()
+    w = (1 + 0.2 * torch.randn(C, generator=gen)).cuda()
+    cp = torch.full((rows, C), float("nan"), device="cuda")
+    h, u, rstd = ext.input_rmsnorm_fwd(x, wi, bi, w, 1e-5, odt, x_copy=cp)
+    assert h.dtype == torch.float32 and u.dtype == odt and rstd.shape == (rows, 1)
+    h_r = x.double() @ wi.double().t() + bi.double()
+    assert rel(h, h_r) <= 2e-6
+    assert torch.equal(cp, h)
+    u2, rstd2 = ext.rmsnorm_fwd(h, w, 1e-5, odt)
+    assert torch.equal(u, u2) and torch.equal(rstd, rstd2)
+    assert rel(u, rms_norm_ref(h_r, w.double(), 1e-5)) <= (2e-6 if odt == torch.float32 else 1e-2)
+
+
+def test_input_rmsnorm_fwd_bad_input_raises(ext):
+    x, w = torch.randn(4, 32, device="cuda"), torch.randn(128, device="cuda")
+    wi, bi = torch.randn(128, 32, device="cuda"), torch.randn(128, device="cuda")
+    with pytest.raises(ValueError, match="in_dim \\* C"):
+        ext.input_rmsnorm_fwd(torch.randn(4, 100, device="cuda"), torch.randn(128, 100, device="cuda"), bi, w, 1e-5,
+                              torch.float32)
+    with pytest.raises(ValueError, match="in_w"):
+        ext.input_rmsnorm_fwd(x, torch.randn(128, 31, device="cuda"), bi, w, 1e-5, torch.float32)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        ext.input_rmsnorm_fwd(x.double(), wi, bi, w, 1e-5, torch.float32)
+    with pytest.raises(ValueError, match="x_copy"):
+        ext.input_rmsnorm_fwd(x, wi, bi, w, 1e-5, torch.float32, x_copy=torch.zeros(4, 127, device="cuda"))
+
+
+FEWER = {"CONV_XDT": ("auto", "off"), "INPUT_NORM": ("auto", "off"), "OUT_PROJ_LT": (True, False),
+         "FINAL_DIRECT": ("auto", "off")}
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", 2e-6), ("bf16", 2e-2)])
+def test_fused_node_fewer_launches_on_vs_off(dtype, tol):
+    """The fused node with the conv inside the x_proj kernel, the input projection inside the first norm, the
+    float32 out_proj through cuBLASLt (all on) against all off: the same features and gradients within rounding
+    (f32: the same math in other summation orders; bf16: the input projection now runs in float32)."""
+    from mamba_rl import MambaBackbone, MambaConfig
+    from mamba_rl.model import fused
+    cfg = MambaConfig(d_model=128, n_layers=2)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 50, 32, generator=gen).cuda()
+    gout = torch.randn(4, 50, 128, generator=gen).cuda()
+    starts = (torch.rand(4, 50, generator=gen) < 0.1).cuda()
+    res = {}
+    for k in (0, 1):
+        for name, vals in FEWER.items():
+            setattr(fused, name, vals[k])
+        try:
+            net = MambaBackbone(cfg, 32, device="cuda", seed=1, backend="cuda")
+            net.set_compute_dtype({"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
+            xr = x.clone().requires_grad_()
+            y, st = net(xr, None, starts)
+            (y * gout).sum().backward()
+            res[k] = (y.detach(), st.conv, st.ssm, net.grad_arena.clone(), xr.grad)
+        finally:
+            for name, vals in FEWER.items():
+                setattr(fused, name, vals[0])
+    for a, b in zip(res[0], res[1]):
+        assert torch.isfinite(a).all() and rel(a, b) <= tol
+
+
+def test_final_state_into_writes_the_given_tensors_and_skips_what_does_not_fit():
+    """fused.final_state_into: the next CUDA fused forward writes the final states into the given tensors and
+    returns them (not differentiable, the values of a forward without it); tensors of another shape, or overlapping
+    the initial state, are refused (new tensors returned, the given ones untouched); the hint is used once."""
+    from mamba_rl import MambaBackbone, MambaConfig
+    from mamba_rl.model import fused
+    net = MambaBackbone(MambaConfig(d_model=64, n_layers=2), 8, device="cuda", seed=2, backend="cuda")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 20, 8, generator=gen).cuda()
+    s0 = net.initial_state(3)
+    s0.conv.normal_(generator=torch.Generator(device="cuda").manual_seed(1))
+    s0.ssm.normal_(generator=torch.Generator(device="cuda").manual_seed(2))
+    y0, f0 = net(x, s0)
+    conv = torch.full_like(f0.conv, float("nan"))
+    ssm = torch.full_like(f0.ssm, float("nan"))
+    with fused.final_state_into(conv, ssm):
+        y1, f1 = net(x, s0)
+    assert f1.conv is conv and f1.ssm is ssm and not conv.requires_grad
+    assert torch.equal(conv, f0.conv) and torch.equal(ssm, f0.ssm) and torch.equal(y1, y0)
+    y1.sum().backward()  # the features still backpropagate
+    y2, f2 = net(x, s0)  # the hint was used once
+    assert f2.conv is not conv
+    bad = torch.full((2, 3, net.cfg.d_inner, 5), float("nan"), device="cuda")
+    with fused.final_state_into(bad, ssm):
+        _, f3 = net(x, s0)
+    assert f3.conv is not bad and torch.isnan(bad).all() and torch.equal(f3.conv, f0.conv)
+    with fused.final_state_into(s0.conv, s0.ssm):  # the initial state itself: refused
+        _, f4 = net(x, s0)
+    assert f4.conv is not s0.conv and torch.equal(f4.ssm, f0.ssm)
+
+
+@pytest.mark.parametrize("rows,C", [(1024, 128), (7, 128), (33, 256), (5, 40), (300, 512)])
+@pytest.mark.parametrize("low", [None, torch.bfloat16])
+def test_rmsnorm_fwd_bwd_is_fwd_then_bwd_bit_for_bit(ext, rows, C, low):
+    """rmsnorm_fwd_bwd: the forward and backward of RMSNorm in one pass give the bits of rmsnorm_fwd (float32 out,
+    rstd) then rmsnorm_bwd (dx, its low-precision copy, dw: assigned here, added there)."""
+    gen = torch.Generator().manual_seed(rows + C)
+    x = (3 * torch.randn(rows, C, generator=gen)).cuda()
+    w = (1 + 0.2 * torch.randn(C, generator=gen)).cuda()
+    dy = torch.randn(rows, C, generator=gen).cuda()
+    out0, rstd0 = ext.rmsnorm_fwd(x, w, 1e-5, torch.float32)
+    dw0 = torch.zeros(C, device="cuda")
+    dxc0 = None if low is None else torch.empty(rows, C, device="cuda", dtype=low)
+    dx0 = ext.rmsnorm_bwd(dy, x, rstd0, w, dw0, None, dxc0)
+    dw = torch.full((C,), float("nan"), device="cuda")
+    dxc = None if low is None else torch.empty(rows, C, device="cuda", dtype=low)
+    out, rstd, dx = ext.rmsnorm_fwd_bwd(x, w, 1e-5, dy, dw, dxc)
+    assert torch.equal(out, out0) and torch.equal(rstd, rstd0) and torch.equal(dx, dx0) and torch.equal(dw, dw0)
+    if low is not None:
+        assert torch.equal(dxc, dxc0)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_grad_known_gives_the_bits_of_the_plain_backward(dtype):
+    """fused.grad_known: the forward runs the final norm's backward with the announced gradient; a backward with
+    that tensor gives the features, x's gradient and the arena of a plain forward + backward, bit for bit; a
+    backward with another gradient (or the announced one changed in place) ignores what the forward computed."""
+    from mamba_rl import MambaBackbone, MambaConfig
+    from mamba_rl.model import fused
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 40, 32, generator=gen).cuda()
+    starts = (torch.rand(4, 40, generator=gen) < 0.1).cuda()
+    g1 = torch.randn(4, 40, 128, generator=gen).cuda()
+    g2 = torch.randn(4, 40, 128, generator=gen).cuda()
+
+    def run(g_bwd, hint=None, bump=False):
+        net = MambaBackbone(MambaConfig(n_layers=2), 32, device="cuda", seed=3, backend="cuda")
+        net.set_compute_dtype({"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        xr = x.clone().requires_grad_()
+        ctx = fused.grad_known(hint) if hint is not None else torch.enable_grad()
+        with ctx:
+            y, _ = net(xr, None, starts)
+        if bump:
+            hint.mul_(2.0).div_(2.0)  # same values, a new version: must not be trusted
+        y.backward(g_bwd)
+        return y.detach(), xr.grad, net.grad_arena.clone()
+
+    plain1, plain2 = run(g1), run(g2)
+    g1c = g1.clone()
+    for got, want in ((run(g1, g1), plain1), (run(g2, g1), plain2), (run(g1c, g1c, bump=True), plain1)):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)

@@ -364,3 +364,31 @@ def test_tf32_uses_tensor_cores_only_inside_the_trainer_and_stays_close_to_float
     assert rel(feats["f32"], yr) <= 1e-4
     assert 1e-6 < rel(feats["tf32"], yr) <= 5e-3
     assert not torch.equal(feats["tf32"], feats["f32"])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_default_model_step_replay_launches_at_most_40_kernels(dtype):
+    """Issue 18's launch budget: one captured training step of the default model (d_model 128, 3 layers, 16 x 64,
+    32 inputs) runs at most 40 kernels, memcpys and memsets (torch.profiler over one replay); the forward writes
+    the final state straight into the carried state (the same tensors, the values of a plain forward)."""
+    from torch.profiler import ProfilerActivity, profile
+    net = MambaBackbone(MambaConfig(), 32, device="cuda", seed=0, backend="cuda")
+    twin = MambaBackbone(MambaConfig(), 32, device="cuda", seed=0, backend="cuda")
+    tr = MambaTrainer(net, 16, 64, dtype=dtype, lr=1e-3)
+    twin.set_compute_dtype(net.compute_dtype)
+    gen = torch.Generator().manual_seed(9)
+    x, d = torch.randn(16, 64, 32, generator=gen).cuda(), torch.randn(16, 64, 128, generator=gen).cuda()
+    tr.capture_graph()
+    conv, ssm = tr.state.conv, tr.state.ssm
+    tr.step(x, d)  # from the initial weights and a zero state
+    with torch.no_grad():
+        _, fin = twin(x)
+    assert tr.state.conv is conv and tr.state.ssm is ssm
+    assert torch.equal(fin.ssm, tr.state.ssm) and torch.equal(fin.conv, tr.state.conv)
+    graph = tr._graphs["step"]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert 20 <= len(names) <= 40, names
