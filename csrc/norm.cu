@@ -1,6 +1,7 @@
-// RMSNorm forward (writes the compute-dtype output and rstd) and backward (dx, with an optional residual
-// gradient added in the same pass, an optional bf16/f16 copy of dx for the next GEMM, and dw accumulated
-// into the gradient arena). Warp per row; each lane
+// RMSNorm forward (writes the compute-dtype output and rstd; optionally with the backbone's input projection as
+// its prologue, h = x @ W^T + b in float32) and backward (dx, with an optional residual gradient added in the
+// same pass, an optional bf16/f16 copy of dx for the next GEMM, and dw accumulated into the gradient arena;
+// optionally with the forward in the same pass, for a caller that knows dL/dout first). Warp per row; each lane
 // owns the columns lane + 32 k, so the backward's dw partials stay in registers; the last block to finish
 // sums the block partials in a fixed order (bit-reproducible, one launch).
 #include "common.cuh"

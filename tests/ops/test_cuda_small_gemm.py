@@ -202,30 +202,38 @@ def test_adamw_zero_grad(ext, skip):
     assert torch.count_nonzero(grad) == 0
 
 
-@pytest.mark.parametrize("dtype,tol", [("f32", 2e-6), ("bf16", 2e-2)])
-def test_fused_node_kernels_on_vs_off(dtype, tol):
-    """The whole fused backward with the small-GEMM kernels forced on equals the torch-GEMM path (the same math,
-    other summation orders / roundings); both paths are also compared with float64 in tests/train."""
+def _fused_node_outputs(dtype, flags):
+    """(features, final conv, final ssm, gradient arena, dL/dx) of a 2-layer fused node (d_model 128, 4 x 50, random
+    resets) on fixed random inputs, with ``model.fused``'s switches in ``flags`` set for the call (restored after)."""
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl.model import fused
-    cfg = MambaConfig(d_model=128, n_layers=2)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 50, 32, generator=gen).cuda()
     gout = torch.randn(4, 50, 128, generator=gen).cuda()
     starts = (torch.rand(4, 50, generator=gen) < 0.1).cuda()
-    grads = {}
-    for mode in ("off", "on"):
-        fused.WGRAD = fused.XDT = mode
-        try:
-            net = MambaBackbone(cfg, 32, device="cuda", seed=1, backend="cuda")
-            net.set_compute_dtype({"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
-            y, _ = net(x, None, starts)
-            (y * gout).sum().backward()
-            grads[mode] = (y.detach(), net.grad_arena.clone())
-        finally:
-            fused.WGRAD = fused.XDT = "auto"
-    assert rel(grads["on"][0], grads["off"][0]) <= tol
-    assert rel(grads["on"][1], grads["off"][1]) <= tol
+    old = {k: getattr(fused, k) for k in flags}
+    for k, v in flags.items():
+        setattr(fused, k, v)
+    try:
+        net = MambaBackbone(MambaConfig(d_model=128, n_layers=2), 32, device="cuda", seed=1, backend="cuda")
+        net.set_compute_dtype({"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
+        xr = x.clone().requires_grad_()
+        y, st = net(xr, None, starts)
+        (y * gout).sum().backward()
+        return y.detach(), st.conv.detach(), st.ssm.detach(), net.grad_arena.clone(), xr.grad
+    finally:
+        for k, v in old.items():
+            setattr(fused, k, v)
+
+
+@pytest.mark.parametrize("dtype,tol", [("f32", 2e-6), ("bf16", 2e-2)])
+def test_fused_node_kernels_on_vs_off(dtype, tol):
+    """The whole fused backward with the small-GEMM kernels forced on equals the torch-GEMM path (the same math,
+    other summation orders / roundings); both paths are also compared with float64 in tests/train."""
+    on = _fused_node_outputs(dtype, {"WGRAD": "on", "XDT": "on"})
+    off = _fused_node_outputs(dtype, {"WGRAD": "off", "XDT": "off"})
+    for a, b in zip(on, off):
+        assert torch.isfinite(a).all() and rel(a, b) <= tol
 
 
 def _starts_every_kind(B, T, gen):
@@ -338,28 +346,9 @@ def test_fused_node_fewer_launches_on_vs_off(dtype, tol):
     """The fused node with the conv inside the x_proj kernel, the input projection inside the first norm, the
     float32 out_proj through cuBLASLt (all on) against all off: the same features and gradients within rounding
     (f32: the same math in other summation orders; bf16: the input projection now runs in float32)."""
-    from mamba_rl import MambaBackbone, MambaConfig
-    from mamba_rl.model import fused
-    cfg = MambaConfig(d_model=128, n_layers=2)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 50, 32, generator=gen).cuda()
-    gout = torch.randn(4, 50, 128, generator=gen).cuda()
-    starts = (torch.rand(4, 50, generator=gen) < 0.1).cuda()
-    res = {}
-    for k in (0, 1):
-        for name, vals in FEWER.items():
-            setattr(fused, name, vals[k])
-        try:
-            net = MambaBackbone(cfg, 32, device="cuda", seed=1, backend="cuda")
-            net.set_compute_dtype({"f32": torch.float32, "bf16": torch.bfloat16}[dtype])
-            xr = x.clone().requires_grad_()
-            y, st = net(xr, None, starts)
-            (y * gout).sum().backward()
-            res[k] = (y.detach(), st.conv.detach(), st.ssm.detach(), net.grad_arena.clone(), xr.grad)
-        finally:
-            for name, vals in FEWER.items():
-                setattr(fused, name, vals[0])
-    for a, b in zip(res[0], res[1]):
+    on = _fused_node_outputs(dtype, {name: vals[0] for name, vals in FEWER.items()})
+    off = _fused_node_outputs(dtype, {name: vals[1] for name, vals in FEWER.items()})
+    for a, b in zip(on, off):
         assert torch.isfinite(a).all() and rel(a, b) <= tol
 
 
