@@ -125,9 +125,8 @@ VARIANTS = {"": ("auto", "auto"), "_torchgemm": ("off", "off"), "_xdtonly": ("of
 MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer kind
 
 
-# fused-node switches set by bench_train(fused_flags=...): name -> the default it is restored to afterwards
-FUSED_DEFAULTS = {"CONV_XDT": "auto", "INPUT_NORM": "auto", "OUT_PROJ_LT": True, "FINAL_DIRECT": "auto",
-                  "NORM_F_FUSED": "auto"}
+# fused-node switches bench_train(fused_flags=...) may set (each restored to its previous value afterwards)
+FUSED_FLAGS = ("CONV_XDT", "INPUT_NORM", "OUT_PROJ_LT", "FINAL_DIRECT", "NORM_F_FUSED")
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
@@ -140,9 +139,12 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     fused.WGRAD, fused.XDT = VARIANTS[variant]
     fused.WGRAD_STREAM = wgrad_stream
     fused.WGRAD_TENSOR_CORES = tensor_cores
-    for k, v in (fused_flags or {}).items():
-        if k not in FUSED_DEFAULTS:
-            raise ValueError(f"bench_train: fused_flags: expected names in {sorted(FUSED_DEFAULTS)}, got {k!r}")
+    fused_flags = fused_flags or {}
+    for k in fused_flags:
+        if k not in FUSED_FLAGS:
+            raise ValueError(f"bench_train: fused_flags: expected names in {sorted(FUSED_FLAGS)}, got {k!r}")
+    flags_before = {k: getattr(fused, k) for k in fused_flags}
+    for k, v in fused_flags.items():
         setattr(fused, k, v)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -170,7 +172,7 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
     fused.WGRAD_TENSOR_CORES = True
-    for k, v in FUSED_DEFAULTS.items():
+    for k, v in flags_before.items():
         setattr(fused, k, v)
     optim.FUSED = True
     variant += tag + {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \

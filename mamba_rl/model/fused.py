@@ -330,31 +330,44 @@ def _norm_ok(net, out_dtype):
             bool(kernel_support(net.backend, "rms_norm_bwd", **kw)))
 
 
-# final_state_into: the (conv, ssm) tensors the next CUDA forward of this thread writes its final states into
-_FINAL_INTO = threading.local()
+# Hints from the caller about the next fused CUDA forward of this thread, each consumed by that forward:
+# "final" (final_state_into) and "grad" (grad_known)
+_HINTS = threading.local()
 # FINAL_DIRECT: "auto" honours final_state_into on CUDA; "off" ignores it (the forward's own stacks, which the
 # trainer then copies: the version before, for A/Bs)
 FINAL_DIRECT = "auto"
 
 
 @contextlib.contextmanager
-def final_state_into(conv: torch.Tensor, ssm: torch.Tensor):
-    """Within this block, the next fused CUDA forward (:func:`fused_backbone`) writes its final states straight
-    into ``conv`` [L, B, d_inner, d_conv-1] and ``ssm`` [L, B, d_inner, d_state] (contiguous float32, on the
-    backbone's device, not overlapping the initial state) and returns those tensors, not differentiable: the
-    trainer's carried state, so no copy follows the forward (two launches fewer per step). Where the forward
-    cannot (CPU, another layer kind, other shapes), it returns new tensors as usual and the caller copies."""
-    _FINAL_INTO.v = (conv, ssm)
+def _hint(name: str, value):
+    """The hint ``name`` set to ``value`` inside the block (cleared at its end, whether used or not)."""
+    setattr(_HINTS, name, value)
     try:
         yield
     finally:
-        _FINAL_INTO.v = None
+        setattr(_HINTS, name, None)
+
+
+def _take_hint(name: str):
+    """The hint ``name`` (or None), consumed."""
+    v = getattr(_HINTS, name, None)
+    setattr(_HINTS, name, None)
+    return v
+
+
+def final_state_into(conv: torch.Tensor, ssm: torch.Tensor):
+    """Within this block (``with final_state_into(conv, ssm): ...``), the next fused CUDA forward
+    (:func:`fused_backbone`) writes its final states straight into ``conv`` [L, B, d_inner, d_conv-1] and ``ssm``
+    [L, B, d_inner, d_state] (contiguous float32, on the backbone's device, not overlapping the initial state) and
+    returns those tensors, not differentiable: the trainer's carried state, so no copy follows the forward (two
+    launches fewer per step). Where the forward cannot (CPU, another layer kind, other shapes), it returns new
+    tensors as usual and the caller copies."""
+    return _hint("final", (conv, ssm))
 
 
 def _take_final_into(conv0: torch.Tensor, ssm0: torch.Tensor):
     """The (conv, ssm) of :func:`final_state_into`, consumed, if they fit this forward's initial state; else None."""
-    dest = getattr(_FINAL_INTO, "v", None)
-    _FINAL_INTO.v = None
+    dest = _take_hint("final")
     if dest is None or FINAL_DIRECT == "off":
         return None
     for d, s in zip(dest, (conv0, ssm0)):
@@ -375,31 +388,23 @@ INPUT_NORM = "auto"
 _INPUT_NORM_MAX_WEIGHTS = 12288
 
 
-# grad_known: dL/dfeatures of the next CUDA forward of this thread, known before it runs
-_GRAD_KNOWN = threading.local()
 # NORM_F_FUSED: "auto" runs the final norm's forward and backward as one kernel where grad_known gave dL/dfeatures;
 # "off": two kernels, as before.
 NORM_F_FUSED = "auto"
 
 
-@contextlib.contextmanager
 def grad_known(dfeat: torch.Tensor):
-    """Within this block, the next fused CUDA forward is told that its features' gradient will be ``dfeat``
-    [B, T, d_model] (float32, contiguous; the tensor later passed to ``backward``): it then runs the final RMSNorm's
-    forward and backward as one kernel and keeps the backward's results. Its backward uses them only if it receives
-    this same tensor, unchanged (same storage, shape, strides and version); otherwise it computes them as usual.
-    One launch fewer per training step (:meth:`MambaTrainer.step`)."""
-    _GRAD_KNOWN.v = dfeat
-    try:
-        yield
-    finally:
-        _GRAD_KNOWN.v = None
+    """Within this block (``with grad_known(dfeat): ...``), the next fused CUDA forward is told that its features'
+    gradient will be ``dfeat`` [B, T, d_model] (float32, contiguous; the tensor later passed to ``backward``): it
+    then runs the final RMSNorm's forward and backward as one kernel and keeps the backward's results. Its backward
+    uses them only if it receives this same tensor, unchanged (same storage, shape, strides and version); otherwise
+    it computes them as usual. One launch fewer per training step (:meth:`MambaTrainer.step`)."""
+    return _hint("grad", dfeat)
 
 
 def _take_grad_known(B: int, T: int, d_model: int, device):
     """The tensor of :func:`grad_known`, consumed, if it fits features [B, T, d_model] float32 here; else None."""
-    g = getattr(_GRAD_KNOWN, "v", None)
-    _GRAD_KNOWN.v = None
+    g = _take_hint("grad")
     if (g is None or NORM_F_FUSED == "off" or g.dtype != torch.float32 or tuple(g.shape) != (B, T, d_model)
             or g.device != device or not g.is_contiguous() or g.requires_grad):
         return None
@@ -466,13 +471,12 @@ class _Backbone(torch.autograd.Function):
         if _small_gemm_ok(ext, net):  # CUDA: conv_fwd's and scan_fwd's final_out (no stack copy)
             conv_stack, ssm_stack = dest if dest is not None else (torch.empty_like(conv0), torch.empty_like(ssm0))
         out_lt = OUT_PROJ_LT and cdt == torch.float32 and conv_stack is not None
-        conv_xdt = (use_xdt and CONV_XDT != "off" and conv_stack is not None and hasattr(ext, "conv_xdt_fwd")
-                    and 2 <= c.d_conv <= 4)
+        conv_xdt = use_xdt and CONV_XDT != "off" and conv_stack is not None and hasattr(ext, "conv_xdt_fwd")
         resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
         # CUDA: the input projection (float32, master weights) inside the first norm kernel, which writes h, its
         # copy (the residual buffer) and the normed rows in one pass; else a GEMM in the compute dtype
         in_norm = (resid_copy and INPUT_NORM != "off" and hasattr(ext, "input_rmsnorm_fwd")
-                   and 1 <= net.input_dim and net.input_dim * c.d_model <= _INPUT_NORM_MAX_WEIGHTS)
+                   and net.input_dim * c.d_model <= _INPUT_NORM_MAX_WEIGHTS)
         if in_norm:
             x2 = x.reshape(BT, -1)
             x2 = (x2 if x2.dtype == torch.float32 else x2.float()).contiguous()
