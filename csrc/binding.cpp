@@ -776,88 +776,6 @@ Tensor xdt_bwd(const Tensor& ddt, const Tensor& dB, const Tensor& dC, const Tens
   raise_if(mrl::xdt_bwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
   return ddbc;
 }
-// One Mamba layer's forward in one launch (csrc/layer.cu): h [B*T, d_model] float32 contiguous; u / rstd: the
-// normed rows and their rstd from input_rmsnorm_fwd (then the kernel reads them) or None (it computes and returns
-// them); the weights as the fused node passes them (GEMM weights in the compute dtype, the rest float32);
-// conv_final / ssm_final receive the final states -> (h_out, u, rstd, xz, xc, dbc, dt, y, ckpt).
-std::vector<Tensor> layer_fwd(const Tensor& h, int64_t B, int64_t T, const OptT& u_in, const OptT& rstd_in,
-                              const Tensor& norm_w, double eps, const Tensor& w_in, const Tensor& conv_w,
-                              const Tensor& conv_b, const OptT& conv_init, const OptT& starts, Tensor& conv_final,
-                              const Tensor& w_x, const Tensor& w_dt, const Tensor& A_log, const Tensor& Dskip,
-                              const Tensor& dt_bias, const OptT& ssm_init, Tensor& ssm_final, const Tensor& w_out,
-                              const OptT& prof) {
-  check_cuda(h, "layer_fwd: h", h);
-  MRL_CHECK(B >= 1 && T >= 1, "layer_fwd: B and T must be >= 1, got ", B, " and ", T);
-  MRL_CHECK(h.dim() == 2 && h.size(0) == B * T && h.scalar_type() == at::kFloat && h.is_contiguous(),
-            "layer_fwd: h must be a contiguous float32 [B*T = ", B * T, ", d_model] tensor, got ", shape_str(h), " ",
-            h.scalar_type());
-  MRL_CHECK(w_in.dim() == 2 && w_x.dim() == 2 && w_dt.dim() == 2 && conv_w.dim() == 2 && A_log.dim() == 2,
-            "layer_fwd: 2-D in_proj, x_proj, dt_proj, conv and A_log weights expected, got ", shape_str(w_in), ", ",
-            shape_str(w_x), ", ", shape_str(w_dt), ", ", shape_str(conv_w), ", ", shape_str(A_log));
-  const int64_t DM = h.size(1), DI = w_in.size(0) / 2, N = A_log.size(1), R = w_dt.size(1), K = conv_w.size(1);
-  const int64_t E = R + 2 * N;
-  const char* why = mrl::layer_fwd_supported((int)DM, (int)DI, (int)N, (int)R, (int)K);
-  MRL_CHECK(why == nullptr, why ? why : "", " (got d_model ", DM, ", d_inner ", DI, ", d_state ", N, ", dt_rank ", R,
-            ", d_conv ", K, ")");
-  const int dt = dtype_code(w_in, "layer_fwd: in_proj.weight");
-  check_rows(w_in, "layer_fwd: in_proj.weight", w_in, 2 * DI, DM);
-  check_rows(w_x, "layer_fwd: x_proj.weight", w_in, E, DI);
-  check_rows(w_dt, "layer_fwd: dt_proj.weight", w_in, DI, R);
-  check_rows(w_out, "layer_fwd: out_proj.weight", w_in, DM, DI);
-  check_f32(norm_w, "layer_fwd: norm.weight", h, {DM});
-  check_f32(conv_w, "layer_fwd: conv1d.weight", h, {DI, K});
-  check_f32(conv_b, "layer_fwd: conv1d.bias", h, {DI});
-  check_f32(A_log, "layer_fwd: A_log", h, {DI, N});
-  check_f32(Dskip, "layer_fwd: D", h, {DI});
-  check_f32(dt_bias, "layer_fwd: dt_proj.bias", h, {DI});
-  check_f32(conv_final, "layer_fwd: conv_final", h, {B, DI, K - 1});
-  check_f32(ssm_final, "layer_fwd: ssm_final", h, {B, DI, N});
-  if (conv_init) check_f32(*conv_init, "layer_fwd: conv_init", h, {B, DI, K - 1});
-  if (ssm_init) check_f32(*ssm_init, "layer_fwd: ssm_init", h, {B, DI, N});
-  check_starts(starts, h, B, T);
-  MRL_CHECK(u_in.has_value() == rstd_in.has_value(), "layer_fwd: u and rstd must be given together");
-  for (const Tensor* t : {&w_in, &w_x, &w_out})
-    MRL_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "layer_fwd: the in_proj, x_proj and out_proj "
-              "weights must start at 16-byte aligned addresses (got an offset of ",
-              reinterpret_cast<uintptr_t>(t->data_ptr()) % 16, " bytes)");
-  if (prof) {
-    check_cuda(*prof, "layer_fwd: prof", h);
-    MRL_CHECK(prof->scalar_type() == at::kLong && prof->is_contiguous() && prof->numel() == B * 8 * mrl::LF_PROF,
-              "layer_fwd: prof must be a contiguous int64 tensor of B * 8 * ", mrl::LF_PROF, " = ",
-              B * 8 * mrl::LF_PROF, " elements, got ", shape_str(*prof), " ", prof->scalar_type());
-  }
-  const c10::cuda::CUDAGuard guard(h.device());
-  const auto opt = w_in.options();
-  Tensor u, rstd;
-  if (u_in) {
-    check_rows(*u_in, "layer_fwd: u", w_in, B * T, DM);
-    check_f32(*rstd_in, "layer_fwd: rstd", h, {B * T, 1});
-    u = *u_in;
-    rstd = *rstd_in;
-  } else {
-    u = new_empty({B * T, DM}, opt);
-    rstd = new_empty({B * T, 1}, h.options());
-  }
-  auto xz = new_empty({B * T, 2 * DI}, opt), xc = new_empty({B, T, DI}, opt), dbc = new_empty({B * T, E}, opt);
-  auto dto = new_empty({B * T, DI}, opt), y = new_empty({B, T, DI}, opt), h_out = new_empty({B * T, DM}, h.options());
-  const int64_t nC = (T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
-  auto ckpt = new_empty({B, nC, DI, N}, h.options());
-  mrl::LayerFwdParams p{};
-  p.h = h.data_ptr<float>(); p.norm_w = norm_w.data_ptr<float>(); p.eps = (float)eps;
-  p.u = u.data_ptr(); p.rstd = rstd.data_ptr<float>(); p.u_given = u_in ? 1 : 0;
-  p.w_in = w_in.data_ptr(); p.conv_w = conv_w.data_ptr<float>(); p.conv_b = conv_b.data_ptr<float>();
-  p.conv_init = ptr_or_null<float>(conv_init); p.starts = ptr_or_null<bool>(starts);
-  p.w_x = w_x.data_ptr(); p.w_dt = w_dt.data_ptr(); p.A_log = A_log.data_ptr<float>();
-  p.Dskip = Dskip.data_ptr<float>(); p.dt_bias = dt_bias.data_ptr<float>(); p.ssm_init = ptr_or_null<float>(ssm_init);
-  p.w_out = w_out.data_ptr();
-  p.xz = xz.data_ptr(); p.xc = xc.data_ptr(); p.dbc = dbc.data_ptr(); p.dt = dto.data_ptr(); p.y = y.data_ptr();
-  p.ckpt = ckpt.data_ptr<float>(); p.conv_final = conv_final.data_ptr<float>(); p.ssm_final = ssm_final.data_ptr<float>();
-  p.h_out = h_out.data_ptr<float>();
-  p.B = (int)B; p.T = (int)T; p.DM = (int)DM; p.DI = (int)DI; p.N = (int)N; p.R = (int)R; p.K = (int)K;
-  p.prof = prof ? reinterpret_cast<long long*>(prof->data_ptr<int64_t>()) : nullptr;
-  raise_if(mrl::layer_fwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
-  return {h_out, u, rstd, xz, xc, dbc, dto, y, ckpt};
-}
 // ---------------- Mamba-3 SISO mixer core (mamba3.cu; the CPU binding's m3_fwd / m3_bwd contract) ----------------
 struct M3Sizes { int64_t B, T, Dp, H, P, N, R, di; };
 
@@ -1065,17 +983,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "None, c [M, N] float32) c += a^T b (None: column sums of a); slice > 0 forces the K-slice length "
         "(benchmarks; 0: the plan's choice); tensor_cores=False keeps bf16 / f16 jobs on the FFMA path "
         "(comparisons)", py::arg("jobs"), py::arg("slice") = 0, py::arg("tensor_cores") = true);
-  m.def("layer_fwd", &layer_fwd, "one Mamba layer's forward in one launch (d_model 128, d_inner 256, d_state 16) "
-        "-> (h_out, u, rstd, xz, xc, dbc, dt, y, ckpt); conv_final / ssm_final receive the final states; prof "
-        "(int64 [B * 8 * 16]) receives each block's clock64() at its first tile's phase ends (profiling)",
-        py::arg("h"), py::arg("B"), py::arg("T"), py::arg("u"), py::arg("rstd"), py::arg("norm_w"), py::arg("eps"),
-        py::arg("w_in"), py::arg("conv_w"), py::arg("conv_b"), py::arg("conv_init"), py::arg("starts"),
-        py::arg("conv_final"), py::arg("w_x"), py::arg("w_dt"), py::arg("A_log"), py::arg("D"), py::arg("dt_bias"),
-        py::arg("ssm_init"), py::arg("ssm_final"), py::arg("w_out"), py::arg("prof") = py::none());
-  m.def("layer_fwd_supported", [](int64_t DM, int64_t DI, int64_t N, int64_t R, int64_t K) -> std::optional<std::string> {
-          const char* why = mrl::layer_fwd_supported((int)DM, (int)DI, (int)N, (int)R, (int)K);
-          return why ? std::optional<std::string>(why) : std::nullopt;
-        }, "None where layer_fwd takes (d_model, d_inner, d_state, dt_rank, d_conv), else why not");
   m.def("xdt_fwd", &xdt_fwd, "x_proj + dt_proj forward of one layer -> (dbc [rows, E], dt [rows, d_inner])");
   m.def("xdt_bwd", &xdt_bwd, "x_proj + dt_proj backward of one layer -> ddbc [rows, E]; dxc += ddbc @ x_proj.weight "
         "in place");

@@ -247,50 +247,6 @@ const char* xdt_bwd(int dtype, const XdtBwdParams& p, cudaStream_t s);
 }  // namespace mrl
 
 namespace mrl {
-// ---------------- one Mamba-1 layer's forward in one launch (csrc/layer.cu) ----------------
-// RMSNorm, in_proj, causal conv1d + SiLU, x_proj, dt_proj, the selective scan (softplus, D skip, SiLU(z) gate,
-// resets) and out_proj with the residual add, for d_model 128, d_inner 256, d_state 16, dt_rank <= 16, d_conv 2-4
-// (layer_fwd_supported). Writes what the fused backward reads, in the compute dtype of the weights (float32 where
-// named): the same tensors, with the same roundings, as the separate kernels (rmsnorm_fwd, in_proj GEMM, conv_fwd,
-// xdt_fwd, scan_fwd, out_proj GEMM); other float32 summation orders.
-struct LayerFwdParams {
-  const float* h;           // [B*T, DM] the layer's input (residual stream)
-  const float* norm_w;      // [DM]
-  float eps;
-  void* u;                  // [B*T, DM] normed rows: written, or read where u_given
-  float* rstd;              // [B*T] written unless u_given
-  int u_given;
-  const void* w_in;         // [2 DI, DM]
-  const float* conv_w;      // [DI, K]
-  const float* conv_b;      // [DI]
-  const float* conv_init;   // [B, DI, K-1] or nullptr (zeros)
-  const bool* starts;       // [B, T] or nullptr
-  const void* w_x;          // [E, DI], E = R + 2 N
-  const void* w_dt;         // [DI, R]
-  const float* A_log;       // [DI, N]
-  const float* Dskip;       // [DI]
-  const float* dt_bias;     // [DI]
-  const float* ssm_init;    // [B, DI, N] or nullptr (zeros)
-  const void* w_out;        // [DM, DI]
-  void* xz;                 // [B*T, 2 DI]
-  void* xc;                 // [B*T, DI]
-  void* dbc;                // [B*T, E]
-  void* dt;                 // [B*T, DI] (before dt_bias and softplus)
-  void* y;                  // [B*T, DI] the gated scan output
-  float* ckpt;              // [B, ceil(T / scan_chunk()), DI, N] the state entering every chunk
-  float* conv_final;        // [B, DI, K-1]
-  float* ssm_final;         // [B, DI, N]
-  float* h_out;             // [B*T, DM] h + y @ w_out^T
-  int B, T, DM, DI, N, R, K;
-  long long* prof = nullptr;  // [B * 8][LF_PROF] clock64() of each block's phase ends in its first tile, or nullptr
-};
-constexpr int LF_PROF = 16;
-// nullptr where layer_fwd takes these sizes, else why not.
-const char* layer_fwd_supported(int DM, int DI, int N, int R, int K);
-const char* layer_fwd(int dtype, const LayerFwdParams& p, cudaStream_t s);
-}  // namespace mrl
-
-namespace mrl {
 // ---------------- Mamba-3 SISO mixer core (mamba3.cu; the contract of cpu/mamba3.cpp, float32) ----------------
 struct M3Params {
   const float* zxbc; int64_t z_sb, z_st;  // [B, T, Dp] in_proj output, unit last stride, Dp = 2 H P + 2N + 3H + R

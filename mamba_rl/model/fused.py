@@ -175,29 +175,6 @@ def _use_xdt(ext, net, rows: int) -> bool:
     return XDT == "on" or (c.d_inner <= _XDT_MAX_D_INNER and rows <= _XDT_MAX_ROWS)
 
 
-# LAYER_FWD: each layer's forward as one launch (csrc/layer.cu: a cluster of 8 blocks per batch row keeps the
-# layer's intermediates in shared memory) where its sizes fit (d_model 128, d_inner 256, d_state 16, dt_rank <= 16,
-# d_conv 2-4), on GPUs with thread-block clusters (compute capability >= 9.0). "auto": up to _LAYER_FWD_MAX_ROWS
-# rows (B*T); "on": every row count; "off" (default): the separate kernels, measured faster at every row
-# (benchmarks/NOTES.md, seventeenth session). The backward is the same either way.
-LAYER_FWD = "off"
-_LAYER_FWD_MAX_ROWS = 8192
-_CLUSTERS: dict = {}  # device index -> compute capability >= 9.0
-
-
-def _use_layer_fwd(ext, net, rows: int) -> bool:
-    if LAYER_FWD == "off" or not _small_gemm_ok(ext, net) or not hasattr(ext, "layer_fwd"):
-        return False
-    if LAYER_FWD != "on" and rows > _LAYER_FWD_MAX_ROWS:
-        return False
-    idx = net.device.index if net.device.index is not None else torch.cuda.current_device()
-    if idx not in _CLUSTERS:
-        _CLUSTERS[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    c = net.cfg
-    return _CLUSTERS[idx] and ext.layer_fwd_supported(c.d_model, c.d_inner, c.d_state, c.dt_rank_value,
-                                                     c.d_conv) is None
-
-
 _SIDE_STREAMS: dict = {}  # device index -> the weight gradients' second stream (WGRAD_STREAM)
 
 
@@ -495,19 +472,15 @@ class _Backbone(torch.autograd.Function):
             conv_stack, ssm_stack = dest if dest is not None else (torch.empty_like(conv0), torch.empty_like(ssm0))
         out_lt = OUT_PROJ_LT and cdt == torch.float32 and conv_stack is not None
         conv_xdt = use_xdt and CONV_XDT != "off" and conv_stack is not None and hasattr(ext, "conv_xdt_fwd")
-        one_launch = (conv_stack is not None and _use_layer_fwd(ext, net, BT)  # layer_fwd: a layer per launch
-                      and all(vw[f"layers.{i}.mixer.{n}.weight"].data_ptr() % 16 == 0  # its 16-byte weight loads
-                              for i in range(c.n_layers) for n in ("in_proj", "x_proj", "out_proj")))
-        # CUDA norm kernel with x_copy (see the loop); layer_fwd writes a new residual buffer itself
-        resid_copy = nf_ok and conv_stack is not None and not one_launch
+        resid_copy = nf_ok and conv_stack is not None  # CUDA norm kernel with x_copy (see the loop)
         # CUDA: the input projection (float32, master weights) inside the first norm kernel, which writes h, its
         # copy (the residual buffer) and the normed rows in one pass; else a GEMM in the compute dtype
-        in_norm = (nf_ok and conv_stack is not None and INPUT_NORM != "off" and hasattr(ext, "input_rmsnorm_fwd")
+        in_norm = (resid_copy and INPUT_NORM != "off" and hasattr(ext, "input_rmsnorm_fwd")
                    and net.input_dim * c.d_model <= _INPUT_NORM_MAX_WEIGHTS)
         if in_norm:
             x2 = x.reshape(BT, -1)
             x2 = (x2 if x2.dtype == torch.float32 else x2.float()).contiguous()
-            h_next = None if one_launch else torch.empty(BT, c.d_model, device=x.device, dtype=torch.float32)
+            h_next = torch.empty(BT, c.d_model, device=x.device, dtype=torch.float32)
             h, u0, rstd0 = ext.input_rmsnorm_fwd(x2, w("input_proj.weight", M), w("input_proj.bias", M),
                                                  w("layers.0.norm.weight", M), eps, cdt, x_copy=h_next)
         else:
@@ -517,17 +490,6 @@ class _Backbone(torch.autograd.Function):
         conv_f, ssm_f = [], []
         for i in range(c.n_layers):
             p = f"layers.{i}."
-            if one_launch:  # norm (unless given), in_proj, conv, x_proj, dt_proj, scan, out_proj + residual
-                given = (u0, rstd0) if (i == 0 and in_norm) else (None, None)
-                h_in = h
-                h, *rest = ext.layer_fwd(
-                    h, B, T, *given, w(p + "norm.weight", M), eps, w(p + "mixer.in_proj.weight"),
-                    w(p + "mixer.conv1d.weight", M).view(di, -1), w(p + "mixer.conv1d.bias", M), conv0[i], starts,
-                    conv_stack[i], w(p + "mixer.x_proj.weight"), w(p + "mixer.dt_proj.weight"),
-                    w(p + "mixer.A_log", M), w(p + "mixer.D", M), w(p + "mixer.dt_proj.bias", M), ssm0[i],
-                    ssm_stack[i], w(p + "mixer.out_proj.weight"))
-                saved.append((h_in, *rest))  # u, rstd, xz, xc, dbc, dt, y, ckpt
-                continue
             if i == 0 and in_norm:
                 u, rstd = u0, rstd0
             elif resid_copy:  # the norm kernel also copies h into the next residual buffer (then an in-place GEMM)
