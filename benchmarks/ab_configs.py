@@ -12,8 +12,7 @@ one cooperative launch: ``ext.set_coop(0)``), ``coop_sf`` / ``coop_sb`` / ``coop
 scan backward / conv backward as one cooperative launch), ``fewer_off`` (the conv inside the x_proj kernel, the
 input projection inside the first norm, the float32 out_proj through cuBLASLt and the final state written into
 the carried state, the final norm's forward and backward as one kernel, all off: ``fused.CONV_XDT`` etc.),
-``no_conv_xdt`` / ``no_input_norm`` / ``no_lt`` / ``no_final_direct`` / ``no_norm_f_fused`` (one of them off),
-``nopdl`` / ``pdl_plain`` (no programmatic dependent launches / only on the non-cooperative launches: ``ext.set_pdl``).
+``no_conv_xdt`` / ``no_input_norm`` / ``no_lt`` / ``no_final_direct`` / ``no_norm_f_fused`` (one of them off).
 
 Usage (device): python3 benchmarks/ab_configs.py --rows 128x16x64 128x64x128 --dtypes f32 bf16
     --configs base optsplit --rounds 2 --out $OUT/ab.json
@@ -52,9 +51,6 @@ CONFIGS = {
     "no_lt": dict(fused_flags=dict(OUT_PROJ_LT=False), tag="_no_lt"),
     "no_final_direct": dict(fused_flags=dict(FINAL_DIRECT="off"), tag="_no_final_direct"),
     "no_norm_f_fused": dict(fused_flags=dict(NORM_F_FUSED="off"), tag="_no_norm_f_fused"),
-    # programmatic dependent launches (ext.set_pdl): none (full stream order), plain launches only
-    "nopdl": dict(pdl=0),
-    "pdl_plain": dict(pdl=1),
 }
 
 

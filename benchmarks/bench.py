@@ -130,7 +130,7 @@ FUSED_FLAGS = ("CONV_XDT", "INPUT_NORM", "OUT_PROJ_LT", "FINAL_DIRECT", "NORM_F_
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
-                tensor_cores=True, optim_fused=True, coop=7, fused_flags=None, tag="", pdl=3):
+                tensor_cores=True, optim_fused=True, coop=7, fused_flags=None, tag=""):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
@@ -153,9 +153,6 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     has_coop = hasattr(net.kernels, "set_coop")
     if has_coop:
         net.kernels.set_coop(coop)
-    has_pdl = hasattr(net.kernels, "set_pdl")
-    if has_pdl:
-        net.kernels.set_pdl(pdl)
     tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
@@ -171,8 +168,6 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     if has_coop:
         net.kernels.set_coop(7)
-    if has_pdl:
-        net.kernels.set_pdl(3)
     del tr, net, graph
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
@@ -181,7 +176,7 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
         setattr(fused, k, v)
     optim.FUSED = True
     variant += tag + {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
-        ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}") + ("" if pdl == 3 else f"_pdl{pdl}")
+        ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}")
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:

@@ -994,12 +994,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           MRL_CHECK(n == 0 || n == 3 || n == 4, "scan_set_bwd_blocks: expected 0 (automatic), 3 or 4, got ", n);
           mrl::scan_set_bwd_blocks((int)n);
         }, "force the scan backward's build: 3 or 4 (d_state 16) blocks per SM, its split sized for it; 0: automatic");
-  m.def("set_pdl", [](int64_t mask) {
-          MRL_CHECK(mask >= 0 && mask <= mrl::PDL_ALL, "set_pdl: expected a mask in 0..", (int)mrl::PDL_ALL,
-                    " (1 plain launches, 2 cooperative launches), got ", mask);
-          mrl::set_pdl((int)mask);
-        }, "which launches are programmatic dependent launches (compute capability >= 9.0; 3 = all, the default; 0 = "
-        "none, full stream order; the same bits either way)");
   m.def("set_coop", [](int64_t mask) {
           MRL_CHECK(mask >= 0 && mask <= mrl::COOP_ALL, "set_coop: expected a mask in 0..", (int)mrl::COOP_ALL,
                     " (1 scan forward, 2 scan backward, 4 conv backward), got ", mask);

@@ -39,59 +39,6 @@ bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid);
 // whatever set_coop() says; cached per kernel, block size, shared memory and device.
 int64_t coop_capacity(const void* kernel, int threads, int smem);
 
-// Programmatic dependent launch (compute capability >= 9.0). A kernel launched by launch_k() with the attribute
-// on may be scheduled while the kernel before it in the stream is still running (in a CUDA graph: a programmatic
-// edge instead of a full one), so the ~1 µs between two small kernels overlaps the first one's run. Every kernel
-// of these files starts with pdl_start(): it waits until the kernel before it has completed and its writes are
-// visible (griddepcontrol.wait) before it reads or writes any tensor, then lets its own dependents be scheduled
-// once all its blocks are past that point (griddepcontrol.launch_dependents). So every memory access keeps the
-// stream's order and the bits are those of plain launches (a no-op on older GPUs and for plain launches), and
-// at most one kernel ahead is resident and waiting. (Triggering before the wait let every later kernel's blocks
-// pile up on the SMs, each waiting on the one before: measured 8-10 % slower at 16 x 64.)
-__device__ __forceinline__ void pdl_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-// Which launches carry the attribute (set_pdl in ops.h: PDL_PLAIN | PDL_COOP by default), on devices with
-// compute capability >= 9.0 (asked once per device).
-bool pdl_for(int which);
-
-// kernel<<<grid, block, smem, s>>>(args...), or a cooperative launch (coop), with the programmatic-dependent-
-// launch attribute where pdl_for() allows it; returns the launch's error.
-template <typename... KArgs, typename... Args>
-inline cudaError_t launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, bool coop,
-                            Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute at[2] = {};
-  int n = 0;
-  if (coop) {
-    at[n].id = cudaLaunchAttributeCooperative;
-    at[n++].val.cooperative = 1;
-  }
-  if (pdl_for(coop ? PDL_COOP : PDL_PLAIN)) {
-    at[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  cfg.attrs = at;
-  cfg.numAttrs = n;
-  return cudaLaunchKernelEx(&cfg, kernel, args...);
-}
-
-// Returns the launch's error string (and clears CUDA's last error) from a launcher.
-#define MRL_LAUNCH(expr)                                          \
-  do {                                                            \
-    cudaError_t e__ = (expr);                                     \
-    const cudaError_t l__ = cudaGetLastError();                   \
-    if (e__ == cudaSuccess) e__ = l__;                            \
-    if (e__ != cudaSuccess) return cudaGetErrorString(e__);       \
-  } while (0)
-
 #define MRL_LAUNCH_CHECK()                                        \
   do {                                                            \
     cudaError_t e__ = cudaGetLastError();                         \
@@ -128,7 +75,6 @@ __device__ __forceinline__ float colsum_part(const float* __restrict__ ws, int P
 
 template <typename F>
 __global__ void __launch_bounds__(32 * COLSUM_RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
-  pdl_start();
   __shared__ float part[COLSUM_RG][33];
   const int j = blockIdx.x * 32 + threadIdx.x;
   const int r = threadIdx.y;
@@ -160,7 +106,8 @@ __device__ __forceinline__ void colsum_grid(const float* __restrict__ ws, int P,
   }
 }
 template <typename F>
-inline cudaError_t launch_colsum(const float* ws, int P, int M, F f, cudaStream_t s) {
-  return launch_k(colsum_kernel<F>, dim3((M + 31) / 32), dim3(32, COLSUM_RG), 0, s, false, ws, P, M, f);
+inline void launch_colsum(const float* ws, int P, int M, F f, cudaStream_t s) {
+  dim3 block(32, COLSUM_RG);
+  colsum_kernel<F><<<(M + 31) / 32, block, 0, s>>>(ws, P, M, f);
 }
 }  // namespace mrl

@@ -35,7 +35,6 @@ __device__ __forceinline__ void load_window(T (&xr)[W], float (&xv)[W], const T*
 // Tap validity: the tap at time tau of output t is used iff no episode start lies in (tau, t].
 template <typename T, int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p) {
-  pdl_start();
   constexpr int LC = CONV_LC, W = LC + K - 1;  // register window: times t0-K+1 .. t0+LC-1
   const int d = blockIdx.x * CONV_THREADS + threadIdx.x;
   const int c = blockIdx.y, b = blockIdx.z;
@@ -183,14 +182,13 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
 template <typename T>
 const char* conv_fwd_t(const ConvFwdParams& p, cudaStream_t s) {
   dim3 grid((p.D + CONV_THREADS - 1) / CONV_THREADS, (p.T + CONV_LC - 1) / CONV_LC, p.B);
-  void (*k)(ConvFwdParams) = nullptr;
   switch (p.K) {
-    case 2: k = conv_fwd_kernel<T, 2>; break;
-    case 3: k = conv_fwd_kernel<T, 3>; break;
-    case 4: k = conv_fwd_kernel<T, 4>; break;
+    case 2: conv_fwd_kernel<T, 2><<<grid, CONV_THREADS, 0, s>>>(p); break;
+    case 3: conv_fwd_kernel<T, 3><<<grid, CONV_THREADS, 0, s>>>(p); break;
+    case 4: conv_fwd_kernel<T, 4><<<grid, CONV_THREADS, 0, s>>>(p); break;
     default: return "causal_conv1d: d_conv must be 2, 3 or 4";
   }
-  MRL_LAUNCH(launch_k(k, grid, dim3(CONV_THREADS), 0, s, false, p));
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 
@@ -206,14 +204,12 @@ struct ConvWGradOut {
 
 template <typename T, int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv_bwd_kernel(ConvBwdParams p) {
-  pdl_start();
   conv_bwd_body<T, K>(p);
 }
 // The backward and its weight-gradient sums in one cooperative launch (the grid is co-resident): a grid
 // barrier between them, the sums by every thread of the grid in colsum_kernel's order (the same bits).
 template <typename T, int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv_bwd_coop_kernel(ConvBwdParams p) {
-  pdl_start();
   conv_bwd_body<T, K>(p);
   cooperative_groups::this_grid().sync();
   const int64_t blk = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
@@ -224,13 +220,17 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_bwd_coop_kernel(ConvBwdPara
 template <typename T, int K>
 const char* conv_bwd_tk(const ConvBwdParams& p, cudaStream_t s) {
   const dim3 grid((p.D + CONV_THREADS - 1) / CONV_THREADS, (p.T + CONV_LC - 1) / CONV_LC, p.B);
-  if (coop_fits(COOP_CONV_BWD, (const void*)conv_bwd_coop_kernel<T, K>, CONV_THREADS, 0, grid)) {
-    MRL_LAUNCH(launch_k(conv_bwd_coop_kernel<T, K>, grid, dim3(CONV_THREADS), 0, s, true, p));
-    return nullptr;
+  const void* coop = (const void*)conv_bwd_coop_kernel<T, K>;
+  if (coop_fits(COOP_CONV_BWD, coop, CONV_THREADS, 0, grid)) {
+    ConvBwdParams a = p;
+    void* args[] = {&a};
+    const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(CONV_THREADS), args, 0, s);
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
-  MRL_LAUNCH(launch_k(conv_bwd_kernel<T, K>, grid, dim3(CONV_THREADS), 0, s, false, p));
-  MRL_LAUNCH(launch_colsum(p.ws, p.B * (int)grid.y, (p.K + 1) * p.D,
-                           ConvWGradOut{p.dw, p.dbias, p.D, p.K, p.accumulate}, s));
+  conv_bwd_kernel<T, K><<<grid, CONV_THREADS, 0, s>>>(p);
+  MRL_LAUNCH_CHECK();
+  launch_colsum(p.ws, p.B * (int)grid.y, (p.K + 1) * p.D, ConvWGradOut{p.dw, p.dbias, p.D, p.K, p.accumulate}, s);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 

@@ -1,6 +1,6 @@
 // Cooperative single launches: a kernel whose passes are separated by grid barriers instead of separate
 // launches (the scan's local / main / reduction passes, the conv backward and its weight-gradient sums, the
-// optimizer's statistics and AdamW); and which launches are programmatic dependent launches (common.cuh).
+// optimizer's statistics and AdamW).
 #include "common.cuh"
 
 namespace mrl {
@@ -41,25 +41,6 @@ int64_t coop_capacity(const void* kernel, int threads, int smem) {
     if (slot >= 0) cache[dev][slot] = {kernel, threads, smem, per_sm};
   }
   return (int64_t)per_sm * sms[dev];
-}
-
-static int g_pdl = PDL_ALL;
-void set_pdl(int mask) { g_pdl = mask & PDL_ALL; }
-
-bool pdl_for(int which) {
-  if ((g_pdl & which) == 0) return false;
-  static int cc[64] = {};  // 0: not asked; else the compute capability major (-1: the query failed)
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { (void)cudaGetLastError(); return false; }
-  if (cc[dev] == 0) {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;  // not cached: asked again next time
-    }
-    cc[dev] = v;
-  }
-  return cc[dev] >= 9;
 }
 
 bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid) {

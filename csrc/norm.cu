@@ -56,7 +56,6 @@ __device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const fl
 
 template <typename OT, int CPL>
 __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p) {
-  pdl_start();
   extern __shared__ float norm_ws[];  // [in_dim][C]: in_w^T, only with the input projection prologue
   const int lane = threadIdx.x % 32;
   const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32;
@@ -104,7 +103,6 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p)
 
 template <typename GT, int CPL>
 __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p) {
-  pdl_start();
   constexpr int NORM_ROWS_PER_WARP = NormRPW<CPL>::v;
   __shared__ float part[NORM_WARPS][CPL * 32];
   __shared__ bool is_last;
@@ -238,27 +236,25 @@ static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
   if (p.in_x && (p.in_dim < 1 || (int64_t)p.in_dim * p.C > NORM_IN_MAX_WEIGHTS))
     return "rms_norm: the input projection prologue takes 1 <= in_dim and in_dim * C <= 12288";
   const size_t smem = p.in_x ? sizeof(float) * (size_t)p.in_dim * p.C : 0;
-  void (*k)(NormFwdParams) = nullptr;
   switch (p.out_dtype) {
-    case kF32: k = norm_fwd_kernel<float, CPL>; break;
-    case kBF16: k = norm_fwd_kernel<__nv_bfloat16, CPL>; break;
-    case kF16: k = norm_fwd_kernel<__half, CPL>; break;
+    case kF32: norm_fwd_kernel<float, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
+    case kBF16: norm_fwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
+    case kF16: norm_fwd_kernel<__half, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
     default: return "rms_norm: unsupported output dtype";
   }
-  MRL_LAUNCH(launch_k(k, dim3(nb), dim3(NORM_THREADS), smem, s, false, p));
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 template <int CPL>
 static const char* norm_bwd_c(const NormBwdParams& p, cudaStream_t s) {
   const unsigned nb = (unsigned)norm_bwd_blocks(p.rows, p.C);
-  void (*k)(NormBwdParams) = nullptr;
   switch (p.dy_dtype) {
-    case kF32: k = norm_bwd_kernel<float, CPL>; break;
-    case kBF16: k = norm_bwd_kernel<__nv_bfloat16, CPL>; break;
-    case kF16: k = norm_bwd_kernel<__half, CPL>; break;
+    case kF32: norm_bwd_kernel<float, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kBF16: norm_bwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kF16: norm_bwd_kernel<__half, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
     default: return "rms_norm: unsupported grad dtype";
   }
-  MRL_LAUNCH(launch_k(k, dim3(nb), dim3(NORM_THREADS), 0, s, false, p));
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 

@@ -82,10 +82,6 @@ void scan_set_bwd_blocks(int n);
 // a cleared bit: the separate launches, the same bits; a tuning / testing knob; coop.cu).
 enum : int { COOP_SCAN_FWD = 1, COOP_SCAN_BWD = 2, COOP_CONV_BWD = 4, COOP_ALL = 7 };
 void set_coop(int mask);
-// Which launches carry the programmatic-dependent-launch attribute (common.cuh pdl_start / launch_k): plain
-// launches, cooperative ones; a mask of PDL_*, default PDL_ALL (a cleared bit: full stream order; the same bits).
-enum : int { PDL_PLAIN = 1, PDL_COOP = 2, PDL_ALL = 3 };
-void set_pdl(int mask);
 const char* scan_fwd(int dtype, const ScanFwdParams& p, cudaStream_t s);
 const char* scan_bwd(int dtype, const ScanBwdParams& p, cudaStream_t s);
 

@@ -100,7 +100,6 @@ __device__ __forceinline__ void gs_total(const double* ws, double* sh, double& s
 __global__ void __launch_bounds__(GS_THREADS) grad_stats_kernel(GradStatsParams p) {
   __shared__ double sh[GS_THREADS / 32];
   __shared__ bool is_last;
-  pdl_start();
   double acc, bad;
   gs_block_sums(p, sh, acc, bad);
   if (threadIdx.x == 0) {
@@ -123,7 +122,8 @@ __global__ void __launch_bounds__(GS_THREADS) grad_stats_kernel(GradStatsParams 
 }
 
 const char* grad_stats(const GradStatsParams& p, cudaStream_t s) {
-  MRL_LAUNCH(launch_k(grad_stats_kernel, dim3(grad_stats_blocks(p.P)), dim3(GS_THREADS), 0, s, false, p));
+  grad_stats_kernel<<<grad_stats_blocks(p.P), GS_THREADS, 0, s>>>(p);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 
@@ -226,7 +226,6 @@ __device__ __forceinline__ void adamw_skip(const AdamWParams& p, int64_t tid, in
 
 template <typename C>
 __global__ void __launch_bounds__(256) adamw_kernel(AdamWParams p) {
-  pdl_start();
   const double* h = p.hyper;
   const double* sc = p.scalars;
   const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, stride = (int64_t)gridDim.x * blockDim.x;
@@ -244,7 +243,6 @@ template <typename C>
 __global__ void __launch_bounds__(GS_THREADS) optim_step_kernel(GradStatsParams gp, AdamWParams p) {
   __shared__ double sh[GS_THREADS / 32];
   __shared__ GsResult res;
-  pdl_start();
   const double s0 = gp.scalars[0], s1 = gp.scalars[1], s2 = gp.scalars[2];
   double acc, bad;
   gs_block_sums(gp, sh, acc, bad);
@@ -269,23 +267,21 @@ const char* adamw_step(const AdamWParams& p, cudaStream_t s) {
   int64_t nb = (p.P / 4 + 255) / 256;  // 4 elements per thread (the tail, or unaligned arenas: the same threads loop)
   if (nb > 132 * 16) nb = 132 * 16;
   if (nb < 1) nb = 1;
-  void (*k)(AdamWParams) = nullptr;
   switch (p.compute ? p.compute_dtype : kF32) {
-    case kF32: k = adamw_kernel<float>; break;
-    case kBF16: k = adamw_kernel<__nv_bfloat16>; break;
-    case kF16: k = adamw_kernel<__half>; break;
+    case kF32: adamw_kernel<float><<<(unsigned)nb, 256, 0, s>>>(p); break;
+    case kBF16: adamw_kernel<__nv_bfloat16><<<(unsigned)nb, 256, 0, s>>>(p); break;
+    case kF16: adamw_kernel<__half><<<(unsigned)nb, 256, 0, s>>>(p); break;
     default: return "adamw_step: unsupported compute dtype";
   }
-  MRL_LAUNCH(launch_k(k, dim3((unsigned)nb), dim3(256), 0, s, false, p));
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 
-using OptimStepFn = void (*)(GradStatsParams, AdamWParams);
-static OptimStepFn optim_step_fn(int compute_dtype) {
+static void* optim_step_fn(int compute_dtype) {
   switch (compute_dtype) {
-    case kF32: return optim_step_kernel<float>;
-    case kBF16: return optim_step_kernel<__nv_bfloat16>;
-    case kF16: return optim_step_kernel<__half>;
+    case kF32: return (void*)optim_step_kernel<float>;
+    case kBF16: return (void*)optim_step_kernel<__nv_bfloat16>;
+    case kF16: return (void*)optim_step_kernel<__half>;
   }
   return nullptr;
 }
@@ -295,15 +291,19 @@ static OptimStepFn optim_step_fn(int compute_dtype) {
 // at most one round of 2 x 4 elements and the 264-block grid is no slower than AdamW's own).
 bool optim_step_fits(int64_t P, int compute_dtype) {
   const int grid = grad_stats_blocks(P);
-  const OptimStepFn fn = optim_step_fn(compute_dtype);
+  void* fn = optim_step_fn(compute_dtype);
   if (fn == nullptr || P > (int64_t)grid * GS_THREADS * 8) return false;
-  return coop_capacity((const void*)fn, GS_THREADS, 0) >= grid;
+  return coop_capacity(fn, GS_THREADS, 0) >= grid;
 }
 
 const char* optim_step(const GradStatsParams& gp, const AdamWParams& p, cudaStream_t s) {
-  const OptimStepFn fn = optim_step_fn(p.compute ? p.compute_dtype : kF32);
+  void* fn = optim_step_fn(p.compute ? p.compute_dtype : kF32);
   if (fn == nullptr) return "optim_step: unsupported compute dtype";
-  MRL_LAUNCH(launch_k(fn, dim3(grad_stats_blocks(p.P)), dim3(GS_THREADS), 0, s, true, gp, p));
+  GradStatsParams g = gp;
+  AdamWParams a = p;
+  void* args[] = {&g, &a};
+  const cudaError_t e = cudaLaunchCooperativeKernel(fn, dim3(grad_stats_blocks(p.P)), dim3(GS_THREADS), args, 0, s);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
   return nullptr;
 }
 

@@ -362,17 +362,14 @@ __device__ __forceinline__ void scan_bwd_reduce(const ScanBwdParams& q, const in
 template <typename T, int N>
 __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_bwd_local_kernel(ScanBwdParams q) {
   __shared__ ScanBwdLocalSmem<N> ls;
-  pdl_start();
   scan_bwd_local_body<T, N>(q, blockIdx.z + 1, ls);
 }
 template <typename T, int N, int MINB>
 __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdParams q) {
-  pdl_start();
   scan_bwd_main_body<T, N>(q, blockIdx.z);
 }
 template <typename T, int N>
 __global__ void __launch_bounds__(256) scan_bwd_reduce_kernel(ScanBwdParams q, int ntiles) {
-  pdl_start();
   scan_bwd_reduce<T, N>(q, ntiles, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 // The whole backward in one cooperative launch (the grid is co-resident): the local pass (nseg > 1, its shared
@@ -381,7 +378,6 @@ __global__ void __launch_bounds__(256) scan_bwd_reduce_kernel(ScanBwdParams q, i
 template <typename T, int N, int MINB, bool LOCAL>
 __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanBwdParams q) {
   extern __shared__ float4 scan_bwd_smem[];
-  pdl_start();
   auto grid = cooperative_groups::this_grid();
   const int k = blockIdx.z;
   if (LOCAL && q.f.nseg > 1) {
@@ -398,13 +394,12 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanB
 // The cooperative kernel for the 3-blocks-per-SM build (with the local pass) or the wide build (d_state 16,
 // where nseg is 1: no local pass, which also keeps its code inside 128 registers).
 // (A wide build with a split, forced by scan_set_bwd_blocks, takes the separate launches.)
-using ScanBwdFn = void (*)(ScanBwdParams);
 template <typename T, int N>
-ScanBwdFn scan_bwd_coop_fn(bool wide, bool split) {
+const void* scan_bwd_coop_fn(bool wide, bool split) {
   if constexpr (N == 16) {
-    if (wide) return split ? nullptr : scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_WIDE, false>;
+    if (wide) return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_WIDE, false>;
   }
-  return wide ? nullptr : scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB, true>;
+  return wide ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB, true>;
 }
 
 template <typename T, int N>
@@ -419,7 +414,7 @@ const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
   if (!attr_set[dev]) {
     const void* fns[] = {(const void*)scan_bwd_kernel<T, N, SCAN_BWD_MINB>, (const void*)scan_bwd_kernel<T, N, wide_minb>,
-                         (const void*)scan_bwd_coop_fn<T, N>(false, true), (const void*)scan_bwd_coop_fn<T, N>(true, false)};
+                         scan_bwd_coop_fn<T, N>(false, true), scan_bwd_coop_fn<T, N>(true, false)};
     for (const void* fn : fns)
       if (fn != nullptr && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
         (void)cudaGetLastError();
@@ -432,22 +427,29 @@ const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
   // One launch only where the reductions are at most ~4 dB / dC sums per thread of the grid: beyond that the
   // reduction kernel's own, larger grid is faster (the cooperative grid walks them serially; at 16 x 2048 that
   // is ~21 per thread).
-  const ScanBwdFn coop = scan_bwd_coop_fn<T, N>(q.wide, q.f.nseg > 1);
+  const void* coop = scan_bwd_coop_fn<T, N>(q.wide, q.f.nseg > 1);
   const int64_t grid_threads = (int64_t)grid.x * grid.y * grid.z * SCAN_THREADS;
   const bool small_reduce = (int64_t)q.f.B * q.f.T * 2 * N <= 4 * grid_threads;
-  if (coop != nullptr && small_reduce && coop_fits(COOP_SCAN_BWD, (const void*)coop, SCAN_THREADS, smem, grid)) {
-    MRL_LAUNCH(launch_k(coop, grid, dim3(SCAN_THREADS), smem, s, true, q));
-    return nullptr;
+  if (coop != nullptr && small_reduce && coop_fits(COOP_SCAN_BWD, coop, SCAN_THREADS, smem, grid)) {
+    ScanBwdParams a = q;
+    void* args[] = {&a};
+    const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(SCAN_THREADS), args, smem, s);
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
-  if (q.f.nseg > 1)
-    MRL_LAUNCH(launch_k(scan_bwd_local_kernel<T, N>, dim3(tiles, q.f.B, q.f.nseg - 1), dim3(SCAN_THREADS), 0, s, false,
-                        q));
-  MRL_LAUNCH(launch_k(q.wide ? scan_bwd_kernel<T, N, wide_minb> : scan_bwd_kernel<T, N, SCAN_BWD_MINB>, grid,
-                      dim3(SCAN_THREADS), smem, s, false, q));
+  if (q.f.nseg > 1) {
+    scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
+    MRL_LAUNCH_CHECK();
+  }
+  if (q.wide)
+    scan_bwd_kernel<T, N, wide_minb><<<grid, SCAN_THREADS, smem, s>>>(q);
+  else
+    scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
+  MRL_LAUNCH_CHECK();
   const int64_t work = std::max<int64_t>((int64_t)q.f.B * q.f.T * 2 * N,
                                          (int64_t)(q.f.D * N + 2 * q.f.D) * 8);
   const int blocks = (int)std::min<int64_t>((work + 255) / 256, 4096);
-  MRL_LAUNCH(launch_k(scan_bwd_reduce_kernel<T, N>, dim3(blocks), dim3(256), 0, s, false, q, tiles));
+  scan_bwd_reduce_kernel<T, N><<<blocks, 256, 0, s>>>(q, tiles);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 template <typename T>

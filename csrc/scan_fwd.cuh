@@ -170,12 +170,10 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
 
 template <typename T, int N>
 __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_local_kernel(ScanFwdParams p) {
-  pdl_start();
   scan_fwd_local_body<T, N>(p, blockIdx.z);
 }
 template <typename T, int N>
 __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kernel(ScanFwdParams p) {
-  pdl_start();
   scan_fwd_main_body<T, N>(p, blockIdx.z);
 }
 // Both passes in one cooperative launch (the grid is co-resident): the local pass, a grid barrier (which also
@@ -183,7 +181,6 @@ __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kerne
 // the same order as the two launches, so the same bits.
 template <typename T, int N>
 __global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_coop_kernel(ScanFwdParams p) {
-  pdl_start();
   const int k = blockIdx.z;
   if (k < p.nseg - 1) scan_fwd_local_body<T, N>(p, k);
   cooperative_groups::this_grid().sync();
@@ -199,12 +196,18 @@ const char* scan_fwd_tn(const ScanFwdParams& p, cudaStream_t s) {
   // of 32 chunks) took 3107-3126 µs a step this way against 3043-3045 with two launches; 16 x 64 (1 chunk) the same.
   if (p.nseg > 1 && p.seg_len <= 2 &&
       coop_fits(COOP_SCAN_FWD, (const void*)scan_fwd_coop_kernel<T, N>, SCAN_THREADS, 0, grid)) {
-    MRL_LAUNCH(launch_k(scan_fwd_coop_kernel<T, N>, grid, dim3(SCAN_THREADS), 0, s, true, p));
-    return nullptr;
+    ScanFwdParams a = p;
+    void* args[] = {&a};
+    const cudaError_t e =
+        cudaLaunchCooperativeKernel((const void*)scan_fwd_coop_kernel<T, N>, grid, dim3(SCAN_THREADS), args, 0, s);
+    return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
-  if (p.nseg > 1)
-    MRL_LAUNCH(launch_k(scan_fwd_local_kernel<T, N>, dim3(tiles, p.B, p.nseg - 1), dim3(SCAN_THREADS), 0, s, false, p));
-  MRL_LAUNCH(launch_k(scan_fwd_kernel<T, N>, grid, dim3(SCAN_THREADS), 0, s, false, p));
+  if (p.nseg > 1) {
+    scan_fwd_local_kernel<T, N><<<dim3(tiles, p.B, p.nseg - 1), SCAN_THREADS, 0, s>>>(p);
+    MRL_LAUNCH_CHECK();
+  }
+  scan_fwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(p);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 template <typename T>

@@ -366,7 +366,6 @@ __device__ __forceinline__ void wg_colsum_main(float (&acc)[64], const WGradJob&
 __global__ void __launch_bounds__(WG_THREADS, 6) wgrad_kernel(const __grid_constant__ WGradParams p) {
   extern __shared__ __align__(16) unsigned char smem[];  // wgrad_plan's smem_bytes: the largest path's staging
   __shared__ bool is_last;
-  pdl_start();
   const int item = blockIdx.x;
   int j = 0;
   while (j + 1 < p.n_jobs && item >= p.job[j + 1].item0) ++j;
@@ -495,7 +494,8 @@ int64_t wgrad_plan(WGradParams& p, int sm_count, int64_t force_slice, bool use_m
 const char* wgrad(const WGradParams& p, cudaStream_t s) {
   if (p.n_jobs < 1 || p.n_jobs > WGRAD_MAX_JOBS) return "wgrad: 1..WGRAD_MAX_JOBS jobs";
   if (p.n_items < 1) return nullptr;
-  MRL_LAUNCH(launch_k(wgrad_kernel, dim3((unsigned)p.n_items), dim3(WG_THREADS), (size_t)p.smem_bytes, s, false, p));
+  wgrad_kernel<<<(unsigned)p.n_items, WG_THREADS, p.smem_bytes, s>>>(p);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 

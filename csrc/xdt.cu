@@ -161,7 +161,6 @@ __device__ __forceinline__ void xdt_conv_rows(const ConvFwdParams& c, float* xs,
 // K > 0: xc computed by the conv prologue (xdt_conv_rows<T, K>); K == 0: xc read.
 template <typename T, int K>
 __global__ void __launch_bounds__(XDT_THREADS) xdt_fwd_kernel(XdtFwdParams p) {
-  pdl_start();
   extern __shared__ float sm[];
   const int D = p.D, E = p.E, R = p.R;
   float* ws = sm;                        // [E][D]
@@ -227,7 +226,6 @@ __global__ void __launch_bounds__(XDT_THREADS) xdt_fwd_kernel(XdtFwdParams p) {
 
 template <typename T>
 __global__ void __launch_bounds__(XDT_THREADS) xdt_bwd_kernel(XdtBwdParams p) {
-  pdl_start();
   extern __shared__ float sm[];
   const int D = p.D, E = p.E, R = p.R, N = p.N;
   float* ws = sm;                                       // [E][D]
@@ -313,7 +311,8 @@ static const char* xdt_fwd_tk(const XdtFwdParams& p, cudaStream_t s) {
   const unsigned nb = (unsigned)((p.rows + XDT_RB - 1) / XDT_RB);
   const size_t smem = xdt_smem(p.E, p.D);
   if (const char* e = xdt_smem_attr(xdt_fwd_kernel<T, K>, smem)) return e;
-  MRL_LAUNCH(launch_k(xdt_fwd_kernel<T, K>, dim3(nb), dim3(XDT_THREADS), smem, s, false, p));
+  xdt_fwd_kernel<T, K><<<nb, XDT_THREADS, smem, s>>>(p);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 template <typename T>
@@ -332,7 +331,8 @@ static const char* xdt_bwd_t(const XdtBwdParams& p, cudaStream_t s) {
   const unsigned nb = (unsigned)((p.rows + XDT_RB - 1) / XDT_RB);
   const size_t smem = xdt_smem(p.E, p.D);
   if (const char* e = xdt_smem_attr(xdt_bwd_kernel<T>, smem)) return e;
-  MRL_LAUNCH(launch_k(xdt_bwd_kernel<T>, dim3(nb), dim3(XDT_THREADS), smem, s, false, p));
+  xdt_bwd_kernel<T><<<nb, XDT_THREADS, smem, s>>>(p);
+  MRL_LAUNCH_CHECK();
   return nullptr;
 }
 

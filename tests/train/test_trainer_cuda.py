@@ -146,37 +146,6 @@ def test_weight_gradients_on_a_side_stream(dtype, wgrad, B, T):
         assert torch.equal(side[0], chain[0]) and torch.equal(side[1], chain[1]) and side[2] == chain[2]
 
 
-@pytest.mark.parametrize("dtype,B,T", [("f32", 16, 64), ("bf16", 16, 64), ("bf16", 4, 1024), ("f32", 64, 128)])
-def test_programmatic_dependent_launch_gives_the_same_bits(dtype, B, T):
-    """Programmatic dependent launches (ext.set_pdl: kernels may be scheduled while the one before them runs, and
-    wait for it before touching memory; csrc/common.cuh) against full stream order, captured steps from the same
-    initial weights on the same data, across the cooperative and the separate launches' shapes: the same weights,
-    moments, states and metrics, bit for bit (a kernel reading before its predecessor finished would differ)."""
-    gen = torch.Generator().manual_seed(21)
-    data = [(torch.randn(B, T, IN, generator=gen).cuda(), torch.randn(B, T, CFG.d_model, generator=gen).cuda(),
-             (torch.rand(B, T, generator=gen) < 0.05).cuda()) for _ in range(4)]
-
-    def run(mask):
-        net, tr = _trainer(dtype, seed=3, B=B, T=T)
-        net.kernels.set_pdl(mask)
-        try:
-            tr.capture_graph()
-            out = []
-            for x, d, s in data:
-                m = tr.step(x, d, episode_starts=s).to_dict()
-                m.pop("graph_replayed")
-                out.append(m)
-            torch.cuda.synchronize()
-            return (net.arena.clone(), tr.exp_avg_sq.clone(), tr.state.ssm.clone(), tr.state.conv.clone()), out
-        finally:
-            net.kernels.set_pdl(3)
-
-    (on, m_on), (off, m_off) = run(3), run(0)
-    assert torch.isfinite(on[0]).all() and m_on == m_off
-    for a, b in zip(on, off):
-        assert torch.equal(a, b)
-
-
 def test_eager_vs_graph_split_step_bit_identical():
     data = _batches(10)
     net_e, eager = _trainer()
