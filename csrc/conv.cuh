@@ -30,6 +30,16 @@ __device__ __forceinline__ void load_window(T (&xr)[W], float (&xv)[W], const T*
   }
 }
 
+// sv[j] = the episode start flag of time tau0 + j (false outside [0, T) or without starts), for j < W.
+template <int W>
+__device__ __forceinline__ void load_starts(bool (&sv)[W], const bool* sb, int tau0, int T_) {
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int tau = tau0 + j;
+    sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
+  }
+}
+
 // One thread per (b, d, chunk of CONV_LC steps). Every input the chunk needs is loaded into registers
 // first (fully unrolled, so all loads are in flight together), then the chunk is computed.
 // Tap validity: the tap at time tau of output t is used iff no episode start lies in (tau, t].
@@ -50,11 +60,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
     T xr[W];
     load_window<T, W>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
   }
-#pragma unroll
-  for (int j = 0; j < W; ++j) {
-    const int tau = t0 - (K - 1) + j;
-    sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
-  }
+  load_starts<W>(sv, sb, t0 - (K - 1), T_);
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];
@@ -112,11 +118,7 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
 #pragma unroll
     for (int m = 0; m < WP; ++m) gv[m] = to_f(gr[m]);
   }
-#pragma unroll
-  for (int j = 0; j < WX; ++j) {
-    const int tau = t0 - (K - 1) + j;
-    sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
-  }
+  load_starts<WX>(sv, sb, t0 - (K - 1), T_);
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];

@@ -91,11 +91,7 @@ __device__ __forceinline__ void xdt_conv_rows(const ConvFwdParams& c, float* xs,
         T xr[W];
         load_window<T, W>(xr, xv, xb, c.x_st, initbd, t0 - (K - 1), T_, K);
       }
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const int tau = t0 - (K - 1) + j;
-        sv[j] = (sb && tau >= 0 && tau < T_) ? sb[tau] : false;
-      }
+      load_starts<W>(sv, sb, t0 - (K - 1), T_);
 #pragma unroll
       for (int i = 0; i < XDT_RB; ++i) {
         float v = 0.f;
