@@ -1,8 +1,11 @@
 // One-token backbone step on thread-block clusters, second design ("cluster2"): a cluster of 8 blocks owns R
 // rows (R = 1..16); block q owns channels [32q, 32q + 32) of d_inner (= 256; d_model = 128). Every projection
-// maps lanes to outputs and warps to slices of the reduction, so no sum is a shuffle chain: each warp writes
-// its partial sums to shared memory and one fixed-order pass adds the 8 warps (then the 8 blocks of the cluster
-// through distributed shared memory, in rank order). Every weight a thread uses sits in its registers, loaded
+// reads its weights in their own layout, coalesced: the lanes of a group read consecutive 16-byte words of one
+// weight row (a whole in_proj row per warp in f32, the block's 32 columns of an x_proj / out_proj row per 8 lanes),
+// each lane holds the products of several rows, and one transpose-reduce of shuffles per projection sums each
+// row over its group (sc2_group_sums). The x_proj and out_proj sums over the block's channels are pushed into
+// every block of the cluster (st.async into distributed shared memory, completing on the receiver's mbarrier),
+// and each block adds the 8 blocks' sums in rank order. Every weight a thread uses sits in its registers, loaded
 // right after the same weights' use in the layer before (layer 0's at the start, with the input projection), so
 // no phase waits on an L2 round trip. Each layer's RMSNorm is folded into the previous layer's residual update
 // (the warp that owns a row has all of it). Deterministic: the result depends on the shape only.
@@ -17,7 +20,6 @@ constexpr int SC2_THREADS = 256;
 constexpr int SC2_W = SC2_THREADS / 32;  // warps
 constexpr int SC2_DM = 128;              // d_model
 constexpr int SC2_DS = 32;               // channels per block (d_inner = 256)
-constexpr int SC2_KW = SC2_DM / SC2_W;   // in_proj columns per warp
 constexpr int SC2_NXP = 64;              // padded row of the x_proj outputs (rank + 2 d_state <= 48)
 
 // element i of packed weights (WT in little-endian 32-bit words), converted at the point of use
@@ -30,51 +32,173 @@ template <> __device__ __forceinline__ float welem<__half>(const uint32_t* w, in
   return __half2float(__ushort_as_half((unsigned short)((i & 1) ? (w[i >> 1] >> 16) : (w[i >> 1] & 0xffffu))));
 }
 
-// NW words from a 4 * NW-byte aligned address (16-byte loads where NW allows)
-template <int NW>
-__device__ __forceinline__ void ld_words(const void* p, uint32_t (&w)[NW]) {
-  if constexpr (NW % 4 == 0) {
-#pragma unroll
-    for (int v = 0; v < NW / 4; ++v) {
-      const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + v);
-      w[4 * v] = q.x; w[4 * v + 1] = q.y; w[4 * v + 2] = q.z; w[4 * v + 3] = q.w;
-    }
-  } else if constexpr (NW == 2) {
-    const uint2 q = __ldg(reinterpret_cast<const uint2*>(p));
-    w[0] = q.x; w[1] = q.y;
-  } else {
-#pragma unroll
-    for (int v = 0; v < NW; ++v) w[v] = __ldg(reinterpret_cast<const unsigned int*>(p) + v);
-  }
-}
-
-// A thread's weights of one layer: in_proj (rows d0+lane of xi and of z, this warp's 16 columns), x_proj (outputs
-// lane and lane+32, this warp's 4 channels), out_proj (outputs lane+32i, this warp's 4 channels), and the next
-// RMSNorm weight at columns lane+32i.
+// A thread's weights of one layer, as 16-byte words of CPL = 16 / sizeof(WT) elements, and the next RMSNorm
+// weight at columns lane + 32i. in_proj: warp w owns the rows of xi channels 4w..4w+3 (slots 0-3) and z channels
+// 4w..4w+3 (slots 4-7); LI = 128 / CPL lanes read one row (columns CPL (lane % LI) + [0, CPL)), so the thread holds
+// the slots k RI + lane / LI, k < NI. x_proj: warp w owns outputs w + 8j (j < 8; zero past rank + 2 d_state),
+// out_proj outputs 16w..16w+15; LO = 32 / CPL lanes read the block's 32 columns of one row.
 template <typename WT>
 struct Sc2Proj {
-  static constexpr int IW = SC2_KW * (int)sizeof(WT) / 4;  // words per in_proj slice
-  static constexpr int CW = 4 * (int)sizeof(WT) / 4;       // words per 4-channel slice
-  uint32_t wx[IW], wz[IW], xp0[CW], xp1[CW], wo[4][CW];
+  static constexpr int CPL = 16 / (int)sizeof(WT);
+  static constexpr int LI = SC2_DM / CPL, RI = 32 / LI, NI = 8 / RI;  // in_proj: lanes per row, rows per load, loads
+  static constexpr int LO = SC2_DS / CPL, RO = 32 / LO;               // x_proj / out_proj: lanes per row, rows per load
+  static constexpr int NX = 8 / RO, NO = 16 / RO;                     // loads of x_proj, of out_proj
+  uint4 wi[NI], wx[NX], wo[NO];
   float nw[4];
 };
+
+// v[k] (k < V) of every lane, each summed over its aligned group of S lanes (V <= S, powers of 2) by a
+// transpose-reduce: log2(V) levels that halve the values a lane carries (the lane with the level's bit set keeps
+// the upper half), then plain butterfly levels. Returns the group's sum of v[k] for k = (lane % S) / (S / V),
+// the same in the S / V lanes that hold it (IEEE addition commutes). A fixed tree: deterministic.
+template <int V, int S>
+__device__ __forceinline__ float sc2_group_sums(float (&v)[V], int lane) {
+  static_assert(V >= 1 && V <= S && S <= 32 && (V & (V - 1)) == 0 && (S & (S - 1)) == 0, "sc2_group_sums");
+  int n = V;
+#pragma unroll
+  for (int o = S / 2; o >= 1; o /= 2) {
+    if (n > 1) {
+      const bool up = lane & o;
+#pragma unroll
+      for (int i = 0; i < V / 2; ++i) {
+        if (i >= n / 2) break;
+        const float send = up ? v[i] : v[i + n / 2];
+        const float keep = up ? v[i + n / 2] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+      n /= 2;
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    }
+  }
+  return v[0];
+}
+
+// the CPL floats of a 16-byte weight word times x[0..CPL), summed in element order from 0
+template <typename WT>
+__device__ __forceinline__ float sc2_dot(const uint4& w, const float* x) {
+  const uint32_t w4[4] = {w.x, w.y, w.z, w.w};
+  float a = 0.f;
+#pragma unroll
+  for (int e = 0; e < 16 / (int)sizeof(WT); ++e) a = fmaf(welem<WT>(w4, e), x[e], a);
+  return a;
+}
+
+// x[0..M) from 16-byte aligned shared memory
+template <int M>
+__device__ __forceinline__ void sc2_lds(const float* q, float (&x)[M]) {
+#pragma unroll
+  for (int i = 0; i < M; i += 4) {
+    const float4 a = *reinterpret_cast<const float4*>(q + i);
+    x[i] = a.x; x[i + 1] = a.y; x[i + 2] = a.z; x[i + 3] = a.w;
+  }
+}
 
 // A thread's channel (d0 + lane) parameters of one layer and its rows' states.
 template <typename WT, int N, int RW>
 struct Sc2Chan {
-  float cw[4], cb, dtb, Dp, Al[N];
+  float cw[4], cb, dtb, Dp, Al[N];  // Al: A_log as loaded, -exp(A_log) from the x_proj exchange on
   WT wdt[16];
   float cs[RW][3], ss[RW][N];
 };
+
+// The cluster's two exchanges per layer are pushes: each block sends its partial sums into every block's shared memory
+// with st.async, which completes bytes on the receiving block's mbarrier (PTX ISA 8.1, sm_90), and each block
+// waits on its own mbarrier. No cluster barrier per exchange, so no release fence waits for the block's global
+// state stores or weight loads still in flight, and no block waits for the slowest block of the cluster to arrive
+// anywhere but where it needs that block's sums.
+__device__ __forceinline__ uint32_t sc2_saddr(const void* q) { return (uint32_t)__cvta_generic_to_shared(q); }
+__device__ __forceinline__ uint32_t sc2_mapa(uint32_t a, int rank) {
+  uint32_t o;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(o) : "r"(a), "r"(rank));
+  return o;
+}
+__device__ __forceinline__ void sc2_push(uint32_t dst, float v, uint32_t bar) {
+  asm volatile("st.async.weak.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+               :: "r"(dst), "r"(__float_as_uint(v)), "r"(bar) : "memory");
+}
+// v into the same shared-memory slot of all 8 blocks of the cluster, each completing 4 bytes on its mbarrier
+__device__ __forceinline__ void sc2_push_all(uint32_t slot, float v, uint32_t bar) {
+#pragma unroll
+  for (int k = 0; k < SC2_CL; ++k) sc2_push(sc2_mapa(slot, k), v, sc2_mapa(bar, k));
+}
+__device__ __forceinline__ void sc2_bar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+}
+// one arrival (the barrier's only one per phase) that also expects `bytes` of st.async data in this phase
+__device__ __forceinline__ void sc2_bar_arm(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void sc2_bar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred P1;\n\tSC2_WAIT:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n\t"
+      "@P1 bra SC2_DONE;\n\tbra SC2_WAIT;\n\tSC2_DONE:\n\t}" :: "r"(bar), "r"(parity) : "memory");
+}
+
+#ifdef MRL_SC2_PROBE
+// timing probe (benchmarks only): lane 0 of every warp stamps clock64() at each phase end into shared memory,
+// copied to sc2_probe_buf[block][warp][64] at exit
+__device__ long long* sc2_probe_buf;
+#define SC2_STAMP(k) \
+  do { if (lane == 0) stp[warp * 64 + (k)] = clock64(); } while (0)
+#else
+#define SC2_STAMP(k) do {} while (0)
+#endif
+
+// The input projection h[r][j] = b[j] + sum_k W[j][k] x[r][k] (every block computes all of it: each needs the
+// whole residual row). A thread per output, its weight row read in 16-byte words, up to 8 in flight before the
+// first FMA (input_proj_rows's loop waits on one load at a time); the same FMA chain in the same order, so the
+// same bits.
+template <typename WT, int R>
+__device__ __forceinline__ void sc2_input_proj(const StepParams& p, int b0, float* xin, float* h) {
+  const int tid = threadIdx.x, in_dim = p.in_dim;
+  for (int i = tid; i < R * in_dim; i += SC2_THREADS) {
+    const int r = i / in_dim, b = b0 + r;
+    xin[i] = b < p.B ? p.x[(int64_t)b * in_dim + (i - r * in_dim)] : 0.f;
+  }
+  __syncthreads();
+  const WT* W = reinterpret_cast<const WT*>(p.inp_w);
+  const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
+  constexpr int E = 16 / (int)sizeof(WT);  // elements per 16-byte word
+  const bool vec = in_dim % E == 0 && (reinterpret_cast<uintptr_t>(W) & 15) == 0;
+  for (int i = tid; i < R * SC2_DM; i += SC2_THREADS) {
+    const int r = i / SC2_DM, j = i - r * SC2_DM;
+    const float* xr = xin + r * in_dim;
+    const WT* wr = W + (int64_t)j * in_dim;
+    float acc = to_f(bias[j]);
+    if (vec) {
+      const int nch = in_dim / E;
+      for (int c0 = 0; c0 < nch; c0 += 8) {
+        uint4 q[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          if (c0 + c < nch) q[c] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + c);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          if (c0 + c >= nch) break;
+          const uint32_t w4[4] = {q[c].x, q[c].y, q[c].z, q[c].w};
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc = fmaf(welem<WT>(w4, e), xr[(c0 + c) * E + e], acc);
+        }
+      }
+    } else {
+      for (int k = 0; k < in_dim; ++k) acc = fmaf(to_f(wr[k]), xr[k], acc);
+    }
+    h[i] = acc;
+  }
+  __syncthreads();
+}
 
 template <typename WT, int R, int N>
 __global__ void __cluster_dims__(SC2_CL, 1, 1) __launch_bounds__(SC2_THREADS, 1)
 backbone_step_cluster2_kernel(StepParams p) {
   namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  constexpr int DM = SC2_DM, DS = SC2_DS, KW = SC2_KW, NXP = SC2_NXP, W = SC2_W;
+  using PW = Sc2Proj<WT>;
+  constexpr int DM = SC2_DM, DS = SC2_DS, NXP = SC2_NXP, W = SC2_W, CPL = PW::CPL;
+  constexpr int LI = PW::LI, RI = PW::RI, NI = PW::NI, LO = PW::LO, RO = PW::RO, NX = PW::NX, NO = PW::NO;
   constexpr int RW = (R + W - 1) / W;  // rows per thread in the per-channel phases (rows warp, warp + 8, ...)
-  const int rank = (int)cluster.block_rank();
+  const int rank = (int)cg::this_cluster().block_rank();
   const int b0 = (int)(blockIdx.x / SC2_CL) * R;
   const int D = p.D, rk = p.rank, L = p.L, B = p.B;
   const int nx = rk + 2 * N;
@@ -84,14 +208,32 @@ backbone_step_cluster2_kernel(StepParams p) {
   extern __shared__ float4 sm4[];
   float* h = reinterpret_cast<float*>(sm4);  // [R][DM] residual stream (the same in every block)
   float* u = h + R * DM;                     // [R][DM] the layer's normalised input
-  float* wp = u + R * DM;                    // [W][R][DM] per-warp partial sums
-  float* xcs = wp + W * R * DM;              // [R][DS] conv output
-  float* zs = xcs + R * DS;                  // [R][DS] gate input
+  float* xcs = u + R * DM;                   // [R][DS] in_proj's xi, then the conv output
+  float* zs = xcs + R * DS;                  // [R][DS] gate input z
   float* ys = zs + R * DS;                   // [R][DS] gated SSM output
   float* dbc = ys + R * DS;                  // [R][NXP] x_proj outputs (summed over the cluster)
-  float* part_x = dbc + R * NXP;             // [R][NXP] this block's x_proj sums, read by the cluster
-  float* part_o = part_x + R * NXP;          // [R][DM]  this block's out_proj sums, read by the cluster
-  float* xin = part_o + R * DM;              // [R][in_dim]
+  float* gx = dbc + R * NXP;                 // [CL][R][NXP] every block's x_proj sums, pushed here
+  float* go = gx + SC2_CL * R * NXP;         // [CL][R][DM] every block's out_proj sums, pushed here
+  uint64_t* bars = reinterpret_cast<uint64_t*>(go + SC2_CL * R * DM);  // the x and out exchanges' mbarriers
+#ifdef MRL_SC2_PROBE
+  long long* stp = reinterpret_cast<long long*>(bars + 2);  // [W][64]
+  float* xin = reinterpret_cast<float*>(stp + W * 64);
+  SC2_STAMP(0);
+#else
+  float* xin = reinterpret_cast<float*>(bars + 2);  // [R][in_dim]
+#endif
+  const uint32_t bar_x = sc2_saddr(bars), bar_o = sc2_saddr(bars + 1);
+  const uint32_t bytes_x = SC2_CL * R * nx * 4, bytes_o = SC2_CL * R * DM * 4;
+  // the mbarriers, armed for layer 0's exchanges and visible to the cluster before any block pushes; done before
+  // any load is in flight, so the barrier's release waits for nothing else
+  if (tid == 0) {
+    sc2_bar_init(bar_x);
+    sc2_bar_init(bar_o);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    sc2_bar_arm(bar_x, bytes_x);
+    sc2_bar_arm(bar_o, bytes_o);
+  }
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // waited on before the first push
 
   bool rowact[RW], rowst[RW];
 #pragma unroll
@@ -101,24 +243,39 @@ backbone_step_cluster2_kernel(StepParams p) {
     rowst[i] = rowact[i] && p.starts ? p.starts[b] : false;
   }
 
-  Sc2Proj<WT> pw;
+  // what each lane of a projection reads and where its group's sum lands
+  const int ci = CPL * (lane % LI), co = CPL * (lane % LO);  // first column read (in_proj; x_proj / out_proj)
+  const int si = (lane % LI) / (LI / NI) * RI + lane / LI;   // in_proj slot whose sum this lane ends with
+  const int sx = (lane % LO) / (LO / NX) * RO + lane / LO;   // x_proj j (output warp + 8j)
+  const int so = (lane % LO) / (LO / NO) * RO + lane / LO;   // out_proj output 16 warp + so
+  const bool wi_lane = lane % (LI / NI) == 0, wx_lane = lane % (LO / NX) == 0, wo_lane = lane % (LO / NO) == 0;
+
+  PW pw;
   Sc2Chan<WT, N, RW> ch;
   auto load_in = [&](int l) {
     const WT* w = reinterpret_cast<const WT*>(p.layer[l].in_w);
-    ld_words(w + (int64_t)dch * DM + warp * KW, pw.wx);
-    ld_words(w + (int64_t)(D + dch) * DM + warp * KW, pw.wz);
+#pragma unroll
+    for (int k = 0; k < NI; ++k) {
+      const int slot = k * RI + lane / LI;
+      const int row = (slot < 4 ? d0 : D + d0 - 4) + 4 * warp + slot;
+      pw.wi[k] = __ldg(reinterpret_cast<const uint4*>(w + (int64_t)row * DM + ci));
+    }
   };
   auto load_xp = [&](int l) {
-    const WT* w = reinterpret_cast<const WT*>(p.layer[l].x_w) + d0 + 4 * warp;
+    const WT* w = reinterpret_cast<const WT*>(p.layer[l].x_w);
 #pragma unroll
-    for (int c = 0; c < Sc2Proj<WT>::CW; ++c) pw.xp0[c] = pw.xp1[c] = 0u;
-    if (lane < nx) ld_words(w + (int64_t)lane * D, pw.xp0);
-    if (lane + 32 < nx) ld_words(w + (int64_t)(lane + 32) * D, pw.xp1);
+    for (int k = 0; k < NX; ++k) {
+      const int o = warp + 8 * (k * RO + lane / LO);
+      pw.wx[k] = o < nx ? __ldg(reinterpret_cast<const uint4*>(w + (int64_t)o * D + d0 + co)) : make_uint4(0, 0, 0, 0);
+    }
   };
   auto load_out = [&](int l) {
-    const WT* w = reinterpret_cast<const WT*>(p.layer[l].out_w) + d0 + 4 * warp;
+    const WT* w = reinterpret_cast<const WT*>(p.layer[l].out_w);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) ld_words(w + (int64_t)(lane + 32 * i) * D, pw.wo[i]);
+    for (int k = 0; k < NO; ++k) {
+      const int o = 16 * warp + k * RO + lane / LO;
+      pw.wo[k] = __ldg(reinterpret_cast<const uint4*>(w + (int64_t)o * D + d0 + co));
+    }
   };
   auto load_norm = [&](int l) {  // the RMSNorm weight applied after layer l-1 (norm_f after the last)
     const float* nw = l < L ? p.layer[l].norm_w : p.normf_w;
@@ -157,7 +314,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   // every weight of layer 0 in flight while the input projection runs
   load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
 
-  input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h);
+  sc2_input_proj<WT, R>(p, b0, xin, h);
   // u = RMSNorm(h) for layer 0: warp per row
   auto norm_rows = [&](bool last) {
 #pragma unroll
@@ -184,41 +341,33 @@ backbone_step_cluster2_kernel(StepParams p) {
   norm_rows(false);
   load_norm(1);
   __syncthreads();
+  SC2_STAMP(1);
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 
   for (int l = 0; l < L; ++l) {
-    // ---- in_proj: partial sums of this warp's 16 columns for the block's 32 xi and 32 z channels
+    // ---- in_proj: this warp's 4 xi and 4 z channels, each row summed over its LI lanes
 #pragma unroll 1
     for (int r = 0; r < R; ++r) {
-      float ax = 0.f, az = 0.f;
-      const float4* ur = reinterpret_cast<const float4*>(u + r * DM + warp * KW);
+      float uv[CPL], a[NI];
+      sc2_lds(u + r * DM + ci, uv);
 #pragma unroll
-      for (int v = 0; v < KW / 4; ++v) {
-        const float4 x4 = ur[v];
-        const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ax = fmaf(welem<WT>(pw.wx, 4 * v + e), xv[e], ax);
-          az = fmaf(welem<WT>(pw.wz, 4 * v + e), xv[e], az);
-        }
-      }
-      wp[(warp * R + r) * 64 + lane] = ax;
-      wp[(warp * R + r) * 64 + 32 + lane] = az;
+      for (int k = 0; k < NI; ++k) a[k] = sc2_dot<WT>(pw.wi[k], uv);
+      const float v = sc2_group_sums<NI, LI>(a, lane);
+      if (wi_lane) (si < 4 ? xcs : zs)[r * DS + 4 * warp + (si & 3)] = v;
     }
     if (l + 1 < L) load_in(l + 1);
+    SC2_STAMP(2 + 18 * l);
     __syncthreads();
-    // ---- conv step (the thread's channel, rows warp + 8i): xi and z summed over the 8 warps in order
+    SC2_STAMP(3 + 18 * l);
+    // ---- conv step (the thread's channel, rows warp + 8i); xcs goes from xi to the conv output
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
       const int r = warp + W * i;
       if (r >= R) continue;
       float xc = 0.f, zv = 0.f;
       if (rowact[i]) {
-        float xi = 0.f;
-#pragma unroll
-        for (int q = 0; q < W; ++q) {
-          xi += wp[(q * R + r) * 64 + lane];
-          zv += wp[(q * R + r) * 64 + 32 + lane];
-        }
+        const float xi = xcs[r * DS + lane];
+        zv = zs[r * DS + lane];
         float pre = ch.cb;
 #pragma unroll
         for (int k = 0; k < 3; ++k) pre = fmaf(ch.cw[k], ch.cs[i][k], pre);
@@ -230,40 +379,42 @@ backbone_step_cluster2_kernel(StepParams p) {
       xcs[r * DS + lane] = xc;
       zs[r * DS + lane] = zv;
     }
+    SC2_STAMP(4 + 18 * l);
     __syncthreads();
-    // ---- x_proj partials: outputs lane and lane + 32 over this warp's 4 channels
-    const bool o1 = lane + 32 < nx;
+    SC2_STAMP(5 + 18 * l);
+    // ---- x_proj over the block's 32 channels (outputs warp + 8j), pushed into slot `rank` of every block's gx
 #pragma unroll 1
     for (int r = 0; r < R; ++r) {
-      const float4 x4 = *reinterpret_cast<const float4*>(xcs + r * DS + 4 * warp);
-      const float xv[4] = {x4.x, x4.y, x4.z, x4.w};
-      float a0 = 0.f, a1 = 0.f;
+      float xv[CPL], a[NX];
+      sc2_lds(xcs + r * DS + co, xv);
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        a0 = fmaf(welem<WT>(pw.xp0, c), xv[c], a0);
-        a1 = fmaf(welem<WT>(pw.xp1, c), xv[c], a1);
-      }
-      if (lane < nx) wp[(warp * R + r) * 64 + lane] = a0;
-      if (o1) wp[(warp * R + r) * 64 + 32 + lane] = a1;
+      for (int k = 0; k < NX; ++k) a[k] = sc2_dot<WT>(pw.wx[k], xv);
+      const float v = sc2_group_sums<NX, LO>(a, lane);
+      const int o = warp + 8 * sx;
+      if (wx_lane && o < nx) sc2_push_all(sc2_saddr(gx + (rank * R + r) * NXP + o), v, bar_x);
     }
     if (l + 1 < L) load_xp(l + 1);
-    __syncthreads();
-    for (int t = tid; t < R * nx; t += SC2_THREADS) {
-      const int r = t / nx, o = t - r * nx;
-      float a = 0.f;
+    SC2_STAMP(6 + 18 * l);
+    SC2_STAMP(7 + 18 * l);
+    SC2_STAMP(8 + 18 * l);
+    // while the cluster's sums are in flight: the state-update rates -exp(A_log) of this thread's channel
+    if (warp < R) {
 #pragma unroll
-      for (int q = 0; q < W; ++q) a += wp[(q * R + r) * 64 + o];
-      part_x[r * NXP + o] = a;
+      for (int n = 0; n < N; ++n) ch.Al[n] = -expf(ch.Al[n]);
     }
-    cluster.sync();
+    sc2_bar_wait(bar_x, l & 1);
+    SC2_STAMP(9 + 18 * l);
+    if (tid == 0 && l + 1 < L) sc2_bar_arm(bar_x, bytes_x);  // the next layer's phase
     for (int t = tid; t < R * nx; t += SC2_THREADS) {
       const int r = t / nx, o = t - r * nx;
       float a = 0.f;
 #pragma unroll
-      for (int q = 0; q < SC2_CL; ++q) a += cluster.map_shared_rank(part_x, q)[r * NXP + o];
+      for (int q = 0; q < SC2_CL; ++q) a += gx[(q * R + r) * NXP + o];
       dbc[r * NXP + o] = a;
     }
+    SC2_STAMP(10 + 18 * l);
     __syncthreads();
+    SC2_STAMP(11 + 18 * l);
     // ---- dt_proj + softplus + state update + D skip + gate (the thread's channel and rows)
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
@@ -284,7 +435,7 @@ backbone_step_cluster2_kernel(StepParams p) {
         float acc = 0.f;
 #pragma unroll
         for (int n = 0; n < N; ++n) {
-          ch.ss[i][n] = fmaf(expf(-expf(ch.Al[n]) * delta), ch.ss[i][n], dx * Bv[n]);
+          ch.ss[i][n] = fmaf(expf(ch.Al[n] * delta), ch.ss[i][n], dx * Bv[n]);
           acc = fmaf(ch.ss[i][n], Cv[n], acc);
         }
         float* ss = p.ssm_state + (((int64_t)l * B + b0 + r) * D + dch) * N;
@@ -296,29 +447,26 @@ backbone_step_cluster2_kernel(StepParams p) {
       ys[r * DS + lane] = yv;
     }
     if (l + 1 < L) load_chan(l + 1);
+    SC2_STAMP(12 + 18 * l);
     __syncthreads();
-    // ---- out_proj partials: outputs lane + 32i over this warp's 4 channels
+    SC2_STAMP(13 + 18 * l);
+    // ---- out_proj over the block's 32 channels (outputs 16 warp + [0, 16)), pushed into every block's go
 #pragma unroll 1
     for (int r = 0; r < R; ++r) {
-      const float4 y4 = *reinterpret_cast<const float4*>(ys + r * DS + 4 * warp);
-      const float yv[4] = {y4.x, y4.y, y4.z, y4.w};
+      float yv[CPL], a[NO];
+      sc2_lds(ys + r * DS + co, yv);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        float a = 0.f;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) a = fmaf(welem<WT>(pw.wo[q], c), yv[c], a);
-        wp[(warp * R + r) * DM + lane + 32 * q] = a;
-      }
+      for (int k = 0; k < NO; ++k) a[k] = sc2_dot<WT>(pw.wo[k], yv);
+      const float v = sc2_group_sums<NO, LO>(a, lane);
+      if (wo_lane) sc2_push_all(sc2_saddr(go + (rank * R + r) * DM + 16 * warp + so), v, bar_o);
     }
     if (l + 1 < L) load_out(l + 1);
-    __syncthreads();
-    for (int t = tid; t < R * DM; t += SC2_THREADS) {
-      float a = 0.f;
-#pragma unroll
-      for (int q = 0; q < W; ++q) a += wp[q * R * DM + t];
-      part_o[t] = a;
-    }
-    cluster.sync();
+    SC2_STAMP(14 + 18 * l);
+    SC2_STAMP(15 + 18 * l);
+    SC2_STAMP(16 + 18 * l);
+    if (warp < R || tid == 0) sc2_bar_wait(bar_o, l & 1);  // the rows' owners, and the thread that re-arms
+    if (tid == 0 && l + 1 < L) sc2_bar_arm(bar_o, bytes_o);
+    SC2_STAMP(17 + 18 * l);
     // ---- residual update from the cluster's sums (rank order), then the next RMSNorm (warp per row)
 #pragma unroll
     for (int i = 0; i < RW; ++i) {
@@ -329,20 +477,33 @@ backbone_step_cluster2_kernel(StepParams p) {
         const int t = r * DM + lane + 32 * q;
         float a = 0.f;
 #pragma unroll
-        for (int k = 0; k < SC2_CL; ++k) a += cluster.map_shared_rank(part_o, k)[t];
+        for (int k = 0; k < SC2_CL; ++k) a += go[k * R * DM + t];
         h[t] += a;
       }
     }
     __syncwarp();
     norm_rows(l + 1 == L);
     if (l + 2 <= L) load_norm(l + 2);
+    SC2_STAMP(18 + 18 * l);
     __syncthreads();
+    SC2_STAMP(19 + 18 * l);
   }
-  cluster.sync();  // no block may exit while another still reads its shared memory
+  // no cluster barrier before exit: no block reads another's shared memory, and every push into this block's
+  // shared memory has landed (the rows' owners waited for the last one)
+#ifdef MRL_SC2_PROBE
+  SC2_STAMP(63);
+  __syncthreads();
+  for (int i = tid; i < W * 64; i += SC2_THREADS) sc2_probe_buf[(int64_t)blockIdx.x * W * 64 + i] = stp[i];
+#endif
 }
 
 inline size_t stepc2_smem_bytes(const StepParams& p, int R) {
-  return sizeof(float) * (size_t)R * (2 * SC2_DM + SC2_W * SC2_DM + 3 * SC2_DS + 2 * SC2_NXP + SC2_DM + p.in_dim);
+  // h, u, xcs / zs / ys, dbc, gx, go, the two mbarriers (4 floats), xin
+  size_t floats = (size_t)R * (2 * SC2_DM + 3 * SC2_DS + SC2_NXP + SC2_CL * (SC2_NXP + SC2_DM) + p.in_dim) + 4;
+#ifdef MRL_SC2_PROBE
+  floats += 2 * SC2_W * 64;
+#endif
+  return sizeof(float) * floats;
 }
 
 // what the kernel takes: d_model 128, d_inner 256, d_conv 4, d_state 8 / 16, dt_rank <= 16, and every weight and

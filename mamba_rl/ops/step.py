@@ -136,9 +136,11 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
             forms each layer's RMSNorm as in_proj reads it), "cluster_normpass" (the same kernel with the norm as
             a pass behind a block barrier, as before: the same bits, kept for timing the two in one process) or
             "cluster2" (d_model 128 / d_inner 256 only; ``rows_per_block`` 1, 2, 4, 8 or 16 rows per cluster of 8
-            blocks: lanes over outputs and warps over each projection's reduction, partial sums added in a fixed
-            order through shared and distributed shared memory, every weight prefetched into registers one layer
-            ahead; "auto" picks it for B <= 16 with the fewest rows per cluster that keep <= 8 clusters, where
+            blocks: each projection's weights read coalesced in their own layout by lane groups and each row summed
+            over its group by a fixed shuffle tree; the x_proj / out_proj sums over a block's channels pushed into
+            every block of the cluster (st.async into distributed shared memory, completing on the receiver's
+            mbarrier: no cluster barrier per exchange) and added there in rank order; every weight prefetched into
+            registers one layer ahead; "auto" picks it for B <= 16 with the fewest rows per cluster that keep <= 8 clusters, where
             its shared memory fits the device).
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.

@@ -110,13 +110,15 @@ def test_cluster_fused_norm_is_the_norm_pass_bit_for_bit(ext, gemm_dtype, R):
 
 @pytest.mark.parametrize("gemm_dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)],
                          ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("R,N", [(1, 16), (2, 16), (4, 16), (8, 16), (16, 16), (1, 8), (16, 8)])
-def test_cluster2_steps_match_ref(ext, gemm_dtype, tol, R, N):
+@pytest.mark.parametrize("R,N,in_dim", [(1, 16, 16), (2, 16, 6), (4, 16, 32), (8, 16, 6), (16, 16, 16), (1, 8, 6),
+                                        (2, 8, 32), (4, 8, 16), (16, 8, 6)])
+def test_cluster2_steps_match_ref(ext, gemm_dtype, tol, R, N, in_dim):
     """The second cluster kernel over 12 steps (resets on random rows, the first step of row 0 a reset, a batch
     that does not fill the last cluster, finite states of every size) against the float64 one-token reference,
-    states carried by each: outputs and both states within ``tol``; the same launch twice gives the same bits."""
+    states carried by each: outputs and both states within ``tol``; the same launch twice gives the same bits.
+    in_dim 16 / 32 take the input projection's 16-byte weight reads (every dtype), 6 its element-wise loop."""
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
-    B, L, in_dim = 37, 3, 6
+    B, L = 37, 3
     w = make_weights(in_dim, 128, L, N=N, seed=20 + R, gemm_dtype=gemm_dtype)
     wref = {k: v.double() for k, v in w.items()}
     g = torch.Generator(device="cuda").manual_seed(100 + R)

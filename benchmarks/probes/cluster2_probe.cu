@@ -1,0 +1,183 @@
+// Standalone probe of the one-token cluster2 kernel (csrc/step_cluster2.cuh), no Python or torch: random f32
+// weights and states at the default model (d_model 128, 3 layers, d_state 16, dt_rank 8, input_dim 32), the
+// kernel captured alone in CUDA graphs.
+//   nvcc -arch=sm_90 -O3 -std=c++17 -o cluster2_probe benchmarks/probes/cluster2_probe.cu
+//   ./cluster2_probe B R        (R = rows per cluster: 1, 2, 4, 8 or 16)
+// prints: whether two launches from the same state give the same bits; a 1-launch graph replayed back to back
+// (median of 7 rounds of 1000); the per-launch time in a 20-launch graph; one replay with events around it,
+// synchronised (bench.py's method without Python), beside an empty 8-block cluster kernel the same way.
+// Built with -DMRL_SC2_PROBE it prints instead the clock64() stamps of every warp at each phase end of cluster 0
+// (SC2_STAMP in the kernel): cycles since the block's first stamp, min..max over the 8 warps, per block.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+#include "../../csrc/step_cluster2.cuh"
+using namespace mrl;
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__);           \
+      exit(1);                                                                                  \
+    }                                                                                           \
+  } while (0)
+#define CKL(x)                                                         \
+  do {                                                                 \
+    const char* m_ = (x);                                              \
+    if (m_) { printf("launch failed: %s (line %d)\n", m_, __LINE__); exit(1); } \
+  } while (0)
+
+static std::mt19937 rng(1234);
+static float* dev_rand(size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> U(lo, hi);
+  std::vector<float> h(n);
+  for (auto& v : h) v = U(rng);
+  float* d;
+  CK(cudaMalloc(&d, n * 4));
+  CK(cudaMemcpy(d, h.data(), n * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
+typedef const char* (*LaunchFn)(const StepParams&, cudaStream_t);
+#ifndef MRL_SC2_PROBE
+__global__ void __cluster_dims__(8, 1, 1) empty_cluster_kernel() {}
+static const char* launch_empty(const StepParams& p, cudaStream_t s) {
+  empty_cluster_kernel<<<8, 256, 0, s>>>();
+  return cudaGetLastError() == cudaSuccess ? nullptr : "empty kernel";
+}
+#endif
+
+int main(int argc, char** argv) {
+  const int B = argc > 1 ? atoi(argv[1]) : 1, R = argc > 2 ? atoi(argv[2]) : 1;
+  const int L = 3, dm = 128, D = 256, N = 16, K = 4, rk = 8, in_dim = 32;
+  LaunchFn fn = R == 1 ? stepc2_launch_rn<float, 1, 16> : R == 2 ? stepc2_launch_rn<float, 2, 16>
+              : R == 4 ? stepc2_launch_rn<float, 4, 16> : R == 8 ? stepc2_launch_rn<float, 8, 16>
+              : R == 16 ? stepc2_launch_rn<float, 16, 16> : nullptr;
+  if (B < 1 || !fn) { printf("usage: %s B R (B >= 1, R in 1 2 4 8 16), got %d %d\n", argv[0], B, R); return 2; }
+  StepParams p;
+  memset(&p, 0, sizeof(p));
+  p.B = B; p.in_dim = in_dim; p.dm = dm; p.D = D; p.N = N; p.K = K; p.rank = rk; p.L = L; p.eps = 1e-5f;
+  p.x = dev_rand((size_t)B * in_dim, -1, 1);
+  p.inp_w = dev_rand((size_t)dm * in_dim, -0.18f, 0.18f);
+  p.inp_b = dev_rand(dm, -0.1f, 0.1f);
+  p.normf_w = dev_rand(dm, 0.8f, 1.2f);
+  const size_t cs_n = (size_t)L * B * D * 3, ss_n = (size_t)L * B * D * N;
+  float *cs0 = dev_rand(cs_n, -1, 1), *ss0 = dev_rand(ss_n, -1, 1), *cs, *ss, *out;
+  CK(cudaMalloc(&cs, cs_n * 4)); CK(cudaMalloc(&ss, ss_n * 4)); CK(cudaMalloc(&out, (size_t)B * dm * 4));
+  p.conv_state = cs; p.ssm_state = ss; p.out = out;
+  bool* starts;
+  CK(cudaMalloc(&starts, B));
+  std::vector<char> sv(B);
+  for (int b = 0; b < B; ++b) sv[b] = b % 3 == 1;
+  CK(cudaMemcpy(starts, sv.data(), B, cudaMemcpyHostToDevice));
+  p.starts = starts;
+  for (int l = 0; l < L; ++l) {
+    StepLayer& ly = p.layer[l];
+    ly.norm_w = dev_rand(dm, 0.8f, 1.2f);
+    ly.in_w = dev_rand((size_t)2 * D * dm, -0.088f, 0.088f);
+    ly.conv_w = dev_rand((size_t)D * K, -0.5f, 0.5f);
+    ly.conv_b = dev_rand(D, -0.2f, 0.2f);
+    ly.x_w = dev_rand((size_t)(rk + 2 * N) * D, -0.0625f, 0.0625f);
+    ly.dt_w = dev_rand((size_t)D * rk, -0.35f, 0.35f);
+    ly.dt_b = dev_rand(D, -6.f, -2.f);
+    std::vector<float> al((size_t)D * N);
+    for (int d = 0; d < D; ++d)
+      for (int n = 0; n < N; ++n) al[(size_t)d * N + n] = logf(n + 1.f);
+    float* a;
+    CK(cudaMalloc(&a, al.size() * 4));
+    CK(cudaMemcpy(a, al.data(), al.size() * 4, cudaMemcpyHostToDevice));
+    ly.A_log = a;
+    ly.Dp = dev_rand(D, 0.5f, 1.5f);
+    ly.out_w = dev_rand((size_t)dm * D, -0.0625f, 0.0625f);
+  }
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+#ifdef MRL_SC2_PROBE
+  const int blocks = (B + R - 1) / R * SC2_CL;
+  long long* pb;
+  CK(cudaMalloc(&pb, (size_t)blocks * SC2_W * 64 * 8));
+  CK(cudaMemcpyToSymbol(sc2_probe_buf, &pb, sizeof(pb)));
+#endif
+  // the same 6 steps from the same states twice: the same bits
+  std::vector<float> o[2];
+  for (int v = 0; v < 2; ++v) {
+    CK(cudaMemcpy(cs, cs0, cs_n * 4, cudaMemcpyDeviceToDevice));
+    CK(cudaMemcpy(ss, ss0, ss_n * 4, cudaMemcpyDeviceToDevice));
+    for (int t = 0; t < 6; ++t) CKL(fn(p, s));
+    CK(cudaStreamSynchronize(s));
+    o[v].resize((size_t)B * dm + ss_n);
+    CK(cudaMemcpy(o[v].data(), out, (size_t)B * dm * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(o[v].data() + (size_t)B * dm, ss, ss_n * 4, cudaMemcpyDeviceToHost));
+  }
+  bool finite = true;
+  for (float v : o[0]) finite = finite && std::isfinite(v);
+  printf("B=%d R=%d: same bits twice %d, finite %d\n", B, R, (int)!memcmp(o[0].data(), o[1].data(), o[0].size() * 4),
+         (int)finite);
+#ifdef MRL_SC2_PROBE
+  CKL(fn(p, s));
+  CK(cudaStreamSynchronize(s));
+  std::vector<long long> st((size_t)blocks * SC2_W * 64);
+  CK(cudaMemcpy(st.data(), pb, st.size() * 8, cudaMemcpyDeviceToHost));
+  printf("stamps of cluster 0 (point: per block, cycles since the block's stamp 0, min..max over warps)\n");
+  for (int k = 1; k < 64; ++k) {
+    if (k >= 2 + 18 * L && k != 63) continue;  // points 2 + 18 l + [0, 18) per layer l, 63 at exit
+    printf("pt %2d:", k);
+    for (int bk = 0; bk < SC2_CL; ++bk) {
+      const long long base = st[(size_t)bk * SC2_W * 64];
+      long long lo = 1LL << 62, hi = -(1LL << 62);
+      for (int w = 0; w < SC2_W; ++w) {
+        const long long t = st[((size_t)bk * SC2_W + w) * 64 + k] - base;
+        lo = std::min(lo, t); hi = std::max(hi, t);
+      }
+      printf(" %6lld..%-6lld", lo, hi);
+    }
+    printf("\n");
+  }
+#else
+  auto capture = [&](LaunchFn f, int n) {
+    cudaGraph_t g;
+    cudaGraphExec_t e;
+    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    for (int i = 0; i < n; ++i) CKL(f(p, s));
+    CK(cudaStreamEndCapture(s, &g));
+    CK(cudaGraphInstantiate(&e, g, 0));
+    return e;
+  };
+  cudaGraphExec_t g1 = capture(fn, 1), g20 = capture(fn, 20), ge = capture(launch_empty, 1);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0)); CK(cudaEventCreate(&e1));
+  auto median = [](std::vector<float> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  std::vector<float> t1, t20;
+  for (int round = 0; round < 7; ++round) {
+    float ms;
+    for (int i = 0; i < 50; ++i) CK(cudaGraphLaunch(g1, s));
+    CK(cudaEventRecord(e0, s));
+    for (int i = 0; i < 1000; ++i) CK(cudaGraphLaunch(g1, s));
+    CK(cudaEventRecord(e1, s)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+    t1.push_back(ms);  // ms per 1000 = us per replay
+    CK(cudaEventRecord(e0, s));
+    for (int i = 0; i < 50; ++i) CK(cudaGraphLaunch(g20, s));
+    CK(cudaEventRecord(e1, s)); CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+    t20.push_back(ms);  // ms per 1000 launches
+  }
+  auto isolated = [&](cudaGraphExec_t g) {
+    std::vector<float> ts;
+    for (int i = 0; i < 400; ++i) {
+      float ms;
+      CK(cudaEventRecord(e0, s)); CK(cudaGraphLaunch(g, s)); CK(cudaEventRecord(e1, s));
+      CK(cudaEventSynchronize(e1)); CK(cudaEventElapsedTime(&ms, e0, e1));
+      ts.push_back(ms * 1000.f);
+    }
+    return median(ts);
+  };
+  printf("B=%d R=%d: graph of 1 launch back to back %.2f us, per launch in a 20-launch graph %.2f us, isolated "
+         "replay %.2f us (empty cluster kernel %.2f us)\n", B, R, median(t1), median(t20), isolated(g1), isolated(ge));
+#endif
+  CK(cudaGetLastError());
+  return 0;
+}
