@@ -140,8 +140,8 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
             over its group by a fixed shuffle tree; the x_proj / out_proj sums over a block's channels pushed into
             every block of the cluster (st.async into distributed shared memory, completing on the receiver's
             mbarrier: no cluster barrier per exchange) and added there in rank order; every weight prefetched into
-            registers one layer ahead; "auto" picks it for B <= 16 with the fewest rows per cluster that keep <= 8 clusters, where
-            its shared memory fits the device).
+            registers one layer ahead; "auto" picks it for B <= 16 with the fewest rows per cluster that keep <= 8
+            clusters, where its shared memory fits the device).
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
         RuntimeError: a forced kernel that cannot take the shapes (e.g. "cluster2" at another d_model).
