@@ -23,7 +23,8 @@ learning curves from its TensorBoard events (matplotlib: the ``plot`` extra).
 User mistakes end in one ``mamba-rl CMD: error: ...`` line and exit code 2 (see :func:`main`). An env that
 fails while training (:class:`mamba_rl.envs.EnvFailure`: a NaN observation or reward, a dead async worker, an
 exception from its step) ends in one such line too, exit code 1, after the state of the last whole update is
-saved in ``checkpoints/{run name}/env_failed``.
+saved in ``checkpoints/{run name}/env_failed``. A write that fails while training (a full disk, permissions) ends
+in one such line, exit code 1, the checkpoints saved before it intact.
 Subcommands are argparse subparsers registered in ``SUBCOMMANDS``; add one with
 ``register_subcommand(name, help, add_arguments, run)``.
 """
@@ -243,7 +244,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import RunFolderError, claim_run
     from mamba_rl.agents.validation import check_int
-    from mamba_rl.envs import EnvFailure, check_env_id, check_start_method
+    from mamba_rl.envs import EnvFailure, check_env_backend, check_env_id, check_start_method
 
     with _user_input():
         check_int("--nproc", args.nproc, lo=1)
@@ -256,6 +257,7 @@ def _run_train(args: argparse.Namespace) -> int:
         config = read_agent_config(args.resume, **overrides)[1] if args.resume else PPOConfig(**overrides)
         resolve_device(config.device, config.backend)
         check_env_id(config.env_id)
+        check_env_backend(config.env_backend)
         if config.async_envs:
             check_start_method(config.async_start_method)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # validated once here, not once per rank
@@ -302,6 +304,11 @@ def _run_train(args: argparse.Namespace) -> int:
             f"; nothing was saved now (the checkpoints saved earlier are under {agent.checkpoint_root})"
         print(f"\nmamba-rl train: error: the env failed during update {agent.update + 1}: {err}{saved}",
               file=sys.stderr)
+        return 1
+    except OSError as err:  # a write failed (a full disk, permissions): one error line, the earlier saves intact
+        agent.close()
+        print(f"\nmamba-rl train: error: a write failed after update {agent.update}: {err}; the checkpoints saved "
+              f"earlier are under {agent.checkpoint_root}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
         ckpt = agent.interrupted_checkpoint

@@ -67,12 +67,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     Args:
         run_dir: a TensorBoard run folder (``runs/<run name>``).
-        out: the image to write (default ``run_dir/curves.png``).
+        out: the image to write (default ``run_dir/curves.png``; ".png" added when it has no suffix).
 
     Raises:
         ImportError: matplotlib is not installed (the ``plot`` extra).
         FileNotFoundError: no event files in ``run_dir``.
-        ValueError: the run has no scalars to plot yet.
+        NotADirectoryError: a part of ``out``'s folder exists and is not a folder.
+        ValueError: the run has no scalars to plot yet, or ``out`` is an existing folder.
     """
     try:
         import matplotlib
@@ -82,6 +83,11 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     matplotlib.use("Agg")  # files only, no display needed
     import matplotlib.pyplot as plt
 
+    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
+    if out.is_dir():
+        raise ValueError(f"--out must be the path of the image to write, got {str(out)!r}, an existing folder")
+    if not out.suffix:  # matplotlib would write out + ".png": name the file it writes
+        out = out.with_suffix(".png")
     scalars = read_scalars(run_dir)
     losses = sorted(t for t in scalars if t.startswith("losses/"))
     panels = ([_RETURN] if _RETURN in scalars else []) + losses
@@ -108,8 +114,12 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ax.axis("off")
     fig.suptitle(Path(run_dir).name, fontsize=9)
     fig.tight_layout()
-    out = Path(out) if out is not None else Path(run_dir) / "curves.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as err:
+        plt.close(fig)
+        raise NotADirectoryError(f"--out {str(out)!r}: a part of its folder {str(out.parent)!r} exists and is not a "
+                                 f"folder ({err})") from err
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out

@@ -573,7 +573,8 @@ class RecurrentPPO:
         Raises:
             FileNotFoundError: no checkpoint there. ValueError / mamba_rl.CheckpointError:
             not a RecurrentPPO checkpoint, or one that does not fit; ``restore_envs`` without an
-            ``envs.pkl`` beside it (single process, no ``env`` given).
+            ``envs.pkl`` beside it (single process, no ``env`` given), or with one holding another number of
+            envs than ``num_envs``.
         """
         ckpt, extra = read_agent_meta(path)
         config = agent_config(extra, **overrides)
@@ -588,7 +589,13 @@ class RecurrentPPO:
         restore = restore_envs and env is None and env_file.exists() and dist_world_size() == 1
         if restore:
             check_envs_file(ckpt, env_file)  # a folder mixing two saves is refused before anything is unpickled
-            agent = cls(load_envs(env_file), config=config)
+            envs = load_envs(env_file)
+            if envs.num_envs != config.num_envs:
+                envs.close()
+                raise CheckpointError(f"restore_envs (--resume-envs): the checkpoint's envs.pkl holds {envs.num_envs} "
+                                      f"envs but num_envs (--num-envs) is {config.num_envs}; resume with "
+                                      f"--num-envs {envs.num_envs}, or without --resume-envs to rebuild the envs")
+            agent = cls(envs, config=config)
         else:
             agent = cls(env if env is not None else config.env_id, config=config)
         norm = gym.wrappers.vector.NormalizeObservation

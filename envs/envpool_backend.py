@@ -37,7 +37,7 @@ from gymnasium.vector import AutoresetMode
 
 from .pomdp import POMDP_ENV_IDS
 
-__all__ = ["EnvPoolVecEnv", "envpool_available", "envpool_task", "ENV_BACKENDS"]
+__all__ = ["EnvPoolVecEnv", "envpool_available", "envpool_task", "check_env_backend", "ENV_BACKENDS"]
 
 ENV_BACKENDS = ("gymnasium", "envpool", "auto")
 
@@ -48,6 +48,25 @@ def envpool_available() -> bool:
         return importlib.util.find_spec("envpool") is not None
     except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["envpool"] set to None (blocked)
         return False
+
+
+def check_env_backend(env_backend: str) -> str:
+    """Check, before anything is built, that the env backend asked for can run here.
+
+    Args:
+        env_backend: one of :data:`ENV_BACKENDS` ("auto" falls back to gymnasium without envpool).
+    Returns:
+        ``env_backend`` unchanged.
+    Raises:
+        ValueError: not one of :data:`ENV_BACKENDS`.
+        ImportError: "envpool" asked for, and the optional envpool package is not installed.
+    """
+    if env_backend not in ENV_BACKENDS:
+        raise ValueError(f"env_backend must be one of {ENV_BACKENDS}, got {env_backend!r}")
+    if env_backend == "envpool" and not envpool_available():
+        raise ImportError("env backend 'envpool' needs the optional envpool package: pip install -e \".[envpool]\" "
+                          "(or pip install envpool), or use --env-backend gymnasium / auto")
+    return env_backend
 
 
 @functools.lru_cache(maxsize=None)

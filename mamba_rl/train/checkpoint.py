@@ -153,7 +153,10 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
     tmp = _create_temp(folder, prefix, ".safetensors")
     try:
         mode = os.stat(tmp).st_mode & 0o777  # 0o666 minus the umask, from the exclusive create
-        save_file(tensors, tmp, metadata={_KEY: meta_json})
+        try:
+            save_file(tensors, tmp, metadata={_KEY: meta_json})
+        except SafetensorError as e:  # safetensors reports a failed write (e.g. a full disk) as its own error
+            raise OSError(f"{where}: could not write {path!r}: {e}") from e
         os.chmod(tmp, mode)  # safetensors >= 0.6 makes its files 0o600 whatever the umask
         fsync_path(tmp)
         try:

@@ -447,8 +447,10 @@ class MambaTrainer:
     def _optimize(self):
         """The global clip, AdamW and the scaler over the gradient arena; zeroes the arena."""
         net = self.net
-        if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite extra_grad_sq (a head's)
-            net.grad_arena[:1].add_(self.extra_sq_buf * 0)  # must skip too (x + 0 = x; inf * 0 = NaN)
+        if self.skip_nonfinite:  # the overflow flag reads the arena: a non-finite or negative extra_grad_sq (a
+            # head's; a device scalar is not checked where it is given, that would sync) must skip too:
+            # x + sqrt(e) * 0 = x for a finite e >= 0, NaN for e < 0, inf or NaN
+            net.grad_arena[:1].add_(self.extra_sq_buf.sqrt() * 0)
         cpu = self._cpu_kernels  # the C++ passes on the cpu backend; None elsewhere (CUDA: unchanged)
         if cpu is not None:
             # what grad_stats / adamw_step(kernels=cpu) call for the trainer's float32 CPU arenas, without their
@@ -540,7 +542,9 @@ class MambaTrainer:
         Args:
             d_temporal: [B, T, d_model] float.
             accumulate: True adds the gradients to the arena and does not step (gradient accumulation).
-            extra_grad_sq: a head's squared gradient norm (0-d tensor or float), added to the global norm.
+            extra_grad_sq: a head's squared gradient norm (0-d tensor or float, >= 0), added to the global norm.
+                A float is checked here; a tensor's value is not (that would sync): a negative or non-finite one
+                skips the step under ``skip_nonfinite`` and otherwise makes the norm, and so the weights, NaN.
         Returns:
             :class:`StepMetrics` after an optimizer step, None when accumulating.
         Raises:

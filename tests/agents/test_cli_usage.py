@@ -250,6 +250,34 @@ def test_plot_a_tiny_run(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("no run folder at " + str(tmp_path / "nothing"))
 
 
+def test_plot_out_paths(tmp_path, capsys):
+    """--out: a path without a suffix gets ".png" (the file matplotlib writes, and the one printed), an existing
+    folder or a path under a file is one error line (exit 2)."""
+    pytest.importorskip("matplotlib")
+    assert main(["train", "--env", "CartPole-v1", "--total-timesteps", "64", *TINY, *_dirs(tmp_path)]) == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    capsys.readouterr()
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves")]) == 0
+    assert capsys.readouterr().out.strip() == f"plot: {tmp_path / 'curves.png'}"
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(run), "--out", str(tmp_path)]) == 2
+    assert "--out must be the path of the image to write" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main(["plot", str(run), "--out", str(tmp_path / "afile" / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a folder" in err and "Traceback" not in err
+
+
+def test_a_missing_env_backend_package_is_one_line(monkeypatch, capsys):
+    import mamba_rl.envs.envpool_backend as eb
+
+    monkeypatch.setattr(eb, "envpool_available", lambda: False)
+    assert main(["train", "--env-backend", "envpool", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "mamba-rl train: error: env backend 'envpool' needs the optional envpool package" in err
+    assert "Traceback" not in err
+
+
 def test_a_refused_value_names_its_flag(capsys):
     assert main(["train", "--num-envs", "0"]) == 2
     err = capsys.readouterr().err

@@ -399,6 +399,56 @@ def test_resume_envs_needs_resume_and_an_envs_file(tmp_path, capsys):
     RecurrentPPO.load(folder).close()  # without restore_envs the envs are rebuilt: fine
 
 
+def test_resume_envs_with_another_env_count_is_one_line(tmp_path, capsys):
+    """envs.pkl holds the saved run's envs: --num-envs other than theirs is refused by name (exit 2), and the
+    same resume without --resume-envs rebuilds the envs at the new count."""
+    from mamba_rl.agents.cli import main
+
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.learn()
+    folder = tmp_path / "ckpt" / agent.run_name / "final"
+    agent.close()
+    with pytest.raises(CheckpointError, match=r"envs.pkl holds 2 envs but num_envs \(--num-envs\) is 4"):
+        RecurrentPPO.load(folder, restore_envs=True, num_envs=4, total_timesteps=4 * BATCH)
+    rc = main(["train", "--resume", str(folder), "--resume-envs", "--num-envs", "4", "--no-progress",
+               "--total-timesteps", str(4 * BATCH)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "resume with --num-envs 2, or without --resume-envs" in err and "Traceback" not in err
+    RecurrentPPO.load(folder, num_envs=4, total_timesteps=4 * BATCH).close()
+
+
+def test_a_failed_checkpoint_write_is_one_line_and_keeps_the_earlier_saves(tmp_path, capsys, monkeypatch):
+    """A write that fails while training (here safetensors' own error, as on a full disk) ends the CLI run in one
+    error line, exit 1; the checkpoint saved before it is intact."""
+    from safetensors import SafetensorError
+
+    import mamba_rl.train.checkpoint as ck
+    from mamba_rl.agents.cli import main
+
+    real, calls = ck.save_file, []
+
+    def save_file(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ck, "save_file", save_file)
+    rc = main(["train", "--env", "CartPole-v1", "--total-timesteps", str(3 * BATCH), "--num-envs", "2",
+               "--num-steps", "8", "--num-minibatches", "1", "--update-epochs", "1", "--d-model", "16",
+               "--n-layers", "1", "--d-state", "4", "--device", "cpu", "--no-progress", "--no-track",
+               "--checkpoint-every", "1", "--runs-dir", str(tmp_path / "runs"),
+               "--checkpoint-dir", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "mamba-rl train: error: a write failed after update" in err, err
+    assert "No space left on device" in err and "Traceback" not in err
+    (run,) = (tmp_path / "ckpt").iterdir()
+    saved = [p for p in run.iterdir() if (p / "agent.safetensors").exists()]
+    assert len(saved) == 1
+    RecurrentPPO.load(saved[0]).close()  # the save before the failure loads
+    assert not [p for p in run.rglob(".tmp-*")]  # no temporary left behind
+
+
 def test_predict_and_value_refuse_bad_inputs_by_name(tmp_path):
     agent = RecurrentPPO("mamba_rl/CartPoleNoVel-v1", config=_cfg(tmp_path, track=False))  # obs_dim 2
     _, state = agent.predict(np.zeros((2, 2), np.float32))

@@ -33,16 +33,22 @@ def test_skip_nonfinite_must_be_a_bool():
         MambaTrainer(net, batch=1, seq_len=1, skip_nonfinite=1)
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nonfinite_extra_grad_sq_skips_the_step(bad):
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_nonfinite_or_negative_extra_grad_sq_skips_the_step(bad, backend):
+    """A head's squared norm given as a device scalar is not checked where it is given (that would sync): a
+    NaN, inf or negative one (a bug in the caller, whose square root is NaN) skips the step."""
     torch.manual_seed(1)
-    net = MambaBackbone(MambaConfig(d_model=16, n_layers=1, d_state=4), 3, seed=2, backend="reference")
+    net = MambaBackbone(MambaConfig(d_model=16, n_layers=1, d_state=4), 3, seed=2, backend=backend)
     tr = MambaTrainer(net, batch=2, seq_len=8, lr=1e-2, skip_nonfinite=True)
     x, d = torch.randn(2, 8, 3), torch.randn(2, 8, 16)
     before = net.arena.clone()
     tr.forward(x)
     m = tr.backward_step(d, extra_grad_sq=torch.tensor(bad))
     assert bool(m.overflow_skipped) and torch.equal(net.arena, before)
+    tr.forward(x)
+    m = tr.backward_step(d, extra_grad_sq=torch.tensor(0.25))  # a valid one steps
+    assert not bool(m.overflow_skipped) and torch.isfinite(net.arena).all() and not torch.equal(net.arena, before)
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
