@@ -73,9 +73,10 @@ class Stepper:
                 raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
                                  "written into starts_buf rather than passed")
             self._starts_zero = False  # the caller may have written starts_buf
-            # the graph replay, not the direct launch of its kernel: on the static buffers it reaches the GPU
-            # sooner (H100, B = 1: 2.7 against 4.9 us of host time, 15.1 against 17.6 us with events around it;
-            # benchmarks/NOTES.md, eighteenth session)
+            if self._fast is not None:  # the graph's one kernel, launched directly (no graph-launch overhead)
+                self._graphs.check()
+                if self._fast.launch(self.x_buf, self.starts_buf, self._out):
+                    return self._out
             self._graphs.replay("step")
             return self._out
         fast = self._fast
