@@ -128,22 +128,55 @@ __device__ void rms_rows(const float* h, float* u, int dm, const float* w, float
   }
 }
 
+// element i of packed weights (WT in little-endian 32-bit words), converted at the point of use
+template <typename WT> __device__ __forceinline__ float welem(const uint32_t* w, int i);
+template <> __device__ __forceinline__ float welem<float>(const uint32_t* w, int i) { return __uint_as_float(w[i]); }
+template <> __device__ __forceinline__ float welem<__nv_bfloat16>(const uint32_t* w, int i) {
+  return __uint_as_float((i & 1) ? (w[i >> 1] & 0xffff0000u) : (w[i >> 1] << 16));
+}
+template <> __device__ __forceinline__ float welem<__half>(const uint32_t* w, int i) {
+  return __half2float(__ushort_as_half((unsigned short)((i & 1) ? (w[i >> 1] >> 16) : (w[i >> 1] & 0xffffu))));
+}
+
 // The rows' input projection, for a block of NT threads: xin[r][:] = x[b0 + r] (zeros past B), then
 // h[r][j] = inp_b[j] + sum_k inp_w[j][k] * xin[r][k] (thread per (r, j), small fan-in); barriers after each.
+// Where the rows are 16-byte aligned, a thread's weight row is read in 16-byte words, up to 8 in flight before
+// its first FMA; the FMA chain is the same, in the same order, either way (the same bits).
 template <typename WT, int R, int NT>
 __device__ __forceinline__ void input_proj_rows(const StepParams& p, int b0, int B, int dm, float* xin, float* h) {
-  const int tid = threadIdx.x;
-  for (int i = tid; i < R * p.in_dim; i += NT) {
-    const int r = i / p.in_dim, b = b0 + r;
-    xin[i] = b < B ? p.x[(int64_t)b * p.in_dim + (i - r * p.in_dim)] : 0.f;
+  const int tid = threadIdx.x, in_dim = p.in_dim;
+  for (int i = tid; i < R * in_dim; i += NT) {
+    const int r = i / in_dim, b = b0 + r;
+    xin[i] = b < B ? p.x[(int64_t)b * in_dim + (i - r * in_dim)] : 0.f;
   }
   __syncthreads();
   const WT* W = reinterpret_cast<const WT*>(p.inp_w);
   const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
+  constexpr int E = 16 / (int)sizeof(WT);  // elements per 16-byte word
+  const bool vec = in_dim % E == 0 && (reinterpret_cast<uintptr_t>(W) & 15) == 0;
   for (int i = tid; i < R * dm; i += NT) {
     const int r = i / dm, j = i - r * dm;
+    const float* xr = xin + r * in_dim;
+    const WT* wr = W + (int64_t)j * in_dim;
     float acc = to_f(bias[j]);
-    for (int k = 0; k < p.in_dim; ++k) acc = fmaf(to_f(W[(int64_t)j * p.in_dim + k]), xin[r * p.in_dim + k], acc);
+    if (vec) {
+      const int nch = in_dim / E;
+      for (int c0 = 0; c0 < nch; c0 += 8) {
+        uint4 q[8];
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          if (c0 + c < nch) q[c] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + c);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+          if (c0 + c >= nch) break;
+          const uint32_t w4[4] = {q[c].x, q[c].y, q[c].z, q[c].w};
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc = fmaf(welem<WT>(w4, e), xr[(c0 + c) * E + e], acc);
+        }
+      }
+    } else {
+      for (int k = 0; k < in_dim; ++k) acc = fmaf(to_f(wr[k]), xr[k], acc);
+    }
     h[i] = acc;
   }
   __syncthreads();

@@ -22,16 +22,6 @@ constexpr int SC2_DM = 128;              // d_model
 constexpr int SC2_DS = 32;               // channels per block (d_inner = 256)
 constexpr int SC2_NXP = 64;              // padded row of the x_proj outputs (rank + 2 d_state <= 48)
 
-// element i of packed weights (WT in little-endian 32-bit words), converted at the point of use
-template <typename WT> __device__ __forceinline__ float welem(const uint32_t* w, int i);
-template <> __device__ __forceinline__ float welem<float>(const uint32_t* w, int i) { return __uint_as_float(w[i]); }
-template <> __device__ __forceinline__ float welem<__nv_bfloat16>(const uint32_t* w, int i) {
-  return __uint_as_float((i & 1) ? (w[i >> 1] & 0xffff0000u) : (w[i >> 1] << 16));
-}
-template <> __device__ __forceinline__ float welem<__half>(const uint32_t* w, int i) {
-  return __half2float(__ushort_as_half((unsigned short)((i & 1) ? (w[i >> 1] >> 16) : (w[i >> 1] & 0xffffu))));
-}
-
 // A thread's weights of one layer, as 16-byte words of CPL = 16 / sizeof(WT) elements, and the next RMSNorm
 // weight at columns lane + 32i. in_proj: warp w owns the rows of xi channels 4w..4w+3 (slots 0-3) and z channels
 // 4w..4w+3 (slots 4-7); LI = 128 / CPL lanes read one row (columns CPL (lane % LI) + [0, CPL)), so the thread holds
@@ -145,50 +135,6 @@ __device__ long long* sc2_probe_buf;
 #else
 #define SC2_STAMP(k) do {} while (0)
 #endif
-
-// The input projection h[r][j] = b[j] + sum_k W[j][k] x[r][k] (every block computes all of it: each needs the
-// whole residual row). A thread per output, its weight row read in 16-byte words, up to 8 in flight before the
-// first FMA (input_proj_rows's loop waits on one load at a time); the same FMA chain in the same order, so the
-// same bits.
-template <typename WT, int R>
-__device__ __forceinline__ void sc2_input_proj(const StepParams& p, int b0, float* xin, float* h) {
-  const int tid = threadIdx.x, in_dim = p.in_dim;
-  for (int i = tid; i < R * in_dim; i += SC2_THREADS) {
-    const int r = i / in_dim, b = b0 + r;
-    xin[i] = b < p.B ? p.x[(int64_t)b * in_dim + (i - r * in_dim)] : 0.f;
-  }
-  __syncthreads();
-  const WT* W = reinterpret_cast<const WT*>(p.inp_w);
-  const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
-  constexpr int E = 16 / (int)sizeof(WT);  // elements per 16-byte word
-  const bool vec = in_dim % E == 0 && (reinterpret_cast<uintptr_t>(W) & 15) == 0;
-  for (int i = tid; i < R * SC2_DM; i += SC2_THREADS) {
-    const int r = i / SC2_DM, j = i - r * SC2_DM;
-    const float* xr = xin + r * in_dim;
-    const WT* wr = W + (int64_t)j * in_dim;
-    float acc = to_f(bias[j]);
-    if (vec) {
-      const int nch = in_dim / E;
-      for (int c0 = 0; c0 < nch; c0 += 8) {
-        uint4 q[8];
-#pragma unroll
-        for (int c = 0; c < 8; ++c)
-          if (c0 + c < nch) q[c] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + c);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) {
-          if (c0 + c >= nch) break;
-          const uint32_t w4[4] = {q[c].x, q[c].y, q[c].z, q[c].w};
-#pragma unroll
-          for (int e = 0; e < E; ++e) acc = fmaf(welem<WT>(w4, e), xr[(c0 + c) * E + e], acc);
-        }
-      }
-    } else {
-      for (int k = 0; k < in_dim; ++k) acc = fmaf(to_f(wr[k]), xr[k], acc);
-    }
-    h[i] = acc;
-  }
-  __syncthreads();
-}
 
 template <typename WT, int R, int N>
 __global__ void __cluster_dims__(SC2_CL, 1, 1) __launch_bounds__(SC2_THREADS, 1)
@@ -314,7 +260,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   // every weight of layer 0 in flight while the input projection runs
   load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
 
-  sc2_input_proj<WT, R>(p, b0, xin, h);
+  input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h);  // every block all of it: each needs whole rows
   // u = RMSNorm(h) for layer 0: warp per row
   auto norm_rows = [&](bool last) {
 #pragma unroll
