@@ -244,7 +244,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import RunFolderError, claim_run
     from mamba_rl.agents.validation import check_int
-    from mamba_rl.envs import EnvFailure, check_env_backend, check_env_id, check_start_method
+    from mamba_rl.envs import EnvFailure, check_env_id, check_start_method, resolve_env_backend
 
     with _user_input():
         check_int("--nproc", args.nproc, lo=1)
@@ -257,7 +257,7 @@ def _run_train(args: argparse.Namespace) -> int:
         config = read_agent_config(args.resume, **overrides)[1] if args.resume else PPOConfig(**overrides)
         resolve_device(config.device, config.backend)
         check_env_id(config.env_id)
-        check_env_backend(config.env_backend)
+        resolve_env_backend(config.env_backend, config.env_id, config.async_envs, config.capture_video)
         if config.async_envs:
             check_start_method(config.async_start_method)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # validated once here, not once per rank

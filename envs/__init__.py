@@ -12,7 +12,7 @@ reward normalisation), :mod:`.envpool_backend` (the optional EnvPool backend), :
 
 from __future__ import annotations
 
-from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, check_env_backend, envpool_available, envpool_task
+from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_available, envpool_task
 from .guards import EnvFailure, EnvGuard, EnvStepError, EnvWorkerDied, NonFiniteEnvError, flatten_observation
 from .pomdp import POMDP_ENV_IDS, MaskObservation, make_masked_env, register_pomdp_envs
 from .registry import check_env_id, list_env_ids
@@ -27,8 +27,7 @@ __all__ = [
     "make_env", "make_vec_env", "check_start_method", "check_env_id", "list_env_ids", "finished_episodes",
     "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "requires_prev_action", "FlattenObs", "FlattenVecObs", "Float32Obs",
     "MaskObservation", "POMDP_ENV_IDS", "make_masked_env", "register_pomdp_envs", "EnvGuard", "EnvFailure", "EnvStepError", "EnvWorkerDied",
-    "NonFiniteEnvError", "flatten_observation", "ENV_BACKENDS", "EnvPoolVecEnv", "check_env_backend", "envpool_available",
-    "envpool_task",
+    "NonFiniteEnvError", "flatten_observation", "ENV_BACKENDS", "EnvPoolVecEnv", "envpool_available", "envpool_task",
     "resolve_env_backend", "VecEpisodeStatistics", "VecNormalizeReward", "VecNormalizeObservation", "PartedStep",
     "env_part_rows",
 ]

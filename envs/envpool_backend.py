@@ -37,7 +37,7 @@ from gymnasium.vector import AutoresetMode
 
 from .pomdp import POMDP_ENV_IDS
 
-__all__ = ["EnvPoolVecEnv", "envpool_available", "envpool_task", "check_env_backend", "ENV_BACKENDS"]
+__all__ = ["EnvPoolVecEnv", "envpool_available", "envpool_task", "ENV_BACKENDS"]
 
 ENV_BACKENDS = ("gymnasium", "envpool", "auto")
 
@@ -50,23 +50,11 @@ def envpool_available() -> bool:
         return False
 
 
-def check_env_backend(env_backend: str) -> str:
-    """Check, before anything is built, that the env backend asked for can run here.
-
-    Args:
-        env_backend: one of :data:`ENV_BACKENDS` ("auto" falls back to gymnasium without envpool).
-    Returns:
-        ``env_backend`` unchanged.
-    Raises:
-        ValueError: not one of :data:`ENV_BACKENDS`.
-        ImportError: "envpool" asked for, and the optional envpool package is not installed.
-    """
-    if env_backend not in ENV_BACKENDS:
-        raise ValueError(f"env_backend must be one of {ENV_BACKENDS}, got {env_backend!r}")
-    if env_backend == "envpool" and not envpool_available():
-        raise ImportError("env backend 'envpool' needs the optional envpool package: pip install -e \".[envpool]\" "
-                          "(or pip install envpool), or use --env-backend gymnasium / auto")
-    return env_backend
+def require_envpool(env_id: str) -> None:
+    """Raise ImportError (naming the extra to install) unless the optional envpool package is installed."""
+    if not envpool_available():
+        raise ImportError(f"env backend 'envpool' needs the optional envpool package: pip install -e \".[envpool]\" "
+                          f"(or pip install envpool), or use --env-backend gymnasium / auto; got env id {env_id!r}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -122,9 +110,7 @@ class EnvPoolVecEnv(gym.vector.VectorEnv):
 
     def __init__(self, env_id: str, num_envs: int, seed: int = 0, num_threads: int = 0,
                  pool_kwargs: dict[str, Any] | None = None, parts: int = 1):
-        if not envpool_available():
-            raise ImportError(f"env backend 'envpool' needs the optional envpool package: pip install -e \".[envpool]\" "
-                              f"(or pip install envpool); got env id {env_id!r}")
+        require_envpool(env_id)
         task = envpool_task(env_id)
         if task is None:
             raise ValueError(f"EnvPool has no task for env id {env_id!r}; expected one of envpool.list_all_envs() or a "

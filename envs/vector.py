@@ -19,7 +19,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.vector import AutoresetMode
 
-from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_task
+from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_task, require_envpool
 from .guards import NONFINITE_POLICIES, EnvGuard
 from .registry import check_env_id
 from .stats import VecEpisodeStatistics, VecNormalizeObservation, VecNormalizeReward
@@ -51,6 +51,7 @@ def resolve_env_backend(backend: str, env_id: str, async_: bool = False, capture
     if capture_video:
         raise ValueError("env backend 'envpool' records no video; expected capture_video=False (or use "
                          "--env-backend gymnasium), got capture_video=True")
+    require_envpool(env_id)
     return backend
 
 
