@@ -327,6 +327,38 @@ def test_stepper_direct_launch_equals_graph_replay(B):
         st.step(x[:1, 0] if B > 1 else x[:, 0, :3])
 
 
+@pytest.mark.parametrize("d_model", [64, 128])  # 128: the cluster2 kernel below B = 17
+@pytest.mark.parametrize("B", [1, 16, 256])
+def test_stepper_bound_launch_equals_graph_replay(B, d_model):
+    """step(None) launches the captured kernel on x_buf / starts_buf / the output bound once (launch_bound): the
+    same bits as the graph's replay, with and without starts; bind() refuses buffers that do not fit, naming
+    them; a rebound x_buf is refused by the pointer guard instead of being silently ignored."""
+    gen = torch.Generator().manual_seed(11)
+    net = MambaBackbone(MambaConfig(d_model=d_model, n_layers=3, d_state=16), IN, device="cuda", seed=3,
+                        backend="cuda")
+    st = net.stepper(B).capture_graph()
+    assert st._fast_bound
+    x, starts, _ = random_inputs(B, 4, gen)
+    for t in range(4):
+        st.x_buf.copy_(x[:, t])
+        st.starts_buf.copy_(starts[:, t] | (torch.arange(B, device="cuda") % 3 == t % 3)) if t % 2 else \
+            st.starts_buf.zero_()
+        s0 = st.get_state()
+        a = st.step(None).clone()
+        sa = st.get_state()
+        st.load_state(s0)
+        st._graphs["step"].replay()
+        torch.cuda.synchronize()
+        assert torch.equal(a, st._out) and torch.equal(sa.ssm, st.state.ssm) and torch.equal(sa.conv, st.state.conv)
+    with pytest.raises(ValueError, match=r"expected x \[%d, %d\] float32.*got x Double" % (B, IN)):
+        st._fast.bind(st.x_buf.double(), st.starts_buf, st._out)
+    with pytest.raises(ValueError, match="not contiguous"):
+        st._fast.bind(st.x_buf, st.starts_buf, torch.zeros(d_model, B, device="cuda").t())
+    st.x_buf = st.x_buf.clone()
+    with pytest.raises(RuntimeError, match="has moved"):
+        st.step(None)
+
+
 def test_norm_fwd_x_copy():
     from mamba_rl.ops.extension import extension
     ext = extension("cuda")
