@@ -4,6 +4,7 @@
 // block's rows are updated in place. Resets zero a row's window and state before its token is consumed.
 #pragma once
 #include "common.cuh"
+#include <type_traits>
 
 namespace mrl {
 
@@ -142,30 +143,62 @@ template <> __device__ __forceinline__ float welem<__half>(const uint32_t* w, in
 // h[r][j] = inp_b[j] + sum_k inp_w[j][k] * xin[r][k] (thread per (r, j), small fan-in); barriers after each.
 // Where the rows are 16-byte aligned, a thread's weight row is read in 16-byte words, up to 8 in flight before
 // its first FMA; the FMA chain is the same, in the same order, either way (the same bits).
-template <typename WT, int R, int NT>
-__device__ __forceinline__ void input_proj_rows(const StepParams& p, int b0, int B, int dm, float* xin, float* h) {
+// A caller's mid() runs after the thread's first x element, its first output's bias and the first 8 weight words
+// are issued and before any of them is used: it issues its own loads there (cluster2: layer 0's weights) without
+// queueing the input projection's behind them. Without mid() the loads stay where they are used (the rows and
+// cluster kernels: no registers held across).
+struct StepNoMid {
+  __device__ void operator()() const {}
+};
+template <typename WT, int R, int NT, typename Mid = StepNoMid>
+__device__ __forceinline__ void input_proj_rows(const StepParams& p, int b0, int B, int dm, float* xin, float* h,
+                                                Mid mid = Mid()) {
   const int tid = threadIdx.x, in_dim = p.in_dim;
-  for (int i = tid; i < R * in_dim; i += NT) {
-    const int r = i / in_dim, b = b0 + r;
-    xin[i] = b < B ? p.x[(int64_t)b * in_dim + (i - r * in_dim)] : 0.f;
-  }
-  __syncthreads();
   const WT* W = reinterpret_cast<const WT*>(p.inp_w);
   const WT* bias = reinterpret_cast<const WT*>(p.inp_b);
   constexpr int E = 16 / (int)sizeof(WT);  // elements per 16-byte word
   const bool vec = in_dim % E == 0 && (reinterpret_cast<uintptr_t>(W) & 15) == 0;
+  auto x_at = [&](int i) {
+    const int r = i / in_dim, b = b0 + r;
+    return b < B ? p.x[(int64_t)b * in_dim + (i - r * in_dim)] : 0.f;
+  };
+  constexpr bool early = !std::is_same<Mid, StepNoMid>::value;
+  // in flight before mid(): the thread's first x element, its first output's bias and first 8 weight words
+  const bool first = tid < R * dm;
+  const int j0 = tid % dm;
+  float x0 = 0.f;
+  WT b0w = from_f<WT>(0.f);
+  uint4 q0[8];
+  if (early) {
+    if (tid < R * in_dim) x0 = x_at(tid);
+    if (first) b0w = bias[j0];
+    if (vec && first) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+        if (c < in_dim / E) q0[c] = __ldg(reinterpret_cast<const uint4*>(W + (int64_t)j0 * in_dim) + c);
+    }
+    mid();
+    if (tid < R * in_dim) xin[tid] = x0;
+  }
+  for (int i = early ? tid + NT : tid; i < R * in_dim; i += NT) xin[i] = x_at(i);
+  __syncthreads();
+  const int nch = in_dim / E;
   for (int i = tid; i < R * dm; i += NT) {
     const int r = i / dm, j = i - r * dm;
     const float* xr = xin + r * in_dim;
     const WT* wr = W + (int64_t)j * in_dim;
-    float acc = to_f(bias[j]);
+    float acc = to_f(early && i == tid ? b0w : bias[j]);
     if (vec) {
-      const int nch = in_dim / E;
       for (int c0 = 0; c0 < nch; c0 += 8) {
         uint4 q[8];
+        if (early && i == tid && c0 == 0) {
 #pragma unroll
-        for (int c = 0; c < 8; ++c)
-          if (c0 + c < nch) q[c] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + c);
+          for (int c = 0; c < 8; ++c) q[c] = q0[c];
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c)
+            if (c0 + c < nch) q[c] = __ldg(reinterpret_cast<const uint4*>(wr) + c0 + c);
+        }
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           if (c0 + c >= nch) break;

@@ -257,10 +257,11 @@ backbone_step_cluster2_kernel(StepParams p) {
       }
     }
   };
-  // every weight of layer 0 in flight while the input projection runs
-  load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
-
-  input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h);  // every block all of it: each needs whole rows
+  // every block the whole input projection (each needs whole rows), with every weight of layer 0 in flight
+  // behind its first loads
+  input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h, [&] {
+    load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
+  });
   // u = RMSNorm(h) for layer 0: warp per row
   auto norm_rows = [&](bool last) {
 #pragma unroll

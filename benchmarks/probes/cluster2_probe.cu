@@ -3,7 +3,7 @@
 // kernel captured alone in CUDA graphs.
 //   nvcc -arch=sm_90 -O3 -std=c++17 -o cluster2_probe benchmarks/probes/cluster2_probe.cu
 //   ./cluster2_probe B R        (R = rows per cluster: 1, 2, 4, 8 or 16)
-// prints: whether two launches from the same state give the same bits; a 1-launch graph replayed back to back
+// prints: whether two launches from the same state give the same bits (and a hash of them, to compare builds); a 1-launch graph replayed back to back
 // (median of 7 rounds of 1000); the per-launch time in a 20-launch graph; one replay with events around it,
 // synchronised (bench.py's method without Python), beside an empty 8-block cluster kernel the same way.
 // Built with -DMRL_SC2_PROBE it prints instead the clock64() stamps of every warp at each phase end of cluster 0
@@ -116,8 +116,10 @@ int main(int argc, char** argv) {
   }
   bool finite = true;
   for (float v : o[0]) finite = finite && std::isfinite(v);
-  printf("B=%d R=%d: same bits twice %d, finite %d\n", B, R, (int)!memcmp(o[0].data(), o[1].data(), o[0].size() * 4),
-         (int)finite);
+  uint64_t fnv = 1469598103934665603ull;  // FNV-1a of the output and SSM states: compares builds bit for bit
+  for (size_t i = 0; i < o[0].size() * 4; ++i) fnv = (fnv ^ reinterpret_cast<const unsigned char*>(o[0].data())[i]) * 1099511628211ull;
+  printf("B=%d R=%d: same bits twice %d, finite %d, fnv %016llx\n", B, R,
+         (int)!memcmp(o[0].data(), o[1].data(), o[0].size() * 4), (int)finite, (unsigned long long)fnv);
 #ifdef MRL_SC2_PROBE
   CKL(fn(p, s));
   CK(cudaStreamSynchronize(s));
