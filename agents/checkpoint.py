@@ -29,6 +29,11 @@ envs are rebuilt and reset with each rank's seeds), never restored.
 :func:`save_agent` and :func:`restore_agent` take the agent's parts (config, run, progress, policy,
 trainer, head optimizer, sampling RNGs, stepper, rollout carry, envs) as typed arguments; the agent
 (``ppo.py``, above this module) builds itself and hands them over.
+
+The two-horizon critic (``PPOConfig.aux_gamma``) adds a head, ``heads/aux_critic.linear.*``, and its head
+Adam moments; a checkpoint with it resumes only into a config with an ``aux_gamma`` and one without it only
+into a config without (:func:`restore_agent` says so before loading anything; the aux discount itself may
+change on resume, as ``gamma`` may).
 """
 
 from __future__ import annotations
@@ -324,6 +329,33 @@ def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progr
     return path, err
 
 
+def _check_aux_head(ckpt: Path, policy: Policy) -> None:
+    """Refuse a checkpoint whose aux critic head (``PPOConfig.aux_gamma``) is present where ``policy`` has none,
+    or absent where it has one, before anything is loaded (read from the file's metadata: the saved config).
+
+    Raises:
+        mamba_rl.CheckpointError: naming the saved and the current aux_gamma and the flag to pass.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("mamba_rl", "{}"))
+        saved_aux = any(k.startswith("extra/heads/aux_critic.") for k in f.keys())
+    saved_gamma = meta.get("extra", {}).get("ppo_config", {}).get("aux_gamma")
+    have = policy.aux_critic is not None
+    if saved_aux != have:
+        if saved_aux:
+            why = (f"was saved with the two-horizon critic (aux_gamma {saved_gamma!r}: an aux critic head), but the "
+                   f"config to load it into has aux_gamma None; resume with an aux_gamma (--aux-gamma "
+                   f"{saved_gamma if saved_gamma is not None else 0.9}), or start a new run without it")
+        else:
+            why = ("was saved without the two-horizon critic (aux_gamma None: no aux critic head), but the config to "
+                   "load it into has an aux_gamma; resume without it (--aux-gamma none), or start a new run with it")
+        raise CheckpointError(f"checkpoint {ckpt} {why}")
+
+
 def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, trainer: MambaTrainer,
                   head_optimizer: torch.optim.Optimizer, rngs: Rngs, stepper: Stepper, carry: RolloutCarry,
                   envs: gym.vector.VectorEnv, restore_carry: bool) -> None:
@@ -334,8 +366,10 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
             the rollout carry. Otherwise the envs are fresh: restore their normalisation statistics.
 
     Raises:
-        mamba_rl.CheckpointError: a checkpoint that does not fit the agent.
+        mamba_rl.CheckpointError: a checkpoint that does not fit the agent, e.g. one saved with the two-horizon
+            critic's aux head into an agent without one, or the other way round (nothing is loaded then).
     """
+    _check_aux_head(ckpt, policy)
     # the trainer was built from the checkpoint's config plus the user's overrides (--adam-eps, --max-grad-norm,
     # --dtype, ...): it keeps its own settings (the agent sets the lr every update)
     meta = load_checkpoint(ckpt, trainer, settings="trainer")

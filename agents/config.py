@@ -47,7 +47,8 @@ _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0,
                 ("gae_lambda", 0.0, 1.0, False, False), ("clip_coef", 0.0, math.inf, True, False),
                 ("ent_coef", 0.0, math.inf, False, False), ("vf_coef", 0.0, math.inf, False, False),
                 ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True),
-                ("min_action_std", 0.0, 1.0, False, False))
+                ("min_action_std", 0.0, 1.0, False, False), ("aux_gamma", 0.0, 1.0, False, True),
+                ("aux_gae_lambda", 0.0, 1.0, False, False), ("aux_adv_weight", 0.0, 1.0, False, False))
 
 
 @dataclass
@@ -76,6 +77,9 @@ class _PPOFields:
     weight_decay: float = 0.0
     gamma: float = 0.99
     gae_lambda: float = 0.95
+    aux_gamma: float | None = None
+    aux_gae_lambda: float = 0.65
+    aux_adv_weight: float = 0.3
     num_minibatches: int = 4
     update_epochs: int = 3
     norm_adv: bool = False
@@ -233,6 +237,17 @@ class PPOConfig(_PPOFields):
             gamma 0.9 with gae_lambda 0.65 learned Concentration and the bandit far faster than the default 0.99 /
             0.95, and broke the cart-poles, whose 500-step episodes need the longer horizon: a per-task choice.
         gae_lambda: GAE lambda (Schulman et al. 2016); see gamma.
+        aux_gamma: discount of a second critic head, the two-horizon critic (None: off, the default); in [0, 1].
+            The aux head (a linear layer on the same features, CleanRL's init gain 1) learns V at ``aux_gamma`` with
+            its own GAE(aux_gamma, aux_gae_lambda) (Schulman et al. 2016); its value loss, of the main critic's form
+            (``clip_vloss``, ``vf_coef``), is added to the main one, whose returns and values do not change. The
+            policy's advantage becomes ``(1 - w) * A + w * A_aux * std(A) / std(A_aux)`` with w =
+            ``aux_adv_weight``, both stds over the rollout's valid steps (all ranks'), so it keeps the default
+            advantage's scale (A alone where std(A_aux) is ~0). Measured on the CPU at 200k env steps
+            (aux_gamma 0.9, aux_gae_lambda 0.65, aux_adv_weight 0.3): 6 of 8 POPGym bars against 5 by default
+            (ConcentrationEasy -0.089 vs -0.162, MultiarmedBanditEasy 0.412 vs 0.366), the cart-poles kept.
+        aux_gae_lambda: GAE lambda of the aux critic's advantages and returns (with aux_gamma; ignored without); [0, 1].
+        aux_adv_weight: weight w of the aux advantage in the policy's advantage (with aux_gamma; ignored without); [0, 1].
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
         update_epochs: passes over the rollout per update.
         norm_adv: normalise advantages per minibatch (over valid steps); off by default.

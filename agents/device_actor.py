@@ -5,19 +5,20 @@ into a pinned staging buffer (:class:`~mamba_rl.agents.policy.HostStager`); then
 
 1. copies the stage to the device (captured from the pinned buffer),
 2. runs the backbone step (the stepper's body, on the stepper's live state),
-3. both heads as one GEMM, samples the action on the device (Gumbel-max / Gaussian,
+3. the heads as one GEMM, samples the action on the device (Gumbel-max / Gaussian,
    :meth:`~mamba_rl.agents.heads.ActionDist.sample` with torch's philox RNG, which a graph replays
-   with a fresh offset each time), its log-prob and the value,
-4. writes the stage and [action | log-prob | value] into device storage at column ``t`` (a device
-   step counter, advanced inside the graph),
+   with a fresh offset each time), its log-prob and the value (and the aux critic's value with the
+   two-horizon critic, ``PPOConfig.aux_gamma``),
+4. writes the stage and [action | log-prob | value (| aux value)] into device storage at column ``t`` (a
+   device step counter, advanced inside the graph),
 5. copies the action into a pinned host buffer;
 
 and the host waits on one event before reading the action. Rewards and done flags stay in pinned host
 arrays until the rollout ends; then one more replay (:meth:`GraphActor.finish`) copies them over,
 computes V(next obs) with the carried state without advancing it (the stepper's state is saved and
 restored inside the graph: exact V(final obs) after a done, as the eager path), runs GAE
-(:func:`~mamba_rl.agents.gae.compute_gae_parallel`) and fills the device
-:class:`~mamba_rl.agents.rollout.RolloutBuffer`. If this torch/driver cannot capture host copies
+(:func:`~mamba_rl.agents.gae.compute_gae_parallel`; with the aux critic a second GAE of its values at
+aux_gamma / aux_gae_lambda) and fills the device :class:`~mamba_rl.agents.rollout.RolloutBuffer`. If this torch/driver cannot capture host copies
 (probed once), they run as async copies right before / after the replay instead.
 
 With ``parts`` (row ranges of an env stack that steps in parts, :mod:`mamba_rl.envs.parts`) there is one act
@@ -38,7 +39,7 @@ from mamba_rl.graphs import GraphSet, capture_restoring, snapshot
 
 from .gae import compute_gae_parallel, gae_discount_matrix
 from .policy import HostStager, Policy
-from .rollout import RolloutBuffer, check_parts, join_state, split_state
+from .rollout import RolloutBuffer, check_aux, check_parts, join_state, split_state
 
 __all__ = ["GraphActor", "host_copies_capturable"]
 
@@ -80,18 +81,22 @@ class GraphActor:
         capture_copies: capture the host copies in the graphs (None: :func:`host_copies_capturable`).
         parts: None (one act graph over all N rows), or the row ranges of the parts (``slice`` objects, in order,
             non-empty, covering ``[0, N)``): one act graph per part, :meth:`act` with ``part``.
+        aux_gamma, aux_gae_lambda: the two-horizon critic's GAE discount and lambda (baked into the finish
+            graph), given exactly when the policy has an aux critic and the buffer stores its values (None: off).
 
     Attributes:
         parts: the row ranges (one: ``(slice(0, N),)``). stager: the [N] stage's
             :class:`~mamba_rl.agents.policy.HostStager`; stagers: one per part, over its rows of the same stage.
 
     Raises:
-        ValueError: a policy that is not on a CUDA device, a buffer that does not live there, or parts that are
-            not consecutive non-empty row ranges covering the N rows.
+        ValueError: a policy that is not on a CUDA device, a buffer that does not live there, parts that are
+            not consecutive non-empty row ranges covering the N rows, or an ``aux_gamma`` that disagrees with the
+            policy's aux critic or the buffer's aux storage.
     """
 
     def __init__(self, policy: Policy, stepper: Stepper, buffer: RolloutBuffer, gamma: float, gae_lambda: float,
-                 capture_copies: bool | None = None, parts: tuple[slice, ...] | None = None):
+                 capture_copies: bool | None = None, parts: tuple[slice, ...] | None = None,
+                 aux_gamma: float | None = None, aux_gae_lambda: float = 0.65):
         dev = policy.device
         if dev.type != "cuda":
             raise ValueError(f"GraphActor: expected a policy on a CUDA device, got {dev}")
@@ -99,6 +104,8 @@ class GraphActor:
             raise ValueError(f"GraphActor: expected a RolloutBuffer stored on {dev}, got {buffer.inputs.device}")
         self.policy, self.stepper, self.buffer = policy, stepper, buffer
         self.gamma, self.gae_lambda = gamma, gae_lambda
+        self.aux_gamma, self.aux_gae_lambda = check_aux(policy, buffer, aux_gamma, aux_gae_lambda, "GraphActor")
+        self.v = policy.value_heads  # value columns after the actor's: 1, or 2 with the aux critic
         n, t = buffer.num_envs, buffer.num_steps
         self.n, self.t_len, self.d, self.a, self.p_dim = n, t, policy.input_dim, policy.action_dim, policy.actor.out_dim
         self.parts = check_parts(parts, n, "GraphActor")
@@ -114,18 +121,20 @@ class GraphActor:
         # device side
         self.dstage = torch.zeros(n, self.d + 1, device=dev)
         self.res_dev = torch.zeros(4, n, t, device=dev)
-        # per step: input | start | action | logprob | value
-        self.hist = torch.zeros(n, t, self.d + self.a + 3, device=dev)
+        # per step: input | start | action | logprob | value (| aux value)
+        self.hist = torch.zeros(n, t, self.d + self.a + 2 + self.v, device=dev)
         self.t_idx = torch.zeros(len(self.parts), dtype=torch.int64, device=dev)  # per part
         self.act_dev = torch.zeros(n, self.a, dtype=act_dtype, device=dev)
-        self.w_cat = torch.zeros(self.p_dim + 1, policy.net.cfg.d_model, device=dev)
-        self.b_cat = torch.zeros(self.p_dim + 1, device=dev)
+        self.w_cat = torch.zeros(self.p_dim + self.v, policy.net.cfg.d_model, device=dev)
+        self.b_cat = torch.zeros(self.p_dim + self.v, device=dev)
         self.saved = stepper.state.clone()
         # the states the act graphs advance: the stepper's own (one part), or one contiguous state per part
         self.part_states = (stepper.state,) if len(self.parts) == 1 else tuple(
             policy.net.initial_state(r.stop - r.start) for r in self.parts)
         self._own_states = self.part_states if len(self.parts) > 1 else ()
         self.discount = gae_discount_matrix(t, gamma, gae_lambda, dev)
+        self.aux_discount = (gae_discount_matrix(t, self.aux_gamma, self.aux_gae_lambda, dev)
+                             if self.aux_gamma is not None else None)
         self.event = torch.cuda.Event()
         self.copies_in_graph = host_copies_capturable(dev) if capture_copies is None else capture_copies
         net, st, heads = policy.net, stepper.state, policy.heads
@@ -138,7 +147,7 @@ class GraphActor:
 
     # ------------------------------------------------------------------------------------ bodies
     def _heads(self, dstage: torch.Tensor, state) -> torch.Tensor:
-        """[rows, P + 1] actor raw outputs | value of the staged rows ``dstage`` (advances ``state``)."""
+        """[rows, P + V] actor raw outputs | value (| aux value) of the staged rows ``dstage`` (advances ``state``)."""
         d = self.d
         feat = self.policy.net.step(dstage[:, :d], state, dstage[:, d] > 0.5)
         return torch.addmm(self.b_cat, feat, self.w_cat.t())
@@ -167,13 +176,22 @@ class GraphActor:
             self.dstage.copy_(self.stage_t, non_blocking=True)
             self.res_dev.copy_(self.res_pin, non_blocking=True)
         self.saved.copy_(state)
-        next_value = self._heads(self.dstage, state)[:, -1]
+        out = self._heads(self.dstage, state)
+        next_value = out[:, self.p_dim]
         state.copy_(self.saved)
         rewards, flags = self.res_dev[0], self.res_dev[1:] > 0.5
         h = self.hist
         values = h[..., d + a + 2]
         adv, ret = compute_gae_parallel(rewards, values, flags[0], flags[1], flags[2], next_value, self.gamma,
                                         self.gae_lambda, self.discount, check=False)
+        if self.aux_gamma is not None:  # the aux critic: its own values, bootstrap, discount and lambda
+            aux_values = h[..., d + a + 3]
+            aux_adv, aux_ret = compute_gae_parallel(rewards, aux_values, flags[0], flags[1], flags[2],
+                                                    out[:, self.p_dim + 1], self.aux_gamma, self.aux_gae_lambda,
+                                                    self.aux_discount, check=False)
+            buf.aux_values.copy_(aux_values)
+            buf.aux_advantages.copy_(aux_adv)
+            buf.aux_returns.copy_(aux_ret)
         buf.inputs.copy_(h[..., :d])
         buf.episode_starts.copy_(h[..., d] > 0.5)
         buf.actions.copy_(h[..., d + 1:d + 1 + a])
@@ -209,8 +227,9 @@ class GraphActor:
             self.t_idx.zero_()  # also after an interrupted rollout
             self.buffer.initial_state.copy_(self.stepper.state)
             split_state(self.stepper.state, self.parts, self.part_states)
-            torch.cat([p.actor.linear.weight, p.critic.linear.weight], out=self.w_cat)
-            torch.cat([p.actor.linear.bias, p.critic.linear.bias], out=self.b_cat)
+            lin = p.fused_linears()  # actor, critic (, aux critic)
+            torch.cat([x.weight for x in lin], out=self.w_cat)
+            torch.cat([x.bias for x in lin], out=self.b_cat)
 
     @torch.no_grad()
     def act(self, t: int, part: int = 0) -> np.ndarray:

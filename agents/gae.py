@@ -24,6 +24,11 @@ For a valid step t with done_t = terminated_t or truncated_t and V_T = ``next_va
   holding the final observation and the pre-reset state, i.e. V(final obs); the recursion
   stops there too (the next episode's advantages belong to another trajectory);
 * invalid (reset) steps get A = R = 0.
+
+Two-horizon critic (``PPOConfig.aux_gamma``): a second value head gets its own GAE(aux_gamma,
+aux_gae_lambda) advantages A_aux and returns from the same rewards and flags (the same functions, its own
+values), and the policy's advantage mixes the two at the default advantage's scale
+(:func:`combine_advantages`): ``A = (1 - w) A_main + w A_aux std(A_main) / std(A_aux)``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix"]
+__all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix", "advantage_moments", "combine_advantages"]
+
+# std(A_aux) at or below this: the aux advantage carries no signal and the policy's advantage is A_main alone
+AUX_STD_EPS = 1e-8
 
 
 def _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda) -> None:
@@ -192,3 +200,71 @@ def compute_gae_parallel(rewards: torch.Tensor, values: torch.Tensor, terminatio
     advantages = (weights * delta.unsqueeze(1)).sum(-1) * validf
     returns = (advantages + values) * validf
     return advantages, returns
+
+
+def advantage_moments(advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[count, sum A, sum A^2, sum A_aux, sum A_aux^2] over the valid steps, float64 [5] on the inputs' device:
+    what :func:`combine_advantages` takes its two standard deviations from. Sums, so that a data-parallel run
+    adds them over the ranks (one all-reduce) and every rank mixes with the stds of all ranks' rollouts. No host
+    sync (capturable).
+
+    Args:
+        advantages, aux_advantages: [N, T] float (the main and the aux critic's GAE advantages).
+        valid: [N, T] bool, False at the NextStep reset steps (left out).
+
+    Raises:
+        ValueError: tensors of different shapes, or a ``valid`` that is not bool.
+    """
+    if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or advantages.dim() != 2:
+        raise ValueError(f"advantage_moments: expected advantages, aux_advantages and valid of one [N, T] shape, got "
+                         f"{list(advantages.shape)}, {list(aux_advantages.shape)}, {list(valid.shape)}")
+    if valid.dtype != torch.bool:
+        raise ValueError(f"advantage_moments: valid must be bool, got {valid.dtype}")
+    # a select, not a product: a NaN / inf at an invalid step stays out
+    a = torch.where(valid, advantages.double(), 0.0)
+    b = torch.where(valid, aux_advantages.double(), 0.0)
+    m = valid.double()
+    return torch.stack([m.sum(), a.sum(), (a * a).sum(), b.sum(), (b * b).sum()])
+
+
+def combine_advantages(advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor, weight: float,
+                       moments: torch.Tensor | None = None, eps: float = AUX_STD_EPS) -> torch.Tensor:
+    """The two-horizon critic's policy advantage:
+    ``A = (1 - w) * A_main + w * A_aux * std(A_main) / std(A_aux)`` at valid steps, 0 elsewhere.
+
+    Each std is the population standard deviation over the rollout's valid steps (``valid``); their ratio is
+    the same with the unbiased one. Rescaling A_aux to A_main's spread keeps the result in the default
+    advantage's scale, so ``norm_adv`` off (the default) sees the scale it was tuned with, whatever the two
+    discounts. Where std(A_aux) <= ``eps`` (no aux signal, e.g. a rollout without a reward change) the result
+    is A_main itself. Both advantages are GAE (Schulman et al. 2016) estimates, each with its own critic,
+    gamma and lambda (:func:`compute_gae`). No host sync (capturable).
+
+    Args:
+        advantages: [N, T] float32, A_main (the main critic's GAE advantages; 0 at invalid steps).
+        aux_advantages: [N, T] float32, A_aux (the aux critic's; 0 at invalid steps).
+        valid: [N, T] bool, the steps the stds run over.
+        weight: w in [0, 1] (``PPOConfig.aux_adv_weight``).
+        moments: :func:`advantage_moments` of the rollout (data-parallel: summed over the ranks); None
+            computes them from these tensors.
+        eps: the std(A_aux) at or below which A_main is returned.
+
+    Returns:
+        [N, T] float32 on the inputs' device.
+
+    Raises:
+        ValueError: ``weight`` outside [0, 1]; tensors of different shapes, or a non-bool ``valid``.
+    """
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"combine_advantages: weight must be in [0, 1], got {weight!r}")
+    if moments is None:
+        moments = advantage_moments(advantages, aux_advantages, valid)
+    count = moments[0].clamp_min(1.0)
+    mean_a, mean_b = moments[1] / count, moments[3] / count
+    std_a = (moments[2] / count - mean_a * mean_a).clamp_min(0.0).sqrt()
+    std_b = (moments[4] / count - mean_b * mean_b).clamp_min(0.0).sqrt()
+    ok = std_b > eps
+    scale = torch.where(ok, std_a / torch.where(ok, std_b, 1.0), 0.0).float()
+    w = torch.where(ok, torch.full_like(moments[0], float(weight)), 0.0).float()
+    adv = advantages.float()
+    mixed = (1.0 - w) * adv + w * (aux_advantages.float() * scale)
+    return torch.where(valid, mixed, torch.zeros((), device=adv.device))

@@ -2,6 +2,12 @@
 
 Every mean is over the valid steps only (``mask``): the NextStep reset step after a done is not a
 transition (see :mod:`mamba_rl.agents.gae`) and carries no loss.
+
+With the two-horizon critic (``PPOConfig.aux_gamma``) the minibatch also carries the aux critic's stored
+values and returns, and the loss adds its value loss, of the main one's form (clipped per ``clip_vloss``,
+weighted by ``vf_coef``): ``loss = pg - ent_coef * ent + vf_coef * v + vf_coef * v_aux``. The policy term
+reads the minibatch's advantages, which the update has already mixed
+(:func:`mamba_rl.agents.gae.combine_advantages`).
 """
 
 from __future__ import annotations
@@ -25,8 +31,11 @@ class Minibatch:
 
     Attributes:
         actions: [rows, T, action_dim] float32 (stored form; discrete actions as whole numbers).
-        logprobs, values, advantages, returns: [rows, T] float32, from the rollout.
+        logprobs, values, advantages, returns: [rows, T] float32, from the rollout (``advantages``: the
+            policy's, mixed with the aux critic's when it is on).
         mask: [rows, T] float32, 1.0 at valid steps (0.0 at the NextStep reset step).
+        aux_values, aux_returns: [rows, T] float32, the aux critic's stored values and GAE returns (the
+            two-horizon critic, ``PPOConfig.aux_gamma``); None without it.
     """
 
     actions: torch.Tensor
@@ -35,6 +44,8 @@ class Minibatch:
     advantages: torch.Tensor
     returns: torch.Tensor
     mask: torch.Tensor
+    aux_values: torch.Tensor | None = None
+    aux_returns: torch.Tensor | None = None
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -55,9 +66,31 @@ def _minibatch_advantages(mb, mask: torch.Tensor, count: torch.Tensor, c, adv_no
     return mb_adv
 
 
+def _value_loss(c: PPOConfig, newvalue: torch.Tensor, values: torch.Tensor, returns: torch.Tensor,
+                mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """CleanRL's value loss (0-d): 0.5 * the masked mean of (V - R)^2, or with ``clip_vloss`` of
+    max((V - R)^2, (V_old + clamp(V - V_old, -clip, clip) - R)^2)."""
+    if c.clip_vloss:
+        v_unclipped = (newvalue - returns).pow(2)
+        v_clipped = values + (newvalue - values).clamp(-c.clip_coef, c.clip_coef)
+        return 0.5 * masked_mean(torch.max(v_unclipped, (v_clipped - returns).pow(2)), mask, count)
+    return 0.5 * masked_mean((newvalue - returns).pow(2), mask, count)
+
+
+def _check_aux(mb: Minibatch, aux_newvalue: torch.Tensor | None, who: str) -> None:
+    if (mb.aux_returns is None) != (aux_newvalue is None) or (mb.aux_returns is None) != (mb.aux_values is None):
+        raise ValueError(f"{who}: the aux critic's values and the minibatch's aux_values / aux_returns go together "
+                         f"(the two-horizon critic, PPOConfig.aux_gamma); got aux values "
+                         f"{'given' if aux_newvalue is not None else 'None'}, minibatch aux_values "
+                         f"{'given' if mb.aux_values is not None else 'None'}, aux_returns "
+                         f"{'given' if mb.aux_returns is not None else 'None'}")
+
+
 def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibatch, count: torch.Tensor,
-             adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CleanRL's PPO loss on one minibatch, averaged over its valid steps.
+             adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
+             aux_newvalue: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CleanRL's PPO loss on one minibatch, averaged over its valid steps (Schulman et al. 2017), plus the
+    aux critic's value loss with the two-horizon critic.
 
     Args:
         c: the config (clip_coef, norm_adv, clip_vloss, ent_coef, vf_coef).
@@ -67,11 +100,18 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
             runs pass the count over every rank, so each rank's loss is its share of the global mean.
         adv_norm: (mean, std) 0-d tensors to normalise the advantages with (data-parallel: over every
             rank's minibatch); None computes them from this minibatch.
+        aux_newvalue: the aux critic's values [rows, T] float32 (with ``mb.aux_values`` / ``mb.aux_returns``),
+            or None without the two-horizon critic.
 
     Returns:
         (loss, stats): stats holds detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``
-        and ``logratio`` (the new minus the stored log-probs, for the rollout-parity check).
+        and ``logratio`` (the new minus the stored log-probs, for the rollout-parity check); with the aux
+        critic also ``aux_v`` (its value loss, before ``vf_coef``).
+
+    Raises:
+        ValueError: ``aux_newvalue`` given without the minibatch's aux columns, or the other way round.
     """
+    _check_aux(mb, aux_newvalue, "ppo_loss")
     mask = mb.mask
     newlogprob = dist.log_prob(mb.actions)
     entropy = dist.entropy()
@@ -84,16 +124,16 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
     mb_adv = _minibatch_advantages(mb, mask, count, c, adv_norm)
     pg_loss = masked_mean(torch.max(-mb_adv * ratio, -mb_adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)),
                            mask, count)
-    if c.clip_vloss:
-        v_unclipped = (newvalue - mb.returns).pow(2)
-        v_clipped = mb.values + (newvalue - mb.values).clamp(-c.clip_coef, c.clip_coef)
-        v_loss = 0.5 * masked_mean(torch.max(v_unclipped, (v_clipped - mb.returns).pow(2)), mask, count)
-    else:
-        v_loss = 0.5 * masked_mean((newvalue - mb.returns).pow(2), mask, count)
+    v_loss = _value_loss(c, newvalue, mb.values, mb.returns, mask, count)
     entropy_loss = masked_mean(entropy, mask, count)
     loss = pg_loss - c.ent_coef * entropy_loss + v_loss * c.vf_coef
-    return loss, dict(pg=pg_loss.detach(), v=v_loss.detach(), ent=entropy_loss.detach(), kl=approx_kl,
-                      old_kl=old_approx_kl, clipfrac=clipfrac, logratio=logratio.detach())
+    stats = dict(pg=pg_loss.detach(), v=v_loss.detach(), ent=entropy_loss.detach(), kl=approx_kl,
+                 old_kl=old_approx_kl, clipfrac=clipfrac, logratio=logratio.detach())
+    if aux_newvalue is not None:  # the two-horizon critic: its value loss, of the same form and weight
+        aux_v_loss = _value_loss(c, aux_newvalue, mb.aux_values, mb.aux_returns, mask, count)
+        loss = loss + aux_v_loss * c.vf_coef
+        stats["aux_v"] = aux_v_loss.detach()
+    return loss, stats
 
 
 @torch.no_grad()
@@ -113,15 +153,17 @@ class HeadGrads:
     Attributes:
         d_features: [rows * T, d_model] float32, dLoss/dfeatures (written into the caller's ``out`` when given).
         head_grads: the gradients of (actor weight [A, d], actor bias [A], critic weight [1, d], critic bias
-            [1]), float32, in that order.
-        stats: detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``, ``logratio`` as
-            :func:`ppo_loss` gives them. newvalue: [rows, T] float32 critic values (detached).
+            [1]), float32, in that order; with the aux critic then (aux weight [1, d], aux bias [1]).
+        stats: detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``, ``logratio`` (and ``aux_v``)
+            as :func:`ppo_loss` gives them. newvalue: [rows, T] float32 critic values (detached).
+        aux_newvalue: [rows, T] float32 aux critic values (detached), None without the aux critic.
     """
 
-    __slots__ = ("d_features", "head_grads", "stats", "newvalue")
+    __slots__ = ("d_features", "head_grads", "stats", "newvalue", "aux_newvalue")
 
-    def __init__(self, d_features, head_grads, stats, newvalue):
+    def __init__(self, d_features, head_grads, stats, newvalue, aux_newvalue=None):
         self.d_features, self.head_grads, self.stats, self.newvalue = d_features, head_grads, stats, newvalue
+        self.aux_newvalue = aux_newvalue
 
 
 def _max_backward(grad: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,7 +182,8 @@ def _clamp_backward(grad: torch.Tensor, x: torch.Tensor, clamped: torch.Tensor) 
 @torch.no_grad()
 def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.Linear, critic: torch.nn.Linear,
                           mb: Minibatch, count: torch.Tensor, adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          out: torch.Tensor | None = None, losses: bool = True) -> HeadGrads:
+                          out: torch.Tensor | None = None, losses: bool = True,
+                          aux_critic: torch.nn.Linear | None = None) -> HeadGrads:
     """:func:`ppo_loss` of a categorical actor and the critic on ``features``, with its gradients written out
     by hand instead of by autograd: the same forward ops as ``actor(features)``, ``critic(features)`` and
     :func:`ppo_loss`, and, in the order autograd's engine runs them, the very backward formulas of its nodes
@@ -148,7 +191,9 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     every gradient is bit for bit what ``torch.autograd.grad(loss, [features, *head params])`` gives
     (``tests/agents/test_host_path.py`` compares them over random minibatches with ties and clipped
     ratios). It builds no autograd graph: about half the ops of the forward + backward and none of the
-    engine's per-node work, the host cost of a CPU minibatch.
+    engine's per-node work, the host cost of a CPU minibatch. With the two-horizon critic (``aux_critic``)
+    the aux value loss and its gradients come in too, bit for bit those of :func:`ppo_loss` with
+    ``aux_newvalue = aux_critic(features)`` computed after ``critic(features)``.
 
     Args:
         c: the config (clip_coef, norm_adv, clip_vloss, ent_coef, vf_coef).
@@ -157,15 +202,18 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
         mb: the minibatch (actions [rows, T, 1] as whole numbers). count, adv_norm: as :func:`ppo_loss`.
         out: optional float32 [rows * T, d_model] buffer the feature gradient is written into.
         losses: compute the loss values and KL estimates for the statistics (``pg``, ``v``, ``ent``, ``kl``,
-            ``old_kl``); False leaves them out of ``stats`` (the gradients need none of them; an update reads
-            them from some minibatches only). ``clipfrac`` and ``logratio`` are always there.
+            ``old_kl``, ``aux_v``); False leaves them out of ``stats`` (the gradients need none of them; an update
+            reads them from some minibatches only). ``clipfrac`` and ``logratio`` are always there.
+        aux_critic: the aux critic's Linear (-> 1) with the two-horizon critic (the minibatch then carries
+            ``aux_values`` / ``aux_returns``), else None.
 
     Returns:
         :class:`HeadGrads`.
 
     Raises:
-        ValueError: features that are not a contiguous float32 [rows, T, d_model] of the heads' width, or a
-            minibatch of another shape.
+        ValueError: features that are not a contiguous float32 [rows, T, d_model] of the heads' width, a
+            minibatch of another shape, or an ``aux_critic`` without the minibatch's aux columns (or the
+            other way round).
     """
     if features.dim() != 3 or features.dtype != torch.float32 or not features.is_contiguous() \
             or features.shape[2] != actor.in_features or critic.out_features != 1:
@@ -177,6 +225,10 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     if mb.mask.shape != (rows, t_len) or mb.actions.shape[:2] != (rows, t_len):
         raise ValueError(f"categorical_ppo_grads: the minibatch must be [{rows}, {t_len}] like the features, got "
                          f"mask {list(mb.mask.shape)}, actions {list(mb.actions.shape)}")
+    _check_aux(mb, None if aux_critic is None else features, "categorical_ppo_grads")
+    if aux_critic is not None and (aux_critic.out_features != 1 or aux_critic.in_features != d):
+        raise ValueError(f"categorical_ppo_grads: the aux critic must map {d} features to 1 value, got "
+                         f"{aux_critic.in_features} -> {aux_critic.out_features}")
     n_act = actor.out_features
     wa, ba, wc, bc = actor.weight, actor.bias, critic.weight, critic.bias
     mask = mb.mask
@@ -185,6 +237,8 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     y2 = features.view(rows * t_len, d)
     logits = torch.addmm(ba, y2, wa.t()).view(rows, t_len, n_act)
     newvalue = torch.addmm(bc, y2, wc.t()).view(rows, t_len, 1).squeeze(-1)
+    aux_newvalue = None if aux_critic is None else \
+        torch.addmm(aux_critic.bias, y2, aux_critic.weight.t()).view(rows, t_len, 1).squeeze(-1)
     logp = torch.log_softmax(logits, dim=-1)
     index = mb.actions[..., 0:1].long()
     newlogprob = logp.gather(-1, index).squeeze(-1)
@@ -207,10 +261,21 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
         q = q_in.clamp(-cc, cc)
         e = mb.values + q - mb.returns
         v_clipped = e.pow(2)
+    if aux_newvalue is not None:  # the aux critic's value loss, the same ops on its own columns
+        a_u = aux_newvalue - mb.aux_returns
+        a_unclipped = a_u.pow(2)
+        if c.clip_vloss:
+            a_q_in = aux_newvalue - mb.aux_values
+            a_q = a_q_in.clamp(-cc, cc)
+            a_e = mb.aux_values + a_q - mb.aux_returns
+            a_clipped = a_e.pow(2)
     if losses:
         stats["pg"] = masked_mean(torch.max(pg_a, pg_b), mask, count)
         stats["v"] = 0.5 * masked_mean(torch.max(v_unclipped, v_clipped) if c.clip_vloss else v_unclipped, mask, count)
         stats["ent"] = masked_mean(entropy, mask, count)
+        if aux_newvalue is not None:
+            stats["aux_v"] = 0.5 * masked_mean(torch.max(a_unclipped, a_clipped) if c.clip_vloss else a_unclipped,
+                                               mask, count)
     # ---- backward, node by node (loss = pg - ent_coef * ent + vf_coef * v; d loss = 1). The 0-d factors in
     # float32 numpy scalars (IEEE single, as torch's 0-d float32 ops round them), applied as python floats
     # (exact float32 values, so mask * s rounds as mask * a float32 tensor of s would)
@@ -235,8 +300,20 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     g_value = g_value.unsqueeze(-1).view(rows * t_len, 1)
     head_grads = (g_logits.t().mm(y2), g_logits.sum(0, keepdim=True).view(n_act),
                   g_value.t().mm(y2), g_value.sum(0, keepdim=True).view(1))
-    if out is None:
-        d_features = torch.add(g_logits.mm(wa), g_value.mm(wc))
+    if aux_newvalue is None:
+        if out is None:
+            d_features = torch.add(g_logits.mm(wa), g_value.mm(wc))
+        else:
+            d_features = torch.add(g_logits.mm(wa), g_value.mm(wc), out=out)
+        return HeadGrads(d_features, head_grads, stats, newvalue)
+    # the aux value loss enters the loss with the same weight (vf_coef * 0.5 / count) as the main one
+    if c.clip_vloss:
+        a_gu, a_gc = _max_backward(g_vm, a_unclipped, a_clipped)
+        g_aux = a_gu * (a_u * 2.0) + _clamp_backward(a_gc * (a_e * 2.0), a_q_in, a_q)
     else:
-        d_features = torch.add(g_logits.mm(wa), g_value.mm(wc), out=out)
-    return HeadGrads(d_features, head_grads, stats, newvalue)
+        g_aux = g_vm * (a_u * 2.0)
+    g_aux = g_aux.unsqueeze(-1).view(rows * t_len, 1)
+    head_grads += (g_aux.t().mm(y2), g_aux.sum(0, keepdim=True).view(1))
+    # dLoss/dfeatures in the order autograd's engine accumulates the three heads' contributions
+    d_features = torch.add(torch.add(g_aux.mm(aux_critic.weight), g_value.mm(wc)), g_logits.mm(wa), out=out)
+    return HeadGrads(d_features, head_grads, stats, newvalue, aux_newvalue)

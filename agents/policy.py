@@ -60,6 +60,9 @@ class Policy:
         backend: backbone backend, "auto" | "cuda" | "cpu" | "reference".
         prev_action, prev_reward: append the previous action / reward to the input.
         memoryless: treat every step as an episode start (ablation baseline).
+        aux_critic: add the two-horizon critic's second value head ``heads["aux_critic"]``
+            (:attr:`PPOConfig.aux_gamma`), initialised after the actor and critic from the same generator, so
+            those two start as without it.
 
     Raises:
         TypeError: an unsupported action space.
@@ -67,7 +70,7 @@ class Policy:
 
     def __init__(self, backbone: MambaConfig, obs_dim: int, action_space: spaces.Space, device: torch.device,
                  seed: int, backend: str = "auto", prev_action: bool = False, prev_reward: bool = False,
-                 memoryless: bool = False):
+                 memoryless: bool = False, aux_critic: bool = False):
         self.obs_dim = int(obs_dim)
         self.action_space = action_space
         self.action_dim = action_dim(action_space)
@@ -84,7 +87,10 @@ class Policy:
         self.heads = nn.ModuleDict({
             "actor": ActorHead(backbone.d_model, action_space, init_gen),
             "critic": CriticHead(backbone.d_model, init_gen),
-        }).to(device)
+        })
+        if aux_critic:  # the two-horizon critic (PPOConfig.aux_gamma): parameters after the others'
+            self.heads["aux_critic"] = CriticHead(backbone.d_model, init_gen)
+        self.heads.to(device)
         self._steppers: dict[int, Stepper] = {}
         self._stagers: dict[int, HostStager] = {}
 
@@ -97,6 +103,17 @@ class Policy:
     def critic(self) -> CriticHead:
         """The critic head (``heads["critic"]``): features [.., d_model] -> values [..]."""
         return self.heads["critic"]
+
+    @property
+    def aux_critic(self) -> CriticHead | None:
+        """The two-horizon critic's second value head (``heads["aux_critic"]``, :attr:`PPOConfig.aux_gamma`),
+        None when the policy has none."""
+        return self.heads["aux_critic"] if "aux_critic" in self.heads else None
+
+    @property
+    def value_heads(self) -> int:
+        """Value columns after the actor's in :meth:`fused_heads`: 1, or 2 with the aux critic."""
+        return 1 if self.aux_critic is None else 2
 
     # ---------------------------------------------------------------- inputs
     def stager(self, batch: int) -> HostStager:
@@ -111,12 +128,21 @@ class Policy:
         actor = self.actor
         return actor.log_std.detach().cpu() if actor.kind == "gaussian" else None
 
+    def fused_linears(self) -> list[nn.Linear]:
+        """The heads' Linear layers in :meth:`fused_heads`' column order: actor, critic (, aux critic)."""
+        lin = [self.actor.linear, self.critic.linear]
+        if self.aux_critic is not None:
+            lin.append(self.aux_critic.linear)
+        return lin
+
     def fused_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight [d_model, out_dim + 1], bias [out_dim + 1]): both heads as one GEMM, actor outputs
-        first and the value last (the rollout applies them with one ``addmm`` per step)."""
+        """(weight [d_model, out_dim + V], bias [out_dim + V]) float32, V = :attr:`value_heads`: the heads as one
+        GEMM, actor outputs first, then the value (column ``out_dim``) and, with the aux critic, its value
+        (column ``out_dim + 1``); the rollout applies them with one ``addmm`` per step."""
+        lin = self.fused_linears()
         with torch.no_grad():
-            w = torch.cat([self.actor.linear.weight, self.critic.linear.weight]).t().contiguous()
-            bias = torch.cat([self.actor.linear.bias, self.critic.linear.bias])
+            w = torch.cat([x.weight for x in lin]).t().contiguous()
+            bias = torch.cat([x.bias for x in lin])
         return w, bias
 
     # ---------------------------------------------------------------- acting

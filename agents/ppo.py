@@ -121,7 +121,7 @@ class RecurrentPPO:
         self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                                  prev_action=use_prev_action, prev_reward=config.prev_reward,
-                                 memoryless=config.memoryless)
+                                 memoryless=config.memoryless, aux_critic=config.aux_gamma is not None)
         # the heads' Adam over one flat arena: on CUDA a device step inside the update graph (no sync per step),
         # on the CPU one host-side step of torch.optim.Adam's arithmetic over the whole arena (bit for bit)
         self.head_optimizer = FlatHeadAdam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
@@ -145,12 +145,15 @@ class RecurrentPPO:
                          minibatch=np.random.default_rng(config.seed))
         self.buffer = RolloutBuffer(config.num_envs, config.num_steps, p.input_dim, p.obs_dim, p.action_dim,
                                     p.discrete_actions, self.stepper.state,
-                                    storage_device=self.device if graphs else torch.device("cpu"))
+                                    storage_device=self.device if graphs else torch.device("cpu"),
+                                    aux=config.aux_gamma is not None)
         self.carry = RolloutCarry.zeros(config.num_envs, p.obs_dim, p.action_dim, p.discrete_actions)
-        self.actor = (GraphActor(p, self.stepper, self.buffer, config.gamma, config.gae_lambda, parts=self.env_parts)
+        aux = dict(aux_gamma=config.aux_gamma, aux_gae_lambda=config.aux_gae_lambda)  # the two-horizon critic
+        self.actor = (GraphActor(p, self.stepper, self.buffer, config.gamma, config.gae_lambda, parts=self.env_parts,
+                                 **aux)
                       if graphs else
                       EagerActor(p, self.stepper, self.buffer, self.rngs.sample, config.gamma, config.gae_lambda,
-                                 parts=self.env_parts))
+                                 parts=self.env_parts, **aux))
         self.updater = PPOUpdate(config, p, self.trainer, self.head_optimizer, self.buffer, self.dp, capture=graphs)
         self.last_env_ms = 0.0  # env.step time of the last rollout (benchmarks: host overhead = rollout - env)
         self.history: list[dict[str, float]] = []

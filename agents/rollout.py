@@ -11,6 +11,10 @@ Under gymnasium's NextStep autoreset (see :mod:`mamba_rl.agents.gae`), column t 
 * ``valid[n, t]``: False at the NextStep reset step (obs_t is the final obs of the previous
   episode, the env ignores the action): no advantage, no loss.
 * ``actions``, ``logprobs``, ``values``: what the policy did at t and V(obs_t).
+* ``advantages``, ``returns``: the main critic's GAE (:mod:`mamba_rl.agents.gae`).
+* with the two-horizon critic (``PPOConfig.aux_gamma``) also ``aux_values`` (the aux head's V(obs_t)),
+  ``aux_advantages`` and ``aux_returns`` (its GAE at aux_gamma / aux_gae_lambda); the update mixes the two
+  advantages into the policy's (:func:`~mamba_rl.agents.gae.combine_advantages`). None without it.
 * ``rewards``, ``terminations``, ``truncations``: what the env returned for that step.
 * ``initial_state``: the stepper state at the start of the rollout (before step 0), i.e. the
   state the update feeds the trainer for column 0.
@@ -42,7 +46,7 @@ from .gae import compute_gae
 from .policy import HostStager, Policy
 
 __all__ = ["RolloutBuffer", "RolloutCarry", "RolloutResult", "Actor", "EagerActor", "collect_rollout",
-           "adopt_vec_env", "check_parts", "split_state", "join_state"]
+           "adopt_vec_env", "check_parts", "check_aux", "split_state", "join_state"]
 
 Episode = tuple[int, float, int]  # (global step at its end, return, length)
 
@@ -58,14 +62,17 @@ class RolloutBuffer:
             (it stays on their device, the backbone's).
         storage_device: where the per-step tensors live: the backbone's device for the graph actor,
             the CPU for the eager actor (which writes them from the host).
+        aux: also store the two-horizon critic's ``aux_values``, ``aux_advantages``, ``aux_returns``.
 
     Attributes: ``inputs`` [N, T, input_dim] f32, ``actions`` [N, T, action_dim] int64/f32,
     ``logprobs``, ``values``, ``rewards``, ``advantages``, ``returns`` [N, T] f32, ``terminations``,
-    ``truncations``, ``episode_starts``, ``valid`` [N, T] bool, ``initial_state``.
+    ``truncations``, ``episode_starts``, ``valid`` [N, T] bool, ``initial_state``; ``aux_values``,
+    ``aux_advantages``, ``aux_returns`` [N, T] f32 with ``aux``, else None.
     """
 
     def __init__(self, num_envs: int, num_steps: int, input_dim: int, obs_dim: int, action_dim: int,
-                 discrete_actions: bool, initial_state: RecurrentState, storage_device: torch.device):
+                 discrete_actions: bool, initial_state: RecurrentState, storage_device: torch.device,
+                 aux: bool = False):
         n, t = num_envs, num_steps
         f32 = dict(dtype=torch.float32, device=storage_device)
         b = dict(dtype=torch.bool, device=storage_device)
@@ -83,6 +90,10 @@ class RolloutBuffer:
         self.initial_state = initial_state.clone()
         self.advantages = torch.zeros(n, t, **f32)
         self.returns = torch.zeros(n, t, **f32)
+        self.aux = bool(aux)
+        self.aux_values = torch.zeros(n, t, **f32) if aux else None
+        self.aux_advantages = torch.zeros(n, t, **f32) if aux else None
+        self.aux_returns = torch.zeros(n, t, **f32) if aux else None
 
     @property
     def obs(self) -> torch.Tensor:
@@ -183,15 +194,20 @@ class EagerActor:
         buffer: the CPU buffer of N envs to fill. generator: the CPU sampling generator.
         gamma, gae_lambda: GAE's discount and lambda.
         parts: None (all N rows at once) or consecutive non-empty row slices covering ``[0, N)``.
+        aux_gamma, aux_gae_lambda: the two-horizon critic's GAE discount and lambda (``PPOConfig.aux_gamma``):
+            given exactly when the policy has an aux critic and the buffer stores its values (None: neither).
 
     Raises:
-        ValueError: ``parts`` that are not consecutive non-empty row slices covering the N rows.
+        ValueError: ``parts`` that are not consecutive non-empty row slices covering the N rows; an
+            ``aux_gamma`` without an aux critic or an aux buffer, or an aux critic without ``aux_gamma``.
     """
 
     def __init__(self, policy: Policy, stepper: Stepper, buffer: RolloutBuffer, generator: torch.Generator,
-                 gamma: float, gae_lambda: float, parts: tuple[slice, ...] | None = None):
+                 gamma: float, gae_lambda: float, parts: tuple[slice, ...] | None = None,
+                 aux_gamma: float | None = None, aux_gae_lambda: float = 0.65):
         self.policy, self.stepper, self.buffer, self.generator = policy, stepper, buffer, generator
         self.gamma, self.gae_lambda = gamma, gae_lambda
+        self.aux_gamma, self.aux_gae_lambda = check_aux(policy, buffer, aux_gamma, aux_gae_lambda, "EagerActor")
         n, d = buffer.num_envs, policy.input_dim
         self.parts = check_parts(parts, n, "EagerActor")
         cuda = policy.device.type == "cuda"
@@ -200,11 +216,12 @@ class EagerActor:
         self.stagers = tuple(HostStager(policy, self.stage_t.numpy()[r]) for r in self.parts)
         # CUDA: the heads' outputs come back into one pinned buffer (an async copy and a stream sync per step,
         # no pageable allocation); on the CPU they are used where they are
-        self.out_pin = torch.zeros(n, policy.actor.out_dim + 1, pin_memory=True) if cuda else None
+        self.out_pin = torch.zeros(n, policy.actor.out_dim + policy.value_heads, pin_memory=True) if cuda else None
         b = buffer
         self.env_arrays = (b.rewards.numpy(), b.terminations.numpy(), b.truncations.numpy(), b.valid.numpy())
         # the host writes the CPU buffer through numpy views (a numpy column write is ~1 us, a torch one ~4 us)
-        self._np = {k: getattr(b, k).numpy() for k in ("inputs", "episode_starts", "values", "actions", "logprobs")}
+        self._np = {k: getattr(b, k).numpy() for k in ("inputs", "episode_starts", "values", "actions", "logprobs")
+                    + (("aux_values",) if self.aux_gamma is not None else ())}
         # the CPU: the stepper reads a contiguous copy of the staged input and the start flags, both written in
         # place each step (no allocation, no torch op); CUDA copies the whole stage to the device instead
         self._x = None if cuda else torch.zeros(n, d)
@@ -220,7 +237,7 @@ class EagerActor:
         self.log_std = self.policy.host_log_std()
 
     def _heads(self, rows: slice, stepper: Stepper) -> torch.Tensor:
-        """[rows, P + 1] actor raw outputs | value of the staged ``rows`` (advances ``stepper``)."""
+        """[rows, P + V] actor raw outputs | value (| aux value) of the staged ``rows`` (advances ``stepper``)."""
         d = self.policy.input_dim
         if self._x is not None:  # the CPU: the stage's input and start columns into the stepper's inputs
             stage, x, starts = self.stager.stage[rows], self._x[rows], self._starts[rows]
@@ -230,7 +247,7 @@ class EagerActor:
         else:
             dev = self.stage_t[rows].to(self.policy.device, non_blocking=True)
             feat = stepper.step(dev[:, :d].contiguous(), episode_starts=dev[:, d] > 0.5)
-        out = torch.addmm(self.bias, feat, self.w)  # [rows, P + 1]: actor raw outputs | value
+        out = torch.addmm(self.bias, feat, self.w)  # [rows, P + V]: actor raw outputs | value (| aux value)
         if self.out_pin is None:
             return out
         pin = self.out_pin[rows]
@@ -251,19 +268,47 @@ class EagerActor:
         b["inputs"][rows, t] = stage[:, :d]
         np.greater(stage[:, d], 0.5, out=b["episode_starts"][rows, t])
         b["values"][rows, t] = out.numpy()[:, p_dim]
+        if self.aux_gamma is not None:
+            b["aux_values"][rows, t] = out.numpy()[:, p_dim + 1]
         b["actions"][rows, t] = act
         b["logprobs"][rows, t] = dist.log_prob_numpy(act)
         return act
 
     def finish(self) -> None:
-        """V(next obs) with the carried state, without advancing it (exact V(final obs) after a done), then GAE."""
-        buf = self.buffer
+        """V(next obs) with the carried state, without advancing it (exact V(final obs) after a done), then GAE
+        (and the aux critic's GAE at its own discount and lambda)."""
+        buf, p_dim = self.buffer, self.policy.actor.out_dim
         join_state(self.stepper.state, self.parts, [s.state for s in self.part_steppers])
         saved = self.stepper.get_state()
-        next_value = self._heads(slice(None), self.stepper)[:, -1].clone()
+        out = self._heads(slice(None), self.stepper)
+        next_value = out[:, p_dim].clone()
+        aux_next = out[:, p_dim + 1].clone() if self.aux_gamma is not None else None
         self.stepper.load_state(saved)
         buf.advantages, buf.returns = compute_gae(buf.rewards, buf.values, buf.terminations, buf.truncations,
                                                   buf.valid, next_value, self.gamma, self.gae_lambda)
+        if aux_next is not None:
+            buf.aux_advantages, buf.aux_returns = compute_gae(buf.rewards, buf.aux_values, buf.terminations,
+                                                              buf.truncations, buf.valid, aux_next, self.aux_gamma,
+                                                              self.aux_gae_lambda)
+
+
+def check_aux(policy: Policy, buffer: RolloutBuffer, aux_gamma: float | None, aux_gae_lambda: float,
+              who: str) -> tuple[float | None, float]:
+    """(aux_gamma, aux_gae_lambda) of an actor after checking that the policy's aux critic, the buffer's aux
+    storage and ``aux_gamma`` agree (all present or all absent; both numbers in [0, 1]).
+
+    Raises:
+        ValueError: naming ``who``, what was expected and what was given.
+    """
+    want = aux_gamma is not None
+    if (policy.aux_critic is not None) != want or buffer.aux != want:
+        raise ValueError(f"{who}: aux_gamma {aux_gamma!r} needs a policy with an aux critic and a RolloutBuffer with "
+                         f"aux=True (None: neither); got aux critic {policy.aux_critic is not None}, buffer aux "
+                         f"{buffer.aux}")
+    if want and not (0.0 <= aux_gamma <= 1.0 and 0.0 <= aux_gae_lambda <= 1.0):
+        raise ValueError(f"{who}: aux_gamma and aux_gae_lambda must be in [0, 1], got {aux_gamma!r}, "
+                         f"{aux_gae_lambda!r}")
+    return aux_gamma, aux_gae_lambda
 
 
 def split_state(state: RecurrentState, parts: tuple[slice, ...], part_states: list[RecurrentState]) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["EPISODIC_RETURN", "EPISODIC_LENGTH", "SPS", "LEARNING_RATE", "ROLLOUT_MS", "UPDATE_MS",
            "ROLLOUT_PARITY", "OVERFLOW_SKIPPED", "NONFINITE_OBS", "NONFINITE_REWARDS", "UPDATE_METRICS",
-           "SCALAR_TAGS"]
+           "AUX_VALUE_LOSS", "AUX_EXPLAINED_VARIANCE", "AUX_METRICS", "SCALAR_TAGS"]
 
 EPISODIC_RETURN = "charts/episodic_return"  # one point per finished episode, at the step it finished
 EPISODIC_LENGTH = "charts/episodic_length"
@@ -28,6 +28,13 @@ UPDATE_METRICS = ("losses/value_loss", "losses/policy_loss", "losses/entropy", "
                   "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "backbone/grad_norm",
                   "backbone/loss_scale", OVERFLOW_SKIPPED, ROLLOUT_PARITY)
 
-# every scalar tag a run writes (debug/* is kept in the history, not logged; env/* only with nonfinite="zero")
+# with the two-horizon critic (PPOConfig.aux_gamma) only, after UPDATE_METRICS: the aux critic's value loss (the
+# last minibatch's, before vf_coef) and its explained variance over the rollout's valid steps
+AUX_VALUE_LOSS = "losses/aux_value_loss"
+AUX_EXPLAINED_VARIANCE = "losses/aux_explained_variance"
+AUX_METRICS = (AUX_VALUE_LOSS, AUX_EXPLAINED_VARIANCE)
+
+# every scalar tag a run writes (debug/* is kept in the history, not logged; env/* only with nonfinite="zero";
+# AUX_METRICS only with aux_gamma)
 SCALAR_TAGS = (EPISODIC_RETURN, EPISODIC_LENGTH, SPS, LEARNING_RATE,
                *(t for t in UPDATE_METRICS if not t.startswith("debug/")), ROLLOUT_MS, UPDATE_MS)

@@ -22,6 +22,13 @@ ONE CUDA graph on the GPU (docs/architecture.md, "Agent loop", step 3):
 The host reads the table once per update (one sync), plus once per epoch but the last when ``target_kl`` is set
 (the default).
 
+Two-horizon critic (``PPOConfig.aux_gamma``): the packed columns also hold the aux critic's stored values and
+returns, the loss adds its value loss (:func:`~mamba_rl.agents.loss.ppo_loss`, the hand-written
+:func:`~mamba_rl.agents.loss.categorical_ppo_grads` on the CPU), and the advantage column is the mixed one:
+when the rollout is loaded (eagerly, once per update) the main and aux GAE advantages are combined
+(:func:`~mamba_rl.agents.gae.combine_advantages`) with the stds of the whole rollout (data-parallel: of every
+rank's rollout, one all-reduce of five sums), before any minibatch reads them.
+
 The body reads the config :meth:`PPOUpdate.run` was given (the agent's current one); a captured graph
 holds the loss coefficients it was captured with, so a run with other coefficients recaptures first.
 
@@ -48,21 +55,23 @@ from mamba_rl.ops.optim import CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE
 
 from .config import PPOConfig
 from .distributed import DataParallel
+from .gae import advantage_moments, combine_advantages
 from .head_optim import FlatHeadAdam
 from .loss import Minibatch, categorical_ppo_grads, explained_variance, ppo_loss
 from .policy import Policy
 from .rollout import RolloutBuffer
-from .tags import UPDATE_METRICS
+from .tags import AUX_METRICS, UPDATE_METRICS
 
-__all__ = ["PPOUpdate", "METRIC_NAMES"]
+__all__ = ["PPOUpdate", "METRIC_NAMES", "AUX_METRIC_NAMES"]
 
 # the fields that fix the update's shapes (fixed for the PPOUpdate's life) and those the minibatch body reads
 _LAYOUT = ("num_envs", "num_steps", "num_minibatches", "update_epochs")
 _LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm")
 
-# per-minibatch metric columns of the device table
-_COLS = ("v", "pg", "ent", "kl", "old_kl", "clipfrac", "grad_norm", "skipped", "parity")
+# per-minibatch metric columns of the device table (aux_v: the aux critic's value loss, 0 without it)
+_COLS = ("v", "pg", "ent", "kl", "old_kl", "aux_v", "clipfrac", "grad_norm", "skipped", "parity")
 METRIC_NAMES = UPDATE_METRICS  # the names of what run() returns, in order
+AUX_METRIC_NAMES = AUX_METRICS  # and after them with the two-horizon critic
 
 
 def _flag_nonfinite_heads(grad_arena: torch.Tensor, head_sq: torch.Tensor) -> None:
@@ -90,7 +99,9 @@ class PPOUpdate:
         capture: capture the minibatch body as a CUDA graph.
 
     Raises:
-        ValueError: ``capture`` on a non-CUDA policy or with a head optimizer that is not a FlatHeadAdam.
+        ValueError: ``capture`` on a non-CUDA policy or with a head optimizer that is not a FlatHeadAdam; a
+            config whose ``aux_gamma`` (the two-horizon critic) disagrees with the policy's aux critic or the
+            buffer's aux storage.
     """
 
     def __init__(self, config: PPOConfig, policy: Policy, trainer: MambaTrainer,
@@ -107,21 +118,27 @@ class PPOUpdate:
                              f"{type(head_optimizer).__name__}")
         self._config = config
         self.trainer, self.head_optimizer, self.buffer, self.dp = trainer, head_optimizer, buffer, dp
-        self.actor, self.critic = p.actor, p.critic
+        self.actor, self.critic, self.aux_critic = p.actor, p.critic, p.aux_critic
+        self.aux = c.aux_gamma is not None  # the two-horizon critic
+        if (self.aux_critic is not None) != self.aux or buffer.aux != self.aux:
+            raise ValueError(f"PPOUpdate: config.aux_gamma {c.aux_gamma!r} needs a policy with an aux critic and a "
+                             f"RolloutBuffer with aux=True (None: neither); got aux critic "
+                             f"{self.aux_critic is not None}, buffer aux {buffer.aux}")
         self.head_params = list(p.heads.parameters())
         # eager CPU minibatches of a categorical actor take the heads' gradients from categorical_ppo_grads
         # (exactly autograd's); CUDA keeps autograd, inside the captured body or not
-        lin = (self.actor.linear.weight, self.actor.linear.bias, self.critic.linear.weight, self.critic.linear.bias)
-        self._hand_grads = dev.type == "cpu" and self.actor.kind == "categorical" and len(self.head_params) == 4 \
-            and all(q is r for q, r in zip(self.head_params, lin))
+        lin = [x for layer in p.fused_linears() for x in (layer.weight, layer.bias)]
+        self._hand_grads = dev.type == "cpu" and self.actor.kind == "categorical" \
+            and len(self.head_params) == len(lin) and all(q is r for q, r in zip(self.head_params, lin))
         sizes = [q.numel() for q in self.head_params]
         self._grad_spans = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         n, t = c.num_envs, c.num_steps
         self.action_dim = a = p.action_dim
-        # packed per-step columns: actions (a) | logprob | value | advantage | return | valid
+        # packed per-step columns: actions (a) | logprob | value | advantage | return | valid (| aux value | aux
+        # return); the advantage is the policy's (mixed with the aux critic's when it is on)
         self.inputs = torch.zeros(n, t, p.input_dim, device=dev)
         self.starts = torch.zeros(n, t, dtype=torch.bool, device=dev)
-        self.pack = torch.zeros(n, t, a + 5, device=dev)
+        self.pack = torch.zeros(n, t, a + (7 if self.aux else 5), device=dev)
         self.init_state = p.net.initial_state(n)
         self.max_steps = c.update_epochs * c.num_minibatches
         # Box actions: the log_std floor of config.min_action_std, applied after every head step (a buffer the
@@ -189,8 +206,9 @@ class PPOUpdate:
         torch.index_select(self.init_state.conv, 1, rows, out=tr.state.conv)
         torch.index_select(self.init_state.ssm, 1, rows, out=tr.state.ssm)
         pk = self.pack.index_select(0, rows)
+        aux = dict(aux_values=pk[..., a + 5], aux_returns=pk[..., a + 6]) if self.aux else {}
         self._mb = mb = Minibatch(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1],
-                                  advantages=pk[..., a + 2], returns=pk[..., a + 3], mask=pk[..., a + 4])
+                                  advantages=pk[..., a + 2], returns=pk[..., a + 3], mask=pk[..., a + 4], **aux)
         if self.dp is not None:
             self.stat_buf.copy_(DataParallel.minibatch_sums(mb.advantages, mb.mask))
 
@@ -213,10 +231,11 @@ class PPOUpdate:
             d_out = tr.d_buf.view(-1, tr.d_buf.shape[-1]) if tr.d_buf.dtype == torch.float32 and \
                 tr.d_buf.is_contiguous() else None
             hg = categorical_ppo_grads(c, feat.detach(), self.actor.linear, self.critic.linear, mb, count, adv_norm,
-                                       out=d_out, losses=self._loss_row)
+                                       out=d_out, losses=self._loss_row,
+                                       aux_critic=self.aux_critic.linear if self.aux else None)
             if d_out is None:
                 tr.d_buf.copy_(hg.d_features.view_as(tr.d_buf))
-            head_grads, st, newvalue = hg.head_grads, hg.stats, hg.newvalue
+            head_grads, st, newvalue, aux_newvalue = hg.head_grads, hg.stats, hg.newvalue, hg.aux_newvalue
             flat = torch.cat([g.reshape(-1) for g in head_grads])
             if dp is None:  # the squared norm as below (x * x is pow(x, 2)'s own kernel; a slice sums as its tensor)
                 sq = flat * flat
@@ -225,7 +244,8 @@ class PPOUpdate:
             y = feat.detach().float().requires_grad_()
             dist = self.actor(y)
             newvalue = self.critic(y)
-            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm)
+            aux_newvalue = self.aux_critic(y) if self.aux else None  # after the critic (categorical_ppo_grads' order)
+            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
             grads = torch.autograd.grad(loss, [y] + self.head_params)
             head_grads = grads[1:]
             tr.d_buf.copy_(grads[0])
@@ -242,13 +262,14 @@ class PPOUpdate:
             self.comm[nb:].copy_(flat)
         # detached: a kept autograd graph would keep the heads' AccumulateGrad nodes (and the stream they
         # were made on) alive into the next capture
-        self._phase2 = (flat, head_grads, {k: v.detach() for k, v in st.items()}, newvalue.detach())
+        self._phase2 = (flat, head_grads, {k: v.detach() for k, v in st.items()}, newvalue.detach(),
+                        aux_newvalue.detach() if aux_newvalue is not None else None)
 
     def _mb_step(self) -> None:
         """Phase 3: (data-parallel: the summed gradients back from ``comm``) the global clip, AdamW, the
         scaler, the heads' optimizer with the same clip factor, the metrics row; ``mb_index += 1``."""
         c, tr, mb = self._config, self.trainer, self._mb
-        flat, head_grads, st, newvalue = self._phase2
+        flat, head_grads, st, newvalue, aux_newvalue = self._phase2
         arena = tr.net.grad_arena
         if self.dp is not None:  # the heads step with the summed gradient
             nb = arena.numel()
@@ -283,10 +304,12 @@ class PPOUpdate:
             if self._parity_row:
                 parity = torch.maximum((st["logratio"].abs() * mask).max(),
                                        ((newvalue - mb.values).abs() * mask).max())
+                if aux_newvalue is not None:  # the aux critic's values too
+                    parity = torch.maximum(parity, ((aux_newvalue - mb.aux_values).abs() * mask).max())
             else:  # run() reads the parity of an update's first minibatch only
                 parity = st["clipfrac"].new_zeros(())
             zero = st["clipfrac"].new_zeros(())  # losses not computed in this (eager) minibatch: not read
-            row = torch.stack([st.get(k, zero) for k in ("v", "pg", "ent", "kl", "old_kl")] +
+            row = torch.stack([st.get(k, zero) for k in ("v", "pg", "ent", "kl", "old_kl", "aux_v")] +
                               [st["clipfrac"], s[GRAD_NORM].float(), skip.float(), parity])
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
             self.mb_index.add_(1)
@@ -349,16 +372,26 @@ class PPOUpdate:
 
     # ------------------------------------------------------------------------------------ the update
     def _load_rollout(self) -> None:
-        buf = self.buffer
+        """The buffer into the update's device tensors; with the two-horizon critic the advantage column becomes
+        the mixed advantage (:func:`~mamba_rl.agents.gae.combine_advantages`, the stds over every rank's rollout)."""
+        buf, a = self.buffer, self.action_dim
         with torch.no_grad():
             dev = self.device
             self.inputs.copy_(buf.inputs, non_blocking=True)
             self.starts.copy_(buf.episode_starts, non_blocking=True)
             self.init_state.copy_(buf.initial_state)
+            keys = ("logprobs", "values", "advantages", "returns", "valid") + (
+                ("aux_values", "aux_returns") if self.aux else ())
             cols = [buf.actions.to(dev, torch.float32, non_blocking=True)] + [
-                getattr(buf, k).to(dev, torch.float32, non_blocking=True).unsqueeze(-1)
-                for k in ("logprobs", "values", "advantages", "returns", "valid")]
+                getattr(buf, k).to(dev, torch.float32, non_blocking=True).unsqueeze(-1) for k in keys]
             torch.cat(cols, dim=-1, out=self.pack)
+            if self.aux:
+                adv, valid = self.pack[..., a + 2], self.pack[..., a + 4] > 0.5
+                aux_adv = buf.aux_advantages.to(dev, torch.float32, non_blocking=True)
+                moments = advantage_moments(adv, aux_adv, valid)
+                if self.dp is not None:  # the stds of all ranks' rollouts, as one process with every env
+                    self.dp.sum_(moments)
+                adv.copy_(combine_advantages(adv, aux_adv, valid, self._config.aux_adv_weight, moments))
             self.mb_index.zero_()
 
     def _kl(self, row: int) -> float:
@@ -380,14 +413,21 @@ class PPOUpdate:
             the update's metrics as floats, named :data:`METRIC_NAMES`: the losses of the last step,
             clipfrac averaged over all steps, grad_norm averaged over the steps not skipped (0 when all
             were), the loss scale after the update, the number of skipped f16 steps and the rollout
-            parity of the first step. One device->host read (plus one per epoch but the last with ``target_kl``).
+            parity of the first step; with the two-horizon critic then :data:`AUX_METRIC_NAMES` (the aux
+            critic's value loss of the last step and its explained variance). One device->host read (plus one
+            per epoch but the last with ``target_kl``).
 
         Raises:
-            ValueError: a config of another layout, or rows of the wrong shape.
+            ValueError: a config of another layout (the aux critic's presence included), or rows of the wrong
+                shape.
         """
         if self._fields(config, _LAYOUT) != self._fields(self._config, _LAYOUT):
             want, got = (dict(zip(_LAYOUT, self._fields(x, _LAYOUT))) for x in (self._config, config))
             raise ValueError(f"PPOUpdate.run: expected a config with {want}, got {got}")
+        if (config.aux_gamma is not None) != self.aux:
+            raise ValueError(f"PPOUpdate.run: this update was built {'with' if self.aux else 'without'} the aux critic "
+                             f"(aux_gamma {self._config.aux_gamma!r}); expected a config with aux_gamma "
+                             f"{'a number' if self.aux else 'None'}, got {config.aux_gamma!r}")
         self._config = c = config
         if self.log_std_floor is not None and c.min_action_std != self._floor_of:
             self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))
@@ -421,14 +461,21 @@ class PPOUpdate:
             self.dp.sum_(self.table[:done])
             self.table[:done, len(_COLS) - 3:].div_(self.dp.world)  # grad_norm, skipped: equal; parity: mean
         with torch.no_grad():
-            ev = explained_variance(self.pack[..., a + 3], self.pack[..., a + 1], self.pack[..., a + 4] > 0.5)
-            tail = torch.stack([ev.float(), self.trainer.scalars[LOSS_SCALE].float()])
-            host = torch.cat([self.table[:done].reshape(-1), tail]).cpu().numpy()  # the one sync
-        tab = host[:-2].reshape(done, len(_COLS))
+            valid = self.pack[..., a + 4] > 0.5
+            ev = explained_variance(self.pack[..., a + 3], self.pack[..., a + 1], valid)
+            tail = [ev.float(), self.trainer.scalars[LOSS_SCALE].float()]
+            if self.aux:  # the aux critic's explained variance, of its own returns
+                tail.append(explained_variance(self.pack[..., a + 6], self.pack[..., a + 5], valid).float())
+            host = torch.cat([self.table[:done].reshape(-1), torch.stack(tail)]).cpu().numpy()  # the one sync
+        host, tail = host[:-len(tail)], host[-len(tail):]
+        tab = host.reshape(done, len(_COLS))
         col = {k: tab[:, i] for i, k in enumerate(_COLS)}
         ok = col["skipped"] < 0.5
         last = tab[-1]
-        vals = [last[0], last[1], last[2], last[3], last[4], col["clipfrac"].mean(), host[-2],
-                col["grad_norm"][ok].mean() if ok.any() else 0.0, host[-1], col["skipped"].sum(),
+        vals = [last[0], last[1], last[2], last[3], last[4], col["clipfrac"].mean(), tail[0],
+                col["grad_norm"][ok].mean() if ok.any() else 0.0, tail[1], col["skipped"].sum(),
                 col["parity"][0]]
-        return {k: float(v) for k, v in zip(METRIC_NAMES, vals)}
+        out = {k: float(v) for k, v in zip(METRIC_NAMES, vals)}
+        if self.aux:  # the aux critic's value loss (the last step's, as value_loss) and explained variance
+            out.update(zip(AUX_METRIC_NAMES, (float(last[_COLS.index("aux_v")]), float(tail[2]))))
+        return out

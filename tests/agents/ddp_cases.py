@@ -38,6 +38,12 @@ def fake_rollout(agent, total_envs: int, offset: int, seed: int) -> None:
     for buf in (st.conv, st.ssm):
         full_state = torch.randn((buf.shape[0], n) + tuple(buf.shape[2:]), generator=g)
         buf.copy_(full_state[:, rows].to(buf.dtype))
+    if b.aux:  # the two-horizon critic's columns (drawn after the others, which stay as they were)
+        aux = {"aux_values": torch.randn(n, t, generator=g),
+               "aux_advantages": (torch.randn(n, t, generator=g) * 0.3 + 0.1) * full["valid"],
+               "aux_returns": torch.randn(n, t, generator=g)}
+        for k, v in aux.items():
+            getattr(b, k).copy_(v[rows])
 
 
 def flat_state(agent) -> torch.Tensor:
@@ -76,8 +82,9 @@ def _leave() -> None:
     os._exit(0)
 
 
-def update_worker(rank: int, world: int, port: int, out: str, device: str, updates: int) -> None:
-    """``updates`` PPO updates on fixed rollouts; checks bit-identical state across ranks after each."""
+def update_worker(rank: int, world: int, port: int, out: str, device: str, updates: int, extra: dict | None = None) -> None:
+    """``updates`` PPO updates on fixed rollouts; checks bit-identical state across ranks after each. ``extra``:
+    more PPOConfig fields (e.g. the two-horizon critic's)."""
     import torch.distributed as dist
 
     from mamba_rl.agents import PPOConfig, RecurrentPPO
@@ -85,7 +92,7 @@ def update_worker(rank: int, world: int, port: int, out: str, device: str, updat
     _join(rank, world, port, device)
     try:
         agent = RecurrentPPO(config=PPOConfig(**TINY, device=device, runs_dir=os.path.join(out, "runs"),
-                                              checkpoint_dir=os.path.join(out, "ckpt")))
+                                              checkpoint_dir=os.path.join(out, "ckpt"), **(extra or {})))
         init = flat_state(agent)
         metrics, same = [], []
         for u in range(updates):

@@ -40,9 +40,9 @@ def test_shard_permutation_matches_the_ranks_minibatches():
         shard_permutation(np.random.default_rng(0), 6, 2, shards=2)  # 3 envs per shard, 2 minibatches
 
 
-def _one_process(tmp_path, device: str, updates: int):
+def _one_process(tmp_path, device: str, updates: int, extra: dict | None = None):
     cfg = PPOConfig(**dict(TINY, num_envs=8), device=device, runs_dir=str(tmp_path / "runs"),
-                    checkpoint_dir=str(tmp_path / "ckpt"))
+                    checkpoint_dir=str(tmp_path / "ckpt"), **(extra or {}))
     agent = RecurrentPPO(config=cfg)
     init, metrics = flat_state(agent), []
     # minibatch k = the envs of both ranks' minibatch k
@@ -55,24 +55,41 @@ def _one_process(tmp_path, device: str, updates: int):
     return init, final, metrics
 
 
-def _check_update_identity(tmp_path, device: str, rtol: float = 1e-4, atol: float = 2e-5) -> None:
+def _check_update_identity(tmp_path, device: str, rtol: float = 1e-4, atol: float = 2e-5,
+                           extra: dict | None = None) -> None:
     updates = 2
-    _spawn(update_worker, str(tmp_path), device, updates)
+    _spawn(update_worker, str(tmp_path), device, updates, extra)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0["same"] == [True] * updates and r1["same"] == [True] * updates  # bit-identical after every update
     assert torch.equal(r0["final"], r1["final"])
-    init, final, metrics = _one_process(tmp_path, device, updates)
+    init, final, metrics = _one_process(tmp_path, device, updates, extra)
     assert torch.equal(r0["init"], init)  # same weights from the config seed
     assert (final - init).abs().max() > 1e-4  # the updates did move the weights
     torch.testing.assert_close(r0["final"], final, rtol=rtol, atol=atol)
     for m_dp, m_one in zip(r0["metrics"], metrics):
-        for k in ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
-                  "losses/clipfrac", "backbone/grad_norm"):
+        keys = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
+                "losses/clipfrac", "backbone/grad_norm"]
+        if extra and extra.get("aux_gamma") is not None:  # the aux loss: each rank's share of the global mean
+            keys.append("losses/aux_value_loss")
+        for k in keys:
             assert m_dp[k] == pytest.approx(m_one[k], rel=10 * rtol, abs=1e-6), k
 
 
 def test_two_ranks_equal_one_process_gloo(tmp_path):
     _check_update_identity(tmp_path, "cpu")
+
+
+def test_two_ranks_equal_one_process_with_the_aux_critic_gloo(tmp_path):
+    """The two-horizon critic: the aux head's gradient is in the all-reduced heads' gradient, and the advantages
+    are mixed with the stds of both ranks' rollouts (one all-reduce), as one process with all the envs mixes."""
+    _check_update_identity(tmp_path, "cpu", extra=dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_equal_one_process_with_the_aux_critic_nccl(tmp_path):
+    _check_update_identity(tmp_path, "cuda", rtol=1e-3, atol=1e-4,
+                           extra=dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3))
 
 
 @pytest.mark.cuda

@@ -3,13 +3,15 @@
 - FlatHeadAdam's host step equals torch.optim.Adam's CPU step bit for bit (any head shapes, a changing lr,
   a clip factor), and its checkpoint format is torch.optim.Adam's;
 - categorical_ppo_grads (heads + PPO loss, backward by hand) equals ppo_loss + torch.autograd.grad bit for bit,
-  ties of both maxima and clipped ratios / values included;
+  ties of both maxima and clipped ratios / values included, with the two-horizon critic's aux head too;
 - compute_gae's numpy loop equals the torch loop bit for bit;
 - the whole eager CPU update equals the autograd + torch.optim.Adam update bit for bit (weights, optimizer
   state, metrics), over two rollouts of the same agent.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -65,53 +67,83 @@ def test_flat_head_adam_host_step_checks_its_gradient():
         flat.host_step(torch.zeros(12, dtype=torch.float64))
 
 
-def _minibatch(actor, critic, y, g, n_act):
+def _minibatch(actor, critic, y, g, n_act, aux=None):
     """A minibatch around the heads' own outputs: a third of the stored log-probs / values equal to the new ones
-    (ratio 1, ties of both maxima), a third far off (clipped), the rest near; some steps masked out."""
+    (ratio 1, ties of both maxima), a third far off (clipped), the rest near; some steps masked out. With an
+    ``aux`` critic head its stored values / returns likewise (their own pattern of ties and clipped steps)."""
     rows, t_len, _ = y.shape
+
+    def offsets():
+        kind = torch.randint(0, 3, (rows, t_len), generator=g)
+        return torch.where(kind == 0, 0.0, torch.where(kind == 1, 0.7, 0.05)) * torch.sign(torch.randn(rows, t_len, generator=g))
+
     with torch.no_grad():
         actions = torch.randint(0, n_act, (rows, t_len, 1), generator=g).float()
         logp = torch.log_softmax(actor.linear(y), -1).gather(-1, actions.long()).squeeze(-1)
         value = critic(y)
-        kind = torch.randint(0, 3, (rows, t_len), generator=g)
-        off = torch.where(kind == 0, 0.0, torch.where(kind == 1, 0.7, 0.05)) * torch.sign(torch.randn(rows, t_len, generator=g))
-        return Minibatch(actions=actions, logprobs=logp + off, values=value - off,
-                         advantages=torch.randn(rows, t_len, generator=g), returns=value + torch.randn(rows, t_len, generator=g),
-                         mask=(torch.rand(rows, t_len, generator=g) > 0.2).float())
+        off = offsets()
+        mb = Minibatch(actions=actions, logprobs=logp + off, values=value - off,
+                       advantages=torch.randn(rows, t_len, generator=g), returns=value + torch.randn(rows, t_len, generator=g),
+                       mask=(torch.rand(rows, t_len, generator=g) > 0.2).float())
+        if aux is None:
+            return mb
+        aux_value, aux_off = aux(y), offsets()
+        return dataclasses.replace(mb, aux_values=aux_value - aux_off,
+                                   aux_returns=aux_value + 0.5 * torch.randn(rows, t_len, generator=g))
 
 
+@pytest.mark.parametrize("aux", [False, True])
 @pytest.mark.parametrize("norm_adv,clip_vloss,dp,n_act,d", [(True, True, False, 2, 128), (False, True, False, 5, 16),
                                                            (True, False, False, 3, 32), (True, True, True, 2, 64)])
-def test_categorical_ppo_grads_are_autograd_bit_for_bit(norm_adv, clip_vloss, dp, n_act, d):
+def test_categorical_ppo_grads_are_autograd_bit_for_bit(norm_adv, clip_vloss, dp, n_act, d, aux):
     g = torch.Generator().manual_seed(n_act * 100 + d)
-    c = PPOConfig(norm_adv=norm_adv, clip_vloss=clip_vloss, ent_coef=0.03, vf_coef=0.7, clip_coef=0.2)
+    c = PPOConfig(norm_adv=norm_adv, clip_vloss=clip_vloss, ent_coef=0.03, vf_coef=0.7, clip_coef=0.2,
+                  aux_gamma=0.9 if aux else None)
     actor, critic = ActorHead(d, spaces.Discrete(n_act), g), CriticHead(d, g)
+    aux_head = CriticHead(d, g) if aux else None
     with torch.no_grad():  # non-trivial heads (the orthogonal init's actor gain is 0.01)
         actor.linear.weight.mul_(30.0)
         actor.linear.bias.normal_(generator=g)
         critic.linear.bias.normal_(generator=g)
+        if aux:
+            aux_head.linear.bias.normal_(generator=g)
     params = [actor.linear.weight, actor.linear.bias, critic.linear.weight, critic.linear.bias]
+    names = ["actor.w", "actor.b", "critic.w", "critic.b"]
+    if aux:
+        params += [aux_head.linear.weight, aux_head.linear.bias]
+        names += ["aux.w", "aux.b"]
+    aux_lin = aux_head.linear if aux else None
     for trial in range(4):
         rows, t_len = 2, 64
         y = torch.randn(rows, t_len, d, generator=g)
-        mb = _minibatch(actor, critic, y, g, n_act)
+        mb = _minibatch(actor, critic, y, g, n_act, aux_head)
         count = mb.mask.sum().clamp_min(1.0)
         adv_norm = (torch.tensor(0.3), torch.tensor(1.7)) if dp else None
         yg = y.clone().requires_grad_()
-        loss, st = ppo_loss(c, actor(yg), critic(yg), mb, count, adv_norm)
+        # the update's order: actor, critic, then the aux critic
+        loss, st = ppo_loss(c, actor(yg), critic(yg), mb, count, adv_norm, aux_head(yg) if aux else None)
         ref = torch.autograd.grad(loss, [yg] + params)
         out = torch.empty(rows * t_len, d)
-        got = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, out=out)
-        lean = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, losses=False)
+        got = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, out=out, aux_critic=aux_lin)
+        lean = categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm, losses=False,
+                                     aux_critic=aux_lin)
         assert sorted(lean.stats) == ["clipfrac", "logratio"] and torch.equal(lean.d_features, out)
         assert got.d_features is out
         assert torch.equal(out.view_as(y), ref[0]), trial
-        for name, a, b in zip(("actor.w", "actor.b", "critic.w", "critic.b"), got.head_grads, ref[1:]):
+        assert len(got.head_grads) == len(params)
+        for name, a, b in zip(names, got.head_grads, ref[1:]):
             assert torch.equal(a, b), (trial, name)
+        assert sorted(st) == sorted(got.stats) and ("aux_v" in st) == aux
         for k, v in st.items():
             assert torch.equal(got.stats[k], v.detach()), (trial, k)
         assert torch.equal(got.newvalue, critic(y).detach())
-        assert torch.equal(categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm).d_features, out)
+        if aux:
+            assert torch.equal(got.aux_newvalue, aux_head(y).detach())
+            assert st["aux_v"] > 0 and not torch.equal(ref[5], torch.zeros_like(ref[5]))
+        else:
+            assert got.aux_newvalue is None
+        assert torch.equal(categorical_ppo_grads(c, y, actor.linear, critic.linear, mb, count, adv_norm,
+                                                 aux_critic=aux_lin).d_features, out)
 
 
 def test_categorical_ppo_grads_checks_its_inputs():
@@ -124,6 +156,18 @@ def test_categorical_ppo_grads_checks_its_inputs():
         categorical_ppo_grads(PPOConfig(), y.double(), actor.linear, critic.linear, mb, torch.tensor(1.0))
     with pytest.raises(ValueError, match=r"the minibatch must be \[2, 5\] like the features, got mask \[2, 4\]"):
         categorical_ppo_grads(PPOConfig(), torch.randn(2, 5, 8), actor.linear, critic.linear, mb, torch.tensor(1.0))
+    # the aux critic and the minibatch's aux columns go together
+    aux = CriticHead(8)
+    with pytest.raises(ValueError, match="got aux values given, minibatch aux_values None, aux_returns None"):
+        categorical_ppo_grads(PPOConfig(), y, actor.linear, critic.linear, mb, torch.tensor(1.0), aux_critic=aux.linear)
+    mb_aux = dataclasses.replace(mb, aux_values=torch.zeros(2, 4), aux_returns=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="got aux values None, minibatch aux_values given, aux_returns given"):
+        categorical_ppo_grads(PPOConfig(), y, actor.linear, critic.linear, mb_aux, torch.tensor(1.0))
+    with pytest.raises(ValueError, match="ppo_loss: the aux critic's values"):
+        ppo_loss(PPOConfig(), actor(y), critic(y), mb_aux, torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"the aux critic must map 8 features to 1 value, got 8 -> 2"):
+        categorical_ppo_grads(PPOConfig(), y, actor.linear, critic.linear, mb_aux, torch.tensor(1.0),
+                              aux_critic=torch.nn.Linear(8, 2))
 
 
 @pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (0.9, 1.0), (1.0, 0.0)])
@@ -150,7 +194,9 @@ def test_compute_gae_on_the_host_is_the_torch_loop_bit_for_bit(gamma, lam):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(clip_vloss=False, norm_adv=False, target_kl=0.002, update_epochs=4),
-                                dict(env_id="mamba_rl/CartPoleNoVel-v1", prev_action=True, prev_reward=True)])
+                                dict(env_id="mamba_rl/CartPoleNoVel-v1", prev_action=True, prev_reward=True),
+                                dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3),
+                                dict(aux_gamma=0.8, aux_gae_lambda=1.0, clip_vloss=False, norm_adv=True)])
 def test_cpu_update_is_the_autograd_and_torch_adam_update_bit_for_bit(tmp_path, kw):
     """The whole eager CPU update (hand-written head gradients, the flat host Adam, the squared head norm, the
     lean metrics rows) against the autograd + torch.optim.Adam update on the same rollout: equal bits."""
@@ -170,6 +216,8 @@ def test_cpu_update_is_the_autograd_and_torch_adam_update_bit_for_bit(tmp_path, 
         new.collect_rollout()
         old.collect_rollout()
         assert torch.equal(new.buffer.advantages, old.buffer.advantages)
+        if new.config.aux_gamma is not None:
+            assert torch.equal(new.buffer.aux_advantages, old.buffer.aux_advantages)
         mn, mo = new.update_policy(), old.update_policy()
         assert mn == mo
     assert torch.equal(new.policy.net.arena, old.policy.net.arena)
