@@ -440,13 +440,9 @@ struct PreparedStep {
   mrl::StepParams bound_p{};
   std::vector<Tensor> bound_keep;
   void bind(const Tensor& x, const OptT& starts, Tensor& out) {
-    if (!fits(x, starts, out))
-      throw std::invalid_argument("PreparedStep.bind: expected x [" + std::to_string(B) + ", " +
-                                  std::to_string(in_dim) + "] float32, starts [" + std::to_string(B) +
-                                  "] bool or None, out [" + std::to_string(B) + ", " + std::to_string(dm) +
-                                  "] float32, all contiguous on " + device.str() + "; got x " + describe(x) +
-                                  ", starts " + (starts ? describe(*starts) : std::string("None")) + ", out " +
-                                  describe(out));
+    MRL_CHECK(fits(x, starts, out), "PreparedStep.bind: expected x [", B, ", ", in_dim, "] float32, starts [", B,
+              "] bool or None, out [", B, ", ", dm, "] float32, all contiguous on ", device, "; got x ", describe(x),
+              ", starts ", starts ? describe(*starts) : std::string("None"), ", out ", describe(out));
     bound_p = p;
     bound_p.x = x.data_ptr<float>();
     bound_p.starts = starts ? starts->data_ptr<bool>() : nullptr;
@@ -455,15 +451,15 @@ struct PreparedStep {
     if (starts) bound_keep.push_back(*starts);
   }
   void launch_bound() const {
-    if (bound_keep.empty()) throw std::runtime_error("PreparedStep.launch_bound: bind(x, starts, out) first");
+    TORCH_CHECK(!bound_keep.empty(), "PreparedStep.launch_bound: bind(x, starts, out) first");
     run(bound_p);
   }
 
+  // no iostreams (binding_common.h says why)
   static std::string describe(const Tensor& t) {
     if (!t.defined()) return "None";
-    std::string s = std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()) + " on " +
-                    t.device().str();
-    return t.is_contiguous() ? s : s + " (not contiguous)";
+    return mrl_binding::cat(t.scalar_type(), " ", shape_str(t), " on ", t.device(),
+                            t.is_contiguous() ? "" : " (not contiguous)");
   }
 };
 
