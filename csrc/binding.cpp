@@ -405,61 +405,26 @@ struct PreparedStep {
   c10::Device device;
   std::vector<Tensor> keep;
 
-  // Whether x [B, in_dim] float32, starts [B] bool or None and out [B, d_model] float32, all contiguous and on
-  // the prepared device, fit this step.
-  bool fits(const Tensor& x, const OptT& starts, const Tensor& out) const {
+  // x [B, in_dim] float32 contiguous, starts [B] bool contiguous or None, out [B, d_model] float32 contiguous,
+  // all on the prepared device; False (nothing launched) when any of them does not fit, so the caller can take
+  // the checked path for its error message.
+  bool launch(const Tensor& x, const OptT& starts, Tensor& out) {
     if (!x.defined() || x.device() != device || x.scalar_type() != at::kFloat || x.dim() != 2 || x.size(0) != B ||
         x.size(1) != in_dim || !x.is_contiguous())
       return false;
     if (!out.defined() || out.device() != device || out.scalar_type() != at::kFloat || out.dim() != 2 ||
         out.size(0) != B || out.size(1) != dm || !out.is_contiguous())
       return false;
-    return !starts || (starts->device() == device && starts->scalar_type() == at::kBool && starts->numel() == B &&
-                       starts->is_contiguous());
-  }
-
-  void run(const mrl::StepParams& q) const {
+    if (starts && (starts->device() != device || starts->scalar_type() != at::kBool || starts->numel() != B ||
+                   !starts->is_contiguous()))
+      return false;
     const c10::cuda::CUDAGuard guard(device);
-    raise_if(mrl::backbone_step(wcode, q, rows, c10::cuda::getCurrentCUDAStream().stream()));
-  }
-
-  // Launch on x, starts, out (see fits); False (nothing launched) when any of them does not fit, so the caller
-  // can take the checked path for its error message.
-  bool launch(const Tensor& x, const OptT& starts, Tensor& out) {
-    if (!fits(x, starts, out)) return false;
     mrl::StepParams q = p;
     q.x = x.data_ptr<float>();
     q.starts = starts ? starts->data_ptr<bool>() : nullptr;
     q.out = out.data_ptr<float>();
-    run(q);
+    raise_if(mrl::backbone_step(wcode, q, rows, c10::cuda::getCurrentCUDAStream().stream()));
     return true;
-  }
-
-  // The static buffers (a Stepper's x_buf, starts_buf and output) checked and bound once: launch_bound() then
-  // takes no arguments, so a call costs no argument conversion or checks (the acting path's host time).
-  mrl::StepParams bound_p{};
-  std::vector<Tensor> bound_keep;
-  void bind(const Tensor& x, const OptT& starts, Tensor& out) {
-    MRL_CHECK(fits(x, starts, out), "PreparedStep.bind: expected x [", B, ", ", in_dim, "] float32, starts [", B,
-              "] bool or None, out [", B, ", ", dm, "] float32, all contiguous on ", device, "; got x ", describe(x),
-              ", starts ", starts ? describe(*starts) : std::string("None"), ", out ", describe(out));
-    bound_p = p;
-    bound_p.x = x.data_ptr<float>();
-    bound_p.starts = starts ? starts->data_ptr<bool>() : nullptr;
-    bound_p.out = out.data_ptr<float>();
-    bound_keep = {x, out};
-    if (starts) bound_keep.push_back(*starts);
-  }
-  void launch_bound() const {
-    TORCH_CHECK(!bound_keep.empty(), "PreparedStep.launch_bound: bind(x, starts, out) first");
-    run(bound_p);
-  }
-
-  // no iostreams (binding_common.h says why)
-  static std::string describe(const Tensor& t) {
-    if (!t.defined()) return "None";
-    return mrl_binding::cat(t.scalar_type(), " ", shape_str(t), " on ", t.device(),
-                            t.is_contiguous() ? "" : " (not contiguous)");
   }
 };
 
@@ -995,11 +960,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("launch", &PreparedStep::launch, "launch on x_t [B, in_dim] f32 (starts [B] bool or None) into out "
            "[B, d_model] f32; False (nothing launched) when an argument does not fit", py::arg("x"),
            py::arg("starts"), py::arg("out"))
-      .def("bind", &PreparedStep::bind, "check x [B, in_dim] f32, starts [B] bool or None and out [B, d_model] f32 "
-           "once and bind them for launch_bound (ValueError when one does not fit)", py::arg("x"),
-           py::arg("starts"), py::arg("out"))
-      .def("launch_bound", &PreparedStep::launch_bound, "launch on the bound x, starts and out (no arguments to "
-           "convert or check)")
       .def_readonly("rows_per_block", &PreparedStep::rows);
   m.def("backbone_step_prepare", &backbone_step_prepare, "check and bind the one-token step's weights and states "
         "once (x gives B, input_dim and the device) -> PreparedStep");

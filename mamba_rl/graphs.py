@@ -92,10 +92,11 @@ class GraphSet:
         self.owner = owner
         self._buffers = buffers
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
-        self._ptrs: tuple | None = None
+        self._ptrs: list | None = None
 
-    def _pointers(self) -> tuple:
-        return tuple(None if b is None else b.data_ptr() for b in self._buffers())
+    def _pointers(self) -> list:
+        # a list comprehension: ~0.5 us less per check than a generator into tuple() (the acting path runs it)
+        return [None if b is None else b.data_ptr() for b in self._buffers()]
 
     def capture(self, name: str, body: Callable[[], object], pool=None, mode: str = "global"):
         """Capture ``body`` as graph ``name`` (in memory pool ``pool`` when given) and return its result

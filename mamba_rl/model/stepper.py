@@ -39,11 +39,10 @@ class Stepper:
         self.starts_buf = None
         self._starts_zero = False  # starts_buf is known to be all False (skip re-zeroing it)
         self._out = None
-        self._fast = None  # after capture_graph: the extension's PreparedStep (the public step's direct launch)
-        self._fast_bound = False  # _fast bound to x_buf / starts_buf / _out (step(None) takes launch_bound)
+        self._fast = None  # after capture_graph: the extension's PreparedStep (step(x)'s direct launch)
         self._cpu_prep = None  # (packed weights, conv, ssm, PreparedStep): the CPU kernel step bound once
         self._cpu_kind = None  # a Mamba-1 backbone on the cpu backend (the bound step applies); set at first use
-        # the static input buffers too: the graph and the bound launch read them where they were at capture
+        # the static input buffers too: the graph reads them where they were at capture
         self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm,
                                                     self.x_buf, self.starts_buf))
 
@@ -75,11 +74,9 @@ class Stepper:
                 raise ValueError("Stepper.step: x_t=None (zero-copy) needs capture_graph() first, and the starts "
                                  "written into starts_buf rather than passed")
             self._starts_zero = False  # the caller may have written starts_buf
-            self._graphs.check()
-            if self._fast_bound:  # the graph's one kernel on the static buffers, bound once: no arguments to convert
-                self._fast.launch_bound()
-            else:
-                self._graphs.replay("step", check=False)
+            # the graph's replay: on the static buffers it costs less host time than the direct launch
+            # (benchmarks/NOTES.md, nineteenth session)
+            self._graphs.replay("step")
             return self._out
         B, D = self.batch, self.net.input_dim
         fast = self._fast
@@ -172,7 +169,7 @@ class Stepper:
         """
         if self.device.type != "cuda":
             raise RuntimeError(f"Stepper.capture_graph needs a CUDA device, the backbone is on {self.device}")
-        self._fast, self._fast_bound = None, False
+        self._fast = None
         B = self.batch
         self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
         self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
@@ -185,10 +182,6 @@ class Stepper:
         self._out = capture_restoring(self._graphs, {"step": body}, snapshot((self.state.conv, self.state.ssm)),
                                       warmup)["step"]
         self._fast = self._prepare_fast()
-        # step(None) launches on the static buffers bound once (x_buf is float32 when the kernel step runs)
-        self._fast_bound = self._fast is not None and self.x_buf.dtype == torch.float32
-        if self._fast_bound:
-            self._fast.bind(self.x_buf, self.starts_buf, self._out)
         return self
 
     def _prepare_fast(self):
