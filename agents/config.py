@@ -77,7 +77,7 @@ class _PPOFields:
     weight_decay: float = 0.0
     gamma: float = 0.99
     gae_lambda: float = 0.95
-    aux_gamma: float | None = None
+    aux_gamma: float | None = 0.9
     aux_gae_lambda: float = 0.65
     aux_adv_weight: float = 0.3
     num_minibatches: int = 4
@@ -237,15 +237,17 @@ class PPOConfig(_PPOFields):
             gamma 0.9 with gae_lambda 0.65 learned Concentration and the bandit far faster than the default 0.99 /
             0.95, and broke the cart-poles, whose 500-step episodes need the longer horizon: a per-task choice.
         gae_lambda: GAE lambda (Schulman et al. 2016); see gamma.
-        aux_gamma: discount of a second critic head, the two-horizon critic (None: off, the default); in [0, 1].
+        aux_gamma: discount of a second critic head, the two-horizon critic (0.9 by default; None: off); in [0, 1].
             The aux head (a linear layer on the same features, CleanRL's init gain 1) learns V at ``aux_gamma`` with
             its own GAE(aux_gamma, aux_gae_lambda) (Schulman et al. 2016); its value loss, of the main critic's form
             (``clip_vloss``, ``vf_coef``), is added to the main one, whose returns and values do not change. The
             policy's advantage becomes ``(1 - w) * A + w * A_aux * std(A) / std(A_aux)`` with w =
             ``aux_adv_weight``, both stds over the rollout's valid steps (all ranks'), so it keeps the default
-            advantage's scale (A alone where std(A_aux) is ~0). Measured on the CPU at 200k env steps
-            (aux_gamma 0.9, aux_gae_lambda 0.65, aux_adv_weight 0.3): 6 of 8 POPGym bars against 5 by default
-            (ConcentrationEasy -0.089 vs -0.162, MultiarmedBanditEasy 0.412 vs 0.366), the cart-poles kept.
+            advantage's scale (A alone where std(A_aux) is ~0). Measured on the CPU at 200k env steps, 3 seeds
+            (benchmarks/learning/README.md): 6 of 8 POPGym bars against 5 with it off (ConcentrationEasy -0.082 vs
+            -0.162, MultiarmedBanditEasy 0.417 vs 0.366, the rest within the seeds' spread), CartPoleNoVel >= 475
+            on 5 of 5 seeds, PendulumNoVel >= -200 on 3 of 3. Costs one more head column (~5 % SPS on the GPU
+            loop at 8 envs).
         aux_gae_lambda: GAE lambda of the aux critic's advantages and returns (with aux_gamma; ignored without); [0, 1].
         aux_adv_weight: weight w of the aux advantage in the policy's advantage (with aux_gamma; ignored without); [0, 1].
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
@@ -319,12 +321,14 @@ class PPOConfig(_PPOFields):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
         """Inverse of :meth:`to_dict`. Also reads the flat backbone fields of older checkpoints
-        (``d_model``, ``n_layers``, ...). Raises ValueError on unknown keys."""
+        (``d_model``, ``n_layers``, ...), and a dict without ``aux_gamma`` (a checkpoint from before the
+        two-horizon critic, which had no aux head) as ``aux_gamma=None``. Raises ValueError on unknown keys."""
         known = {f.name for f in dataclasses.fields(cls)} | set(BACKBONE_FIELDS)
         extra = set(d) - known
         if extra:
             raise ValueError(f"PPOConfig: unknown fields {sorted(extra)}; expected a subset of {sorted(known)}")
         d = dict(d)
+        d.setdefault("aux_gamma", None)
         if isinstance(d.get("backbone"), dict):
             d["backbone"] = MambaConfig.from_dict(d["backbone"])
         return cls(**d)

@@ -1,5 +1,5 @@
 """The two-horizon critic (PPOConfig.aux_gamma): a second value head at another discount, its GAE, the mixed
-advantage, its value loss, checkpoints, logging; and with aux_gamma None (the default) the agent of before.
+advantage, its value loss, checkpoints, logging; and with aux_gamma None (off) the agent of before.
 
 The manual-backward parity with the aux head lives with the other parity tests (tests/agents/test_host_path.py);
 the CUDA graph paths are the ``cuda`` tests at the end (skipped without a GPU).
@@ -26,6 +26,7 @@ from mamba_rl.agents.tags import AUX_EXPLAINED_VARIANCE, AUX_METRICS, AUX_VALUE_
 TINY = dict(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
             device="cpu", seed=5, total_timesteps=10_000, checkpoint_every=0, track=False)
 AUX = dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3)
+OFF = dict(aux_gamma=None)  # the default is on
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -144,13 +145,15 @@ def test_config_refuses_bad_aux_values(field, value, msg):
 
 def test_config_defaults_and_round_trip():
     c = PPOConfig()
-    assert c.aux_gamma is None and c.aux_gae_lambda == 0.65 and c.aux_adv_weight == 0.3
+    assert c.aux_gamma == 0.9 and c.aux_gae_lambda == 0.65 and c.aux_adv_weight == 0.3
     on = PPOConfig(aux_gamma=0.9, aux_gae_lambda=1.0, aux_adv_weight=0.0)
     assert PPOConfig.from_dict(on.to_dict()) == on
+    off = PPOConfig(aux_gamma=None)
+    assert PPOConfig.from_dict(off.to_dict()) == off
     old = c.to_dict()
-    for k in ("aux_gamma", "aux_gae_lambda", "aux_adv_weight"):  # a checkpoint from before the feature
+    for k in ("aux_gamma", "aux_gae_lambda", "aux_adv_weight"):  # a checkpoint from before the feature: no aux head
         del old[k]
-    assert PPOConfig.from_dict(old) == c
+    assert PPOConfig.from_dict(old) == off
 
 
 def test_cli_aux_flags(tmp_path, capsys):
@@ -173,7 +176,7 @@ def test_cli_aux_flags(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------ heads and rollout
 def test_aux_head_exists_only_when_enabled_and_leaves_the_others_as_they_were(tmp_path):
-    off, on = _agent(tmp_path / "off"), _agent(tmp_path / "on", **AUX)
+    off, on = _agent(tmp_path / "off", **OFF), _agent(tmp_path / "on", **AUX)
     assert off.policy.aux_critic is None and "aux_critic" not in off.policy.heads
     assert off.buffer.aux_values is None and off.buffer.aux_advantages is None and off.buffer.aux_returns is None
     assert off.updater.pack.shape[-1] == off.policy.action_dim + 5
@@ -271,7 +274,7 @@ def test_update_mixes_the_advantages_and_adds_the_aux_value_loss(tmp_path):
 
 def test_aux_value_loss_reaches_the_backbone_and_aux_adv_weight_reaches_the_policy(tmp_path):
     """Three agents on the same rollout: off, on with w = 0 (only the aux value loss differs), on with w = 0.3."""
-    agents = [_agent(tmp_path / str(i), **kw) for i, kw in enumerate([{}, dict(AUX, aux_adv_weight=0.0), AUX])]
+    agents = [_agent(tmp_path / str(i), **kw) for i, kw in enumerate([OFF, dict(AUX, aux_adv_weight=0.0), AUX])]
     for ag in agents:
         ag.collect_rollout()
     assert torch.equal(agents[0].buffer.advantages, agents[1].buffer.advantages)
@@ -309,9 +312,10 @@ _PROBE = textwrap.dedent('''
     res = {}
     for name, kw in {"discrete": dict(env_id="CartPole-v1"),
                      "box": dict(env_id="Pendulum-v1", clip_vloss=False, norm_adv=True)}.items():
+        off = {"aux_gamma": None} if "aux_gamma" in PPOConfig.__dataclass_fields__ else {}  # on by default now
         cfg = PPOConfig(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2,
                         d_state=4, device="cpu", seed=3, total_timesteps=3 * 64, checkpoint_every=0, track=False,
-                        runs_dir=out + "/runs", checkpoint_dir=out + "/ckpt", **kw)
+                        runs_dir=out + "/runs", checkpoint_dir=out + "/ckpt", **kw, **off)
         agent = RecurrentPPO(config=cfg)
         agent.learn()
         res[name] = dict(history=[{k: v for k, v in m.items() if not k.startswith(("charts/", "perf/"))}
@@ -354,7 +358,7 @@ def _probe(agents_dir: Path, out: Path) -> dict:
 
 
 def test_feature_off_is_bit_identical_to_the_code_before_it(tmp_path):
-    """aux_gamma None (the default): three updates of a discrete and a Box agent give the very bits of the base
+    """aux_gamma None (off): three updates of a discrete and a Box agent give the very bits of the base
     commit's code: losses and every metric, backbone and head weights, both optimizers' moments, the rollout."""
     import mamba_rl.agents
 
@@ -394,7 +398,7 @@ def test_resume_with_the_aux_head_is_exact_and_a_mismatch_is_a_clear_error(tmp_p
     with pytest.raises(CheckpointError, match=r"was saved with the two-horizon critic \(aux_gamma 0.9: an aux critic "
                                               r"head\), but the config to load it into has aux_gamma None"):
         RecurrentPPO.load(ckpt, aux_gamma=None)
-    plain = _agent(tmp_path / "plain")
+    plain = _agent(tmp_path / "plain", **OFF)
     path = plain.save(tmp_path / "plain_ckpt")
     plain.close()
     with pytest.raises(CheckpointError, match=r"was saved without the two-horizon critic .* has an aux_gamma; "

@@ -254,8 +254,9 @@ def test_graph_rollout_keeps_the_rollout_semantics(tmp_path, terminate, toy_envs
 
 def _copy_rollout(src, dst):
     for k in ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "episode_starts",
-              "valid", "advantages", "returns"):
-        getattr(dst.buffer, k).copy_(getattr(src.buffer, k).to(getattr(dst.buffer, k).device))
+              "valid", "advantages", "returns", "aux_values", "aux_advantages", "aux_returns"):
+        if getattr(src.buffer, k) is not None:  # the aux columns: with the two-horizon critic (the default)
+            getattr(dst.buffer, k).copy_(getattr(src.buffer, k).to(getattr(dst.buffer, k).device))
     dst.buffer.initial_state.copy_(src.buffer.initial_state.to(dst.policy.device))
 
 
