@@ -179,6 +179,33 @@ def _clamp_backward(grad: torch.Tensor, x: torch.Tensor, clamped: torch.Tensor) 
     return torch.where(clamped == x, grad, 0.0)
 
 
+class _ValueTerms:
+    """One critic's value-loss pieces for the hand-written backward (the main and the aux critic alike):
+    ``d_u = V - R`` and its square, and with ``clip_vloss`` CleanRL's clipped branch ``e = V_old + clamp(V - V_old,
+    -c, c) - R`` and its square; the same ops, in the same order, as :func:`ppo_loss`'s autograd graph."""
+
+    def __init__(self, newvalue, returns, values, clip: bool, cc: float):
+        self.d_u = newvalue - returns
+        self.unclipped = self.d_u.pow(2)
+        self.clip = clip
+        if clip:
+            self.q_in = newvalue - values
+            self.q = self.q_in.clamp(-cc, cc)
+            self.e = values + self.q - returns
+            self.clipped = self.e.pow(2)
+
+    def loss_terms(self) -> torch.Tensor:
+        """[rows, T] float32: the squared errors the value loss averages."""
+        return torch.max(self.unclipped, self.clipped) if self.clip else self.unclipped
+
+    def backward(self, g: torch.Tensor) -> torch.Tensor:
+        """dLoss/dV [rows, T] from ``g``, the gradient reaching :meth:`loss_terms`'s elements."""
+        if not self.clip:
+            return g * (self.d_u * 2.0)
+        g_u, g_c = _max_backward(g, self.unclipped, self.clipped)
+        return g_u * (self.d_u * 2.0) + _clamp_backward(g_c * (self.e * 2.0), self.q_in, self.q)
+
+
 @torch.no_grad()
 def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.Linear, critic: torch.nn.Linear,
                           mb: Minibatch, count: torch.Tensor, adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -254,28 +281,16 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     neg_adv = -mb_adv
     ratio_c = ratio.clamp(1 - cc, 1 + cc)
     pg_a, pg_b = neg_adv * ratio, neg_adv * ratio_c
-    d_u = newvalue - mb.returns
-    v_unclipped = d_u.pow(2)
-    if c.clip_vloss:
-        q_in = newvalue - mb.values
-        q = q_in.clamp(-cc, cc)
-        e = mb.values + q - mb.returns
-        v_clipped = e.pow(2)
-    if aux_newvalue is not None:  # the aux critic's value loss, the same ops on its own columns
-        a_u = aux_newvalue - mb.aux_returns
-        a_unclipped = a_u.pow(2)
-        if c.clip_vloss:
-            a_q_in = aux_newvalue - mb.aux_values
-            a_q = a_q_in.clamp(-cc, cc)
-            a_e = mb.aux_values + a_q - mb.aux_returns
-            a_clipped = a_e.pow(2)
+    vt = _ValueTerms(newvalue, mb.returns, mb.values, c.clip_vloss, cc)
+    # the aux critic's value loss: the same ops on its own columns
+    at = _ValueTerms(aux_newvalue, mb.aux_returns, mb.aux_values, c.clip_vloss, cc) if aux_newvalue is not None \
+        else None
     if losses:
         stats["pg"] = masked_mean(torch.max(pg_a, pg_b), mask, count)
-        stats["v"] = 0.5 * masked_mean(torch.max(v_unclipped, v_clipped) if c.clip_vloss else v_unclipped, mask, count)
+        stats["v"] = 0.5 * masked_mean(vt.loss_terms(), mask, count)
         stats["ent"] = masked_mean(entropy, mask, count)
-        if aux_newvalue is not None:
-            stats["aux_v"] = 0.5 * masked_mean(torch.max(a_unclipped, a_clipped) if c.clip_vloss else a_unclipped,
-                                               mask, count)
+        if at is not None:
+            stats["aux_v"] = 0.5 * masked_mean(at.loss_terms(), mask, count)
     # ---- backward, node by node (loss = pg - ent_coef * ent + vf_coef * v; d loss = 1). The 0-d factors in
     # float32 numpy scalars (IEEE single, as torch's 0-d float32 ops round them), applied as python floats
     # (exact float32 values, so mask * s rounds as mask * a float32 tensor of s would)
@@ -292,12 +307,7 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
     g_logits = torch._log_softmax_backward_data(g_logp, logp, -1, torch.float32).view(rows * t_len, n_act)
     g_vmean = one * np.float32(c.vf_coef) * np.float32(0.5)
     g_vm = mask * float(g_vmean / cnt)
-    if c.clip_vloss:
-        g_u, g_c = _max_backward(g_vm, v_unclipped, v_clipped)
-        g_value = g_u * (d_u * 2.0) + _clamp_backward(g_c * (e * 2.0), q_in, q)
-    else:
-        g_value = g_vm * (d_u * 2.0)
-    g_value = g_value.unsqueeze(-1).view(rows * t_len, 1)
+    g_value = vt.backward(g_vm).unsqueeze(-1).view(rows * t_len, 1)
     head_grads = (g_logits.t().mm(y2), g_logits.sum(0, keepdim=True).view(n_act),
                   g_value.t().mm(y2), g_value.sum(0, keepdim=True).view(1))
     if aux_newvalue is None:
@@ -307,12 +317,7 @@ def categorical_ppo_grads(c: PPOConfig, features: torch.Tensor, actor: torch.nn.
             d_features = torch.add(g_logits.mm(wa), g_value.mm(wc), out=out)
         return HeadGrads(d_features, head_grads, stats, newvalue)
     # the aux value loss enters the loss with the same weight (vf_coef * 0.5 / count) as the main one
-    if c.clip_vloss:
-        a_gu, a_gc = _max_backward(g_vm, a_unclipped, a_clipped)
-        g_aux = a_gu * (a_u * 2.0) + _clamp_backward(a_gc * (a_e * 2.0), a_q_in, a_q)
-    else:
-        g_aux = g_vm * (a_u * 2.0)
-    g_aux = g_aux.unsqueeze(-1).view(rows * t_len, 1)
+    g_aux = at.backward(g_vm).unsqueeze(-1).view(rows * t_len, 1)
     head_grads += (g_aux.t().mm(y2), g_aux.sum(0, keepdim=True).view(1))
     # dLoss/dfeatures in the order autograd's engine accumulates the three heads' contributions
     d_features = torch.add(torch.add(g_aux.mm(aux_critic.weight), g_value.mm(wc)), g_logits.mm(wa), out=out)

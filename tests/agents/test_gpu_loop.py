@@ -18,6 +18,7 @@ from mamba_rl.agents.gae import compute_gae, compute_gae_parallel
 from mamba_rl.agents.head_optim import FlatHeadAdam
 from mamba_rl.agents.heads import ActionDist, ActorHead
 from mamba_rl.agents.policy import HostStager
+from mamba_rl.agents.tags import AUX_METRICS
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -284,10 +285,12 @@ def test_update_with_the_flat_head_adam_equals_torch_adam_on_cpu(tmp_path):
 def test_captured_update_equals_eager_update(tmp_path, dtype):
     g_agent = _gpu_agent(tmp_path / "g", graphs=True, env_id="CartPole-v1", dtype=dtype)
     e_agent = _gpu_agent(tmp_path / "e", graphs=False, env_id="CartPole-v1", dtype=dtype)
+    assert g_agent.policy.aux_critic is not None  # the default two-horizon critic: its columns and loss too
     torch.testing.assert_close(g_agent.policy.net.arena, e_agent.policy.net.arena, rtol=0, atol=0)
     g_agent.collect_rollout()
     _copy_rollout(g_agent, e_agent)
     mg, me = g_agent.update_policy(), e_agent.update_policy()
+    assert set(AUX_METRICS) <= set(mg) and set(AUX_METRICS) <= set(me)
     for k in mg:
         if not k.startswith("debug/"):
             assert mg[k] == pytest.approx(me[k], rel=1e-4, abs=1e-5), (k, mg[k], me[k])
