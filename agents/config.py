@@ -79,7 +79,7 @@ class _PPOFields:
     gae_lambda: float = 0.95
     aux_gamma: float | None = 0.9
     aux_gae_lambda: float = 0.65
-    aux_adv_weight: float = 0.35
+    aux_adv_weight: float = 0.3
     num_minibatches: int = 4
     update_epochs: int = 3
     norm_adv: bool = False
@@ -243,12 +243,13 @@ class PPOConfig(_PPOFields):
             (``clip_vloss``, ``vf_coef``), is added to the main one, whose returns and values do not change. The
             policy's advantage becomes ``(1 - w) * A + w * A_aux * std(A) / std(A_aux)`` with w =
             ``aux_adv_weight``, both stds over the rollout's valid steps (all ranks'), so it keeps the default
-            advantage's scale (A alone where std(A_aux) is ~0). Measured on the CPU at 200k env steps, 3 seeds
-            (benchmarks/learning/README.md), with aux_gae_lambda 0.65 and w 0.35: 6 of 8 POPGym bars and +0.095
-            over sb3-contrib's LSTM against 5 and +0.068 with it off (ConcentrationEasy -0.057 vs -0.162,
-            MultiarmedBanditEasy 0.468 vs 0.366, the rest within the seeds' spread), CartPoleNoVel >= 475 on 5 of
-            5 seeds, PendulumNoVel >= -200 on 3 of 3; w 0.4 cost CartPoleNoVel 2 of 5 seeds. Costs one more head
-            column (~5 % SPS on the GPU loop at 8 envs).
+            advantage's scale (A alone where std(A_aux) is ~0). Measured on the CPU (benchmarks/learning/README.md),
+            with aux_gae_lambda 0.65 and w 0.3, 3 seeds at 200k env steps: 6 of 8 POPGym bars and +0.085 over
+            sb3-contrib's LSTM against 5 and +0.068 with it off (ConcentrationEasy -0.082 vs -0.162,
+            MultiarmedBanditEasy 0.417 vs 0.366, the rest within the seeds' spread); CartPoleNoVel >= 475 within
+            100k steps on 10 of 10 seeds, PendulumNoVel >= -200 on 3 of 3. A larger w helps the card and bandit
+            tasks more and costs CartPoleNoVel seeds (w 0.35: 8 of 10; w 0.4: 3 of 5). Costs one more head column
+            (~5 % SPS on the GPU loop at 8 envs).
         aux_gae_lambda: GAE lambda of the aux critic's advantages and returns (with aux_gamma; ignored without); [0, 1].
         aux_adv_weight: weight w of the aux advantage in the policy's advantage (with aux_gamma; ignored without); [0, 1].
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].

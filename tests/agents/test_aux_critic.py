@@ -145,7 +145,7 @@ def test_config_refuses_bad_aux_values(field, value, msg):
 
 def test_config_defaults_and_round_trip():
     c = PPOConfig()
-    assert c.aux_gamma == 0.9 and c.aux_gae_lambda == 0.65 and c.aux_adv_weight == 0.35
+    assert c.aux_gamma == 0.9 and c.aux_gae_lambda == 0.65 and c.aux_adv_weight == 0.3
     on = PPOConfig(aux_gamma=0.9, aux_gae_lambda=1.0, aux_adv_weight=0.0)
     assert PPOConfig.from_dict(on.to_dict()) == on
     off = PPOConfig(aux_gamma=None)
