@@ -59,7 +59,7 @@ from .gae import advantage_moments, combine_advantages
 from .head_optim import FlatHeadAdam
 from .loss import Minibatch, categorical_ppo_grads, explained_variance, ppo_loss
 from .policy import Policy
-from .rollout import RolloutBuffer
+from .rollout import RolloutBuffer, check_aux
 from .tags import AUX_METRICS, UPDATE_METRICS
 
 __all__ = ["PPOUpdate", "METRIC_NAMES", "AUX_METRIC_NAMES"]
@@ -119,11 +119,8 @@ class PPOUpdate:
         self._config = config
         self.trainer, self.head_optimizer, self.buffer, self.dp = trainer, head_optimizer, buffer, dp
         self.actor, self.critic, self.aux_critic = p.actor, p.critic, p.aux_critic
-        self.aux = c.aux_gamma is not None  # the two-horizon critic
-        if (self.aux_critic is not None) != self.aux or buffer.aux != self.aux:
-            raise ValueError(f"PPOUpdate: config.aux_gamma {c.aux_gamma!r} needs a policy with an aux critic and a "
-                             f"RolloutBuffer with aux=True (None: neither); got aux critic "
-                             f"{self.aux_critic is not None}, buffer aux {buffer.aux}")
+        check_aux(p, buffer, c.aux_gamma, c.aux_gae_lambda, "PPOUpdate")  # the two-horizon critic: all or nothing
+        self.aux = c.aux_gamma is not None
         self.head_params = list(p.heads.parameters())
         # eager CPU minibatches of a categorical actor take the heads' gradients from categorical_ppo_grads
         # (exactly autograd's); CUDA keeps autograd, inside the captured body or not

@@ -247,7 +247,7 @@ def test_actors_and_update_refuse_a_disagreeing_aux_setup(tmp_path):
         EagerActor(p, agent.stepper, plain, agent.rngs.sample, 0.99, 0.95, aux_gamma=0.9)
     with pytest.raises(ValueError, match="aux critic True, buffer aux True"):
         EagerActor(p, agent.stepper, agent.buffer, agent.rngs.sample, 0.99, 0.95)
-    with pytest.raises(ValueError, match=r"PPOUpdate: config.aux_gamma None needs"):
+    with pytest.raises(ValueError, match=r"PPOUpdate: aux_gamma None needs"):
         PPOUpdate(agent.config.replace(aux_gamma=None), p, agent.trainer, agent.head_optimizer, agent.buffer)
     with pytest.raises(ValueError, match="built with the aux critic .* got None"):
         agent.updater.run(agent.config.replace(aux_gamma=None), agent._draw_rows)
