@@ -30,6 +30,9 @@ __device__ __forceinline__ float group_sum(float v) {
   return v;
 }
 
+// The current device's multiprocessor count (coop.cu; cached per device, 132 where the query fails).
+int sm_count();
+
 // Cooperative single launches (coop.cu): whether a grid of `threads`-thread blocks with `smem` bytes of dynamic
 // shared memory each is co-resident on the current device (so a cooperative launch with grid barriers can run
 // it), false where the device lacks cooperative launch or set_coop() has cleared `which` (a COOP_* bit; the
@@ -49,65 +52,76 @@ int64_t coop_capacity(const void* kernel, int threads, int smem);
 
 namespace mrl {
 // Deterministic column sums: for j < M, f(j, sum_{p < P} ws[p * M + j]) with a fixed summation order.
-// Block = 32 columns x 8 row-groups; row-group r sums rows r, r+8, ...; then a fixed-order combine.
-constexpr int COLSUM_RG = 8;
-// Row group r's partial sum of column j (rows r, r + 8, ...; the order colsum_kernel and colsum_grid share).
+// RG row groups: row group r sums rows r, r + RG, ...; then the RG group sums are added in group order.
+// RG = 8 for short columns, 32 from COLSUM_LONG rows (a thread's serial chain and the loads in flight per SM
+// were what bound long columns: 40 blocks of 8 x 32 threads at 64 x 1024 summed 4,096 rows of 1,280 columns
+// in ~70-100 µs); colsum_rg() picks it, so colsum_kernel and colsum_grid give the same bits for one shape.
+constexpr int COLSUM_LONG = 512;
+__host__ __device__ __forceinline__ int colsum_rg(int P) { return P >= COLSUM_LONG ? 32 : 8; }
+// Row group r's partial sum of column j (rows r, r + RG, ...; the order colsum_kernel and colsum_grid share).
+template <int RG>
 __device__ __forceinline__ float colsum_part(const float* __restrict__ ws, int P, int M, int j, int r) {
   float acc = 0.f;
   int p = r;
   // 16 loads in flight, then the same sums in the same order as the 4-row loop below (bit for bit): a
-  // thread's rows are P / 8, and one memory latency per 4 of them made the kernel latency-bound.
-  for (; p + 15 * COLSUM_RG < P; p += 16 * COLSUM_RG) {
+  // thread's rows are P / RG, and one memory latency per 4 of them made the kernel latency-bound.
+  for (; p + 15 * RG < P; p += 16 * RG) {
     float a[16];
 #pragma unroll
-    for (int u = 0; u < 16; ++u) a[u] = ws[(int64_t)(p + u * COLSUM_RG) * M + j];
+    for (int u = 0; u < 16; ++u) a[u] = ws[(int64_t)(p + u * RG) * M + j];
 #pragma unroll
     for (int u = 0; u < 16; u += 4) acc += (a[u] + a[u + 1]) + (a[u + 2] + a[u + 3]);
   }
-  for (; p + 3 * COLSUM_RG < P; p += 4 * COLSUM_RG) {
-    float a0 = ws[(int64_t)p * M + j], a1 = ws[(int64_t)(p + COLSUM_RG) * M + j];
-    float a2 = ws[(int64_t)(p + 2 * COLSUM_RG) * M + j], a3 = ws[(int64_t)(p + 3 * COLSUM_RG) * M + j];
+  for (; p + 3 * RG < P; p += 4 * RG) {
+    float a0 = ws[(int64_t)p * M + j], a1 = ws[(int64_t)(p + RG) * M + j];
+    float a2 = ws[(int64_t)(p + 2 * RG) * M + j], a3 = ws[(int64_t)(p + 3 * RG) * M + j];
     acc += (a0 + a1) + (a2 + a3);
   }
-  for (; p < P; p += COLSUM_RG) acc += ws[(int64_t)p * M + j];
+  for (; p < P; p += RG) acc += ws[(int64_t)p * M + j];
   return acc;
 }
 
-template <typename F>
-__global__ void __launch_bounds__(32 * COLSUM_RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
-  __shared__ float part[COLSUM_RG][33];
+template <typename F, int RG>
+__global__ void __launch_bounds__(32 * RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
+  __shared__ float part[RG][33];
   const int j = blockIdx.x * 32 + threadIdx.x;
   const int r = threadIdx.y;
-  part[r][threadIdx.x] = j < M ? colsum_part(ws, P, M, j, r) : 0.f;
+  part[r][threadIdx.x] = j < M ? colsum_part<RG>(ws, P, M, j, r) : 0.f;
   __syncthreads();
   if (r == 0 && j < M) {
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < COLSUM_RG; ++i) s += part[i][threadIdx.x];
+    for (int i = 0; i < RG; ++i) s += part[i][threadIdx.x];
     f(j, s);
   }
 }
 
 // The same sums by the threads [gtid .. ) of a grid (gtid = thread id in the grid, nthreads a multiple of 32):
-// the 8 row groups of a column in 8 lanes of one warp, added in group order (the same bits as colsum_kernel).
-template <typename F>
-__device__ __forceinline__ void colsum_grid(const float* __restrict__ ws, int P, int M, F f, int64_t gtid,
-                                            int64_t nthreads) {
+// the RG row groups of a column in RG lanes of one warp, added in group order (the same bits as colsum_kernel).
+template <typename F, int RG>
+__device__ __forceinline__ void colsum_grid_rg(const float* __restrict__ ws, int P, int M, F f, int64_t gtid,
+                                               int64_t nthreads) {
   const int lane = (int)(gtid & 31);
-  const int64_t total = (int64_t)M * COLSUM_RG;
+  const int64_t total = (int64_t)M * RG;
   for (int64_t w0 = gtid - lane; w0 < total; w0 += nthreads) {  // warp-uniform trip count (shuffles below)
     const int64_t idx = w0 + lane;
-    const int j = (int)(idx / COLSUM_RG), r = lane % COLSUM_RG;
-    const float a = idx < total ? colsum_part(ws, P, M, j, r) : 0.f;
+    const int j = (int)(idx / RG), r = lane % RG;
+    const float a = idx < total ? colsum_part<RG>(ws, P, M, j, r) : 0.f;
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < COLSUM_RG; ++i) s += __shfl_sync(0xffffffffu, a, (lane & ~(COLSUM_RG - 1)) + i);
+    for (int i = 0; i < RG; ++i) s += __shfl_sync(0xffffffffu, a, (lane & ~(RG - 1)) + i);
     if (r == 0 && idx < total) f(j, s);
   }
 }
 template <typename F>
+__device__ __forceinline__ void colsum_grid(const float* __restrict__ ws, int P, int M, F f, int64_t gtid,
+                                            int64_t nthreads) {
+  if (colsum_rg(P) == 32) colsum_grid_rg<F, 32>(ws, P, M, f, gtid, nthreads);
+  else colsum_grid_rg<F, 8>(ws, P, M, f, gtid, nthreads);
+}
+template <typename F>
 inline void launch_colsum(const float* ws, int P, int M, F f, cudaStream_t s) {
-  dim3 block(32, COLSUM_RG);
-  colsum_kernel<F><<<(M + 31) / 32, block, 0, s>>>(ws, P, M, f);
+  if (colsum_rg(P) == 32) colsum_kernel<F, 32><<<(M + 31) / 32, dim3(32, 32), 0, s>>>(ws, P, M, f);
+  else colsum_kernel<F, 8><<<(M + 31) / 32, dim3(32, 8), 0, s>>>(ws, P, M, f);
 }
 }  // namespace mrl

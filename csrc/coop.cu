@@ -5,6 +5,22 @@
 
 namespace mrl {
 
+// The current device's SM count, asked once per device (132 where the query fails).
+int sm_count() {
+  static int cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { (void)cudaGetLastError(); return 132; }
+  if (cache[dev] == 0) {
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
+      (void)cudaGetLastError();
+      n = 132;
+    }
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
+
 static int g_coop = COOP_ALL;
 void set_coop(int mask) { g_coop = mask & COOP_ALL; }
 

@@ -4,6 +4,7 @@
 // optionally with the forward in the same pass, for a caller that knows dL/dout first). Warp per row; each lane
 // owns the columns lane + 32 k, so the backward's dw partials stay in registers; the last block to finish
 // sums the block partials in a fixed order (bit-reproducible, one launch).
+#include <algorithm>
 #include "common.cuh"
 
 namespace mrl {
@@ -25,7 +26,7 @@ template <typename T> __device__ __forceinline__ float ld_any(const void* p, int
 // The input projection prologue: v[k] = (in_x[row] @ in_w^T)[c] + in_b[c] for c = lane + 32 k, in float32, with
 // in_w^T staged in shared memory (ws [in_dim][C]) and the row's inputs broadcast from the lanes that loaded them.
 template <int CPL>
-__device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const float* ws, int64_t row, int lane,
+__device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const float* ws, int ld, int64_t row, int lane,
                                                 float (&v)[CPL]) {
   const int C = p.C, I = p.in_dim;
   float acc[CPL];
@@ -37,7 +38,7 @@ __device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const fl
     const int jn = I - j0 < 32 ? I - j0 : 32;
     for (int jj = 0; jj < jn; ++jj) {
       const float xv = __shfl_sync(0xffffffffu, xl, jj);
-      const float* wr = ws + (size_t)(j0 + jj) * C;
+      const float* wr = ws + (size_t)(j0 + jj) * ld;
 #pragma unroll
       for (int k = 0; k < CPL; ++k) {
         const int c = lane + 32 * k;
@@ -54,23 +55,19 @@ __device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const fl
   }
 }
 
+// The input projection's staged weights: in_w^T as [in_dim][ld] floats, ld = C + 1 where that fits the 48 KB
+// (the transposing stores of consecutive j then fall in distinct banks; with ld = C all 32 lanes of a warp hit
+// one bank), else C.
+__host__ __device__ __forceinline__ int norm_in_ld(int in_dim, int C) {
+  return (int64_t)in_dim * (C + 1) <= NORM_IN_MAX_WEIGHTS ? C + 1 : C;
+}
+
 template <typename OT, int CPL>
-__global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p) {
-  extern __shared__ float norm_ws[];  // [in_dim][C]: in_w^T, only with the input projection prologue
-  const int lane = threadIdx.x % 32;
-  const int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32;
-  if (p.in_x) {
-    const int n = p.in_dim * p.C;
-    for (int i = threadIdx.x; i < n; i += NORM_THREADS) {  // coalesced reads of in_w [C][in_dim]
-      const int c = i / p.in_dim, j = i - c * p.in_dim;
-      norm_ws[j * p.C + c] = p.in_w[i];
-    }
-    __syncthreads();
-  }
-  if (row >= p.rows) return;
+__device__ __forceinline__ void norm_fwd_row(const NormFwdParams& p, const float* norm_ws, int ld, int64_t row,
+                                             int lane) {
   float v[CPL];
   if (p.in_x) {
-    norm_input_proj<CPL>(p, norm_ws, row, lane, v);
+    norm_input_proj<CPL>(p, norm_ws, ld, row, lane, v);
   } else {
     const float* xr = p.x + row * p.C;
 #pragma unroll
@@ -99,6 +96,27 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p)
     }
   }
   if (lane == 0) p.rstd[row] = rs;
+}
+
+// Warp per row. With the input projection prologue a block stages in_w^T once and then walks rows
+// blockIdx.x * NORM_WARPS + warp, stepping by the grid (norm_fwd_c sizes that grid to the SMs), so the
+// staging is paid per block, not per 16 rows; each row's arithmetic is the same either way.
+template <typename OT, int CPL>
+__global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p) {
+  extern __shared__ float norm_ws[];  // [in_dim][ld]: in_w^T, only with the input projection prologue
+  const int lane = threadIdx.x % 32;
+  const int ld = p.in_x ? norm_in_ld(p.in_dim, p.C) : 0;
+  if (p.in_x) {
+    const int n = p.in_dim * p.C;
+    for (int i = threadIdx.x; i < n; i += NORM_THREADS) {  // coalesced reads of in_w [C][in_dim]
+      const int c = i / p.in_dim, j = i - c * p.in_dim;
+      norm_ws[j * ld + c] = p.in_w[i];
+    }
+    __syncthreads();
+  }
+  for (int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32; row < p.rows;
+       row += (int64_t)gridDim.x * NORM_WARPS)
+    norm_fwd_row<OT, CPL>(p, norm_ws, ld, row, lane);
 }
 
 template <typename GT, int CPL>
@@ -232,10 +250,12 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
 
 template <int CPL>
 static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
-  const unsigned nb = (unsigned)((p.rows + NORM_WARPS - 1) / NORM_WARPS);
+  unsigned nb = (unsigned)((p.rows + NORM_WARPS - 1) / NORM_WARPS);
   if (p.in_x && (p.in_dim < 1 || (int64_t)p.in_dim * p.C > NORM_IN_MAX_WEIGHTS))
     return "rms_norm: the input projection prologue takes 1 <= in_dim and in_dim * C <= 12288";
-  const size_t smem = p.in_x ? sizeof(float) * (size_t)p.in_dim * p.C : 0;
+  // with the prologue: 4 blocks per SM (512 threads at <= 32 registers), each staging the weights once for many rows
+  if (p.in_x) nb = std::min(nb, 4u * (unsigned)sm_count());
+  const size_t smem = p.in_x ? sizeof(float) * (size_t)p.in_dim * norm_in_ld(p.in_dim, p.C) : 0;
   switch (p.out_dtype) {
     case kF32: norm_fwd_kernel<float, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
     case kBF16: norm_fwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;

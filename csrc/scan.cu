@@ -16,21 +16,6 @@ static int scan_tiles(int D, int N) { const int cpb = SCAN_THREADS / (N / SCAN_N
 static int g_forced_segments = 0;  // scan_set_segments(): 0 = automatic
 void scan_set_segments(int n) { g_forced_segments = n > 0 ? n : 0; }
 
-static int sm_count() {
-  static int cache[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) { (void)cudaGetLastError(); return 132; }
-  if (cache[dev] == 0) {
-    int n = 0;
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n < 1) {
-      (void)cudaGetLastError();
-      n = 132;
-    }
-    cache[dev] = n;
-  }
-  return cache[dev];
-}
-
 // The time split: nseg segments of seg_len chunks (the last may be shorter, none empty). The grid is
 // tiles x B x nseg blocks of which minb fit on an SM: nseg is the largest count that still fits the grid in
 // one wave (a second, partial wave would double the time), at least 1, at most the number of chunks.

@@ -89,11 +89,6 @@ __device__ __forceinline__ void seg_combine(float (&s)[SCAN_NPT], float4 P, floa
   for (int j = 0; j < SCAN_NPT; ++j) s[j] = p4[j] == 0.f ? e4[j] : fmaf(p4[j], s[j], e4[j]);
 }
 
-template <typename T>
-__device__ __forceinline__ T ldraw(const void* base, int64_t off) {
-  return __ldg(reinterpret_cast<const T*>(base) + off);
-}
-
 // Which arrays a chunk load reads (dt and the episode starts always).
 enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
 
@@ -111,26 +106,38 @@ struct ScanChunkRegs {
   T x[(M & SL_X) ? EA : 1], dt[EA], z[(M & SL_Z) ? EA : 1], g[(M & SL_G) ? EA : 1];
   T Bv[(M & SL_B) ? EB : 1], Cv[(M & SL_C) ? EB : 1];
   bool st = false;  // held by threads tid < SCAN_TC: the episode start of step t0 + tid
+  // Element k of the [TC][CPB] arrays is step tid / CPB + k * (SCAN_THREADS / CPB) of channel tid % CPB (CPB
+  // divides SCAN_THREADS); of the [TC][N] arrays, step (tid + k * SCAN_THREADS) / N, state tid % N. Steps past
+  // T read step T - 1 (a valid address: the loads are unconditional, no branch around each one) and keep zero.
   __device__ __forceinline__ void load(const ScanFwdParams& p, const void* dout, int64_t g_sb, int64_t g_st,
                                        int b, int d0, int c, int tid) {
-    const int t0 = c * SCAN_TC, T_ = p.T, D = p.D;
+    static_assert(SCAN_THREADS % CPB == 0 && SCAN_THREADS % N == 0, "scan geometry");
+    constexpr int DI = SCAN_THREADS / CPB, DN = SCAN_THREADS / N;
+    const int t0 = c * SCAN_TC, T_ = p.T;
+    const int dd = min(d0 + tid % CPB, p.D - 1);
     const T zero = from_f<T>(0.f);
+    // element (t, column) of an array with row stride sb and step stride st; tc is t clamped into [0, T)
+    auto at = [&](const void* base, int64_t sb, int64_t st, int col, int64_t tc) {
+      return __ldg(reinterpret_cast<const T*>(base) + (b * sb + col + tc * st));
+    };
 #pragma unroll
     for (int k = 0; k < EA; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int t = t0 + i, dd = min(d0 + ch, D - 1);
+      const int t = t0 + tid / CPB + k * DI;
       const bool ok = t < T_;
-      if constexpr ((M & SL_X) != 0) x[k] = ok ? ldraw<T>(p.x, b * p.x_sb + (int64_t)t * p.x_st + dd) : zero;
-      dt[k] = ok ? ldraw<T>(p.dt, b * p.dt_sb + (int64_t)t * p.dt_st + dd) : zero;
-      if constexpr ((M & SL_Z) != 0) z[k] = ok ? ldraw<T>(p.z, b * p.z_sb + (int64_t)t * p.z_st + dd) : zero;
-      if constexpr ((M & SL_G) != 0) g[k] = ok ? ldraw<T>(dout, b * g_sb + (int64_t)t * g_st + dd) : zero;
+      const int64_t tc = ok ? t : T_ - 1;
+      if constexpr ((M & SL_X) != 0) { const T v = at(p.x, p.x_sb, p.x_st, dd, tc); x[k] = ok ? v : zero; }
+      { const T v = at(p.dt, p.dt_sb, p.dt_st, dd, tc); dt[k] = ok ? v : zero; }
+      if constexpr ((M & SL_Z) != 0) { const T v = at(p.z, p.z_sb, p.z_st, dd, tc); z[k] = ok ? v : zero; }
+      if constexpr ((M & SL_G) != 0) { const T v = at(dout, g_sb, g_st, dd, tc); g[k] = ok ? v : zero; }
     }
+    const int nn = tid % N;
 #pragma unroll
     for (int k = 0; k < EB; ++k) {
-      const int e = tid + k * SCAN_THREADS, i = e / N, nn = e % N, t = t0 + i;
+      const int t = t0 + tid / N + k * DN;
       const bool ok = t < T_;
-      if constexpr ((M & SL_B) != 0) Bv[k] = ok ? ldraw<T>(p.Bm, b * p.B_sb + (int64_t)t * p.B_st + nn) : zero;
-      if constexpr ((M & SL_C) != 0) Cv[k] = ok ? ldraw<T>(p.Cm, b * p.C_sb + (int64_t)t * p.C_st + nn) : zero;
+      const int64_t tc = ok ? t : T_ - 1;
+      if constexpr ((M & SL_B) != 0) { const T v = at(p.Bm, p.B_sb, p.B_st, nn, tc); Bv[k] = ok ? v : zero; }
+      if constexpr ((M & SL_C) != 0) { const T v = at(p.Cm, p.C_sb, p.C_st, nn, tc); Cv[k] = ok ? v : zero; }
     }
     if (tid < SCAN_TC) st = (p.starts && t0 + tid < T_) ? p.starts[(int64_t)b * T_ + t0 + tid] : false;
   }

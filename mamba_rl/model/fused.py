@@ -610,7 +610,7 @@ class _Backbone(torch.autograd.Function):
             else:
                 ddbc = torch.cat([torch.mm(ddt2, w(p + "mixer.dt_proj.weight")), dB.view(BT, n), dC.view(BT, n)],
                                  dim=1)
-                dxc = torch.addmm(dxc.view(BT, di), ddbc, w(p + "mixer.x_proj.weight"))
+                dxc = dxc.view(BT, di).addmm_(ddbc, w(p + "mixer.x_proj.weight"))  # in place: no copy of dxc first
             wg.add(w(p + "mixer.x_proj.weight", G), ddbc, xc.view(BT, di))
             xi = xz.view(B, T, 2 * di)[..., :di]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
