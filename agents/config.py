@@ -48,7 +48,8 @@ _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0,
                 ("ent_coef", 0.0, math.inf, False, False), ("vf_coef", 0.0, math.inf, False, False),
                 ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True),
                 ("min_action_std", 0.0, 1.0, False, False), ("aux_gamma", 0.0, 1.0, False, True),
-                ("aux_gae_lambda", 0.0, 1.0, False, False), ("aux_adv_weight", 0.0, 1.0, False, False))
+                ("aux_gae_lambda", 0.0, 1.0, False, False), ("aux_adv_weight", 0.0, 1.0, False, False),
+                ("aux_adv_add", 0.0, math.inf, False, True))
 
 
 @dataclass
@@ -77,9 +78,10 @@ class _PPOFields:
     weight_decay: float = 0.0
     gamma: float = 0.99
     gae_lambda: float = 0.95
-    aux_gamma: float | None = 0.9
+    aux_gamma: float | None = 0.0
     aux_gae_lambda: float = 0.65
     aux_adv_weight: float = 0.3
+    aux_adv_add: float | None = 6.0
     num_minibatches: int = 4
     update_epochs: int = 3
     norm_adv: bool = False
@@ -237,21 +239,28 @@ class PPOConfig(_PPOFields):
             gamma 0.9 with gae_lambda 0.65 learned Concentration and the bandit far faster than the default 0.99 /
             0.95, and broke the cart-poles, whose 500-step episodes need the longer horizon: a per-task choice.
         gae_lambda: GAE lambda (Schulman et al. 2016); see gamma.
-        aux_gamma: discount of a second critic head, the two-horizon critic (0.9 by default; None: off); in [0, 1].
+        aux_gamma: discount of a second critic head, the two-horizon critic (0.0 by default; None: off); in [0, 1].
             The aux head (a linear layer on the same features, CleanRL's init gain 1) learns V at ``aux_gamma`` with
             its own GAE(aux_gamma, aux_gae_lambda) (Schulman et al. 2016); its value loss, of the main critic's form
-            (``clip_vloss``, ``vf_coef``), is added to the main one, whose returns and values do not change. The
-            policy's advantage becomes ``(1 - w) * A + w * A_aux * std(A) / std(A_aux)`` with w =
-            ``aux_adv_weight``, both stds over the rollout's valid steps (all ranks'), so it keeps the default
-            advantage's scale (A alone where std(A_aux) is ~0). Measured on the CPU (benchmarks/learning/README.md),
-            with aux_gae_lambda 0.65 and w 0.3, 3 seeds at 200k env steps: 6 of 8 POPGym bars and +0.085 over
-            sb3-contrib's LSTM against 5 and +0.068 with it off (ConcentrationEasy -0.082 vs -0.162,
-            MultiarmedBanditEasy 0.417 vs 0.366, the rest within the seeds' spread); CartPoleNoVel >= 475 within
-            100k steps on 10 of 10 seeds, PendulumNoVel >= -200 on 3 of 3. A larger w helps the card and bandit
-            tasks more and costs CartPoleNoVel seeds (w 0.35: 8 of 10; w 0.4: 3 of 5). Costs one more head column
-            (~5 % SPS on the GPU loop at 8 envs).
+            (``clip_vloss``, ``vf_coef``), is added to the main one, whose returns and values do not change. At
+            ``aux_gamma`` 0 the aux head learns the expected immediate reward and A_aux = r_t - V_aux(s_t) (lambda
+            plays no part): per-step credit for each action, beside the main critic's long horizon. The policy's
+            advantage is ``A + C * A_aux`` with C = ``aux_adv_add`` (both in the reward's units), or, with
+            ``aux_adv_add=None``, ``(1 - w) * A + w * A_aux * std(A) / std(A_aux)`` with w = ``aux_adv_weight``, both
+            stds over the rollout's valid steps (all ranks'; A alone where std(A_aux) is ~0).
+            Measured on the CPU (benchmarks/learning/README.md, 3 seeds at 200k env steps): the default (aux_gamma
+            0, C 6) gives 6 of 8 POPGym bars and +0.114 over sb3-contrib's LSTM (ConcentrationEasy +0.135,
+            AutoencodeEasy -0.420), CartPoleNoVel >= 475 within 100k steps on seeds 1-5. The previous default
+            (aux_gamma 0.9, aux_gae_lambda 0.65, the rescaled mix at w 0.3): 6 of 8 and +0.085. The rescaled mix
+            at aux_gamma 0 breaks CartPoleNoVel (a reward of 1 every step leaves A_aux only the critic's error,
+            which the rescaling blows up to A's size: MMER 20-54 at w 1); the additive form leaves it at its own
+            size. Costs one more head column (~5 % SPS on the GPU loop at 8 envs).
         aux_gae_lambda: GAE lambda of the aux critic's advantages and returns (with aux_gamma; ignored without); [0, 1].
-        aux_adv_weight: weight w of the aux advantage in the policy's advantage (with aux_gamma; ignored without); [0, 1].
+        aux_adv_weight: weight w of the rescaled mix (with aux_gamma and ``aux_adv_add=None``; ignored otherwise);
+            [0, 1].
+        aux_adv_add: C in ``A + C * A_aux``, the aux advantage added in the reward's units (with aux_gamma; ignored
+            without); >= 0, or None for the rescaled mix (``aux_adv_weight``). A checkpoint from before this field
+            resumes with None, the mix it trained with.
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
         update_epochs: passes over the rollout per update.
         norm_adv: normalise advantages per minibatch (over valid steps); off by default.
@@ -323,14 +332,16 @@ class PPOConfig(_PPOFields):
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
         """Inverse of :meth:`to_dict`. Also reads the flat backbone fields of older checkpoints
-        (``d_model``, ``n_layers``, ...), and a dict without ``aux_gamma`` (a checkpoint from before the
-        two-horizon critic, which had no aux head) as ``aux_gamma=None``. Raises ValueError on unknown keys."""
+        (``d_model``, ``n_layers``, ...), a dict without ``aux_gamma`` (a checkpoint from before the
+        two-horizon critic, which had no aux head) as ``aux_gamma=None``, and one without ``aux_adv_add`` (from
+        before the additive form) as ``aux_adv_add=None``. Raises ValueError on unknown keys."""
         known = {f.name for f in dataclasses.fields(cls)} | set(BACKBONE_FIELDS)
         extra = set(d) - known
         if extra:
             raise ValueError(f"PPOConfig: unknown fields {sorted(extra)}; expected a subset of {sorted(known)}")
         d = dict(d)
         d.setdefault("aux_gamma", None)
+        d.setdefault("aux_adv_add", None)  # before the additive form: the rescaled mix
         if isinstance(d.get("backbone"), dict):
             d["backbone"] = MambaConfig.from_dict(d["backbone"])
         return cls(**d)

@@ -27,16 +27,20 @@ For a valid step t with done_t = terminated_t or truncated_t and V_T = ``next_va
 
 Two-horizon critic (``PPOConfig.aux_gamma``): a second value head gets its own GAE(aux_gamma,
 aux_gae_lambda) advantages A_aux and returns from the same rewards and flags (the same functions, its own
-values), and the policy's advantage mixes the two at the default advantage's scale
-(:func:`combine_advantages`): ``A = (1 - w) A_main + w A_aux std(A_main) / std(A_aux)``.
+values), and the policy's advantage combines the two: (:func:`add_advantages`) ``A = A_main + C A_aux`` in the
+reward's units, or (:func:`combine_advantages`) the mix at the default advantage's scale
+``A = (1 - w) A_main + w A_aux std(A_main) / std(A_aux)``.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-__all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix", "advantage_moments", "combine_advantages"]
+__all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix", "advantage_moments", "combine_advantages",
+           "add_advantages"]
 
 # std(A_aux) at or below this: the aux advantage carries no signal and the policy's advantage is A_main alone
 AUX_STD_EPS = 1e-8
@@ -268,3 +272,33 @@ def combine_advantages(advantages: torch.Tensor, aux_advantages: torch.Tensor, v
     adv = advantages.float()
     mixed = (1.0 - w) * adv + w * (aux_advantages.float() * scale)
     return torch.where(valid, mixed, torch.zeros((), device=adv.device))
+
+
+def add_advantages(advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor,
+                   coef: float) -> torch.Tensor:
+    """The two-horizon critic's policy advantage in additive form: ``A = A_main + coef * A_aux`` at valid steps,
+    0 elsewhere, both in the reward's own units (``PPOConfig.aux_adv_add``). Unlike :func:`combine_advantages`
+    it does not rescale A_aux to A_main's spread, so where the aux critic has nothing to say (a near-constant
+    reward: A_aux is only its critic's error) the term stays that small. Both are GAE (Schulman et al. 2016)
+    estimates with their own critic, gamma and lambda. No host sync (capturable).
+
+    Args:
+        advantages: [N, T] float32, A_main (0 at invalid steps).
+        aux_advantages: [N, T] float32, A_aux.
+        valid: [N, T] bool.
+        coef: C >= 0.
+
+    Returns:
+        [N, T] float32 on the inputs' device.
+
+    Raises:
+        ValueError: ``coef`` negative or not finite; tensors of different shapes, or a non-bool ``valid``.
+    """
+    if not (math.isfinite(coef) and coef >= 0.0):
+        raise ValueError(f"add_advantages: coef must be a finite number >= 0, got {coef!r}")
+    if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or valid.dtype != torch.bool:
+        raise ValueError(f"add_advantages: expected advantages, aux_advantages and a bool valid of one shape, got "
+                         f"{tuple(advantages.shape)}, {tuple(aux_advantages.shape)} and {tuple(valid.shape)} "
+                         f"{valid.dtype}")
+    mixed = advantages.float() + coef * aux_advantages.float()
+    return torch.where(valid, mixed, torch.zeros((), device=advantages.device))

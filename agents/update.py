@@ -25,9 +25,10 @@ The host reads the table once per update (one sync), plus once per epoch but the
 Two-horizon critic (``PPOConfig.aux_gamma``): the packed columns also hold the aux critic's stored values and
 returns, the loss adds its value loss (:func:`~mamba_rl.agents.loss.ppo_loss`, the hand-written
 :func:`~mamba_rl.agents.loss.categorical_ppo_grads` on the CPU), and the advantage column is the mixed one:
-when the rollout is loaded (eagerly, once per update) the main and aux GAE advantages are combined
-(:func:`~mamba_rl.agents.gae.combine_advantages`) with the stds of the whole rollout (data-parallel: of every
-rank's rollout, one all-reduce of five sums), before any minibatch reads them.
+when the rollout is loaded (eagerly, once per update) the main and aux GAE advantages are combined, added in the
+reward's units (:func:`~mamba_rl.agents.gae.add_advantages`, ``aux_adv_add``) or mixed with the stds of the whole
+rollout (:func:`~mamba_rl.agents.gae.combine_advantages`; data-parallel: of every rank's rollout, one all-reduce
+of five sums), before any minibatch reads them.
 
 The body reads the config :meth:`PPOUpdate.run` was given (the agent's current one); a captured graph
 holds the loss coefficients it was captured with, so a run with other coefficients recaptures first.
@@ -55,7 +56,7 @@ from mamba_rl.ops.optim import CLIP_COEF, FOUND_INF, GRAD_NORM, LOSS_SCALE
 
 from .config import PPOConfig
 from .distributed import DataParallel
-from .gae import advantage_moments, combine_advantages
+from .gae import add_advantages, advantage_moments, combine_advantages
 from .head_optim import FlatHeadAdam
 from .loss import Minibatch, categorical_ppo_grads, explained_variance, ppo_loss
 from .policy import Policy
@@ -370,7 +371,8 @@ class PPOUpdate:
     # ------------------------------------------------------------------------------------ the update
     def _load_rollout(self) -> None:
         """The buffer into the update's device tensors; with the two-horizon critic the advantage column becomes
-        the mixed advantage (:func:`~mamba_rl.agents.gae.combine_advantages`, the stds over every rank's rollout)."""
+        the policy's advantage (:func:`~mamba_rl.agents.gae.add_advantages`, or with ``aux_adv_add=None``
+        :func:`~mamba_rl.agents.gae.combine_advantages` with the stds over every rank's rollout)."""
         buf, a = self.buffer, self.action_dim
         with torch.no_grad():
             dev = self.device
@@ -385,10 +387,13 @@ class PPOUpdate:
             if self.aux:
                 adv, valid = self.pack[..., a + 2], self.pack[..., a + 4] > 0.5
                 aux_adv = buf.aux_advantages.to(dev, torch.float32, non_blocking=True)
-                moments = advantage_moments(adv, aux_adv, valid)
-                if self.dp is not None:  # the stds of all ranks' rollouts, as one process with every env
-                    self.dp.sum_(moments)
-                adv.copy_(combine_advantages(adv, aux_adv, valid, self._config.aux_adv_weight, moments))
+                if self._config.aux_adv_add is not None:  # in the reward's units: nothing to share between ranks
+                    adv.copy_(add_advantages(adv, aux_adv, valid, self._config.aux_adv_add))
+                else:
+                    moments = advantage_moments(adv, aux_adv, valid)
+                    if self.dp is not None:  # the stds of all ranks' rollouts, as one process with every env
+                        self.dp.sum_(moments)
+                    adv.copy_(combine_advantages(adv, aux_adv, valid, self._config.aux_adv_weight, moments))
             self.mb_index.zero_()
 
     def _kl(self, row: int) -> float:

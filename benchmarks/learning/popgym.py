@@ -218,25 +218,6 @@ def _value_lambda(value_lambda: float) -> None:
     R.compute_gae = split
 
 
-def _aux_additive(coef: float) -> None:
-    """``--set aux_add=C`` (harness only, no agent change; with ``aux_gamma`` set): the policy's advantage is
-    ``A_main + C * A_aux`` at valid steps, both in the (normalised) reward's own units, instead of
-    :func:`~mamba_rl.agents.gae.combine_advantages`' ``(1 - w) A_main + w A_aux std(A_main) / std(A_aux)``
-    (``aux_adv_weight`` is ignored). With ``aux_gamma=0`` A_aux is the immediate reward's advantage r_t - V0(s_t):
-    the rescaled form blows a near-constant reward's critic error (CartPole: r = 1 every step) up to A_main's std,
-    the additive one leaves it at its own size. It patches this process's ``update.combine_advantages`` (one
-    process per run, so nothing else sees it)."""
-    import torch
-
-    from mamba_rl.agents import update as U
-
-    def combine(advantages, aux_advantages, valid, weight, moments=None, eps=0.0):
-        mixed = advantages.float() + coef * aux_advantages.float()
-        return torch.where(valid, mixed, torch.zeros((), device=advantages.device))
-
-    U.combine_advantages = combine
-
-
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -263,8 +244,6 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         _value_lambda(float(sets.pop("gae_lambda_value")))
     if "obs_norm_clip" in sets:
         _obs_norm_clip(float(sets.pop("obs_norm_clip")))
-    if "aux_add" in sets:
-        _aux_additive(float(sets.pop("aux_add")))
     kw.update(sets)
     agent = RecurrentPPO(env_id(task), **kw)
     start = {f: getattr(agent.config, f) for f in sched}

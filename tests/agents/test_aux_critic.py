@@ -20,12 +20,13 @@ import torch
 
 from mamba_rl import CheckpointError
 from mamba_rl.agents import PPOConfig, RecurrentPPO
-from mamba_rl.agents.gae import AUX_STD_EPS, advantage_moments, combine_advantages, compute_gae
+from mamba_rl.agents.gae import AUX_STD_EPS, add_advantages, advantage_moments, combine_advantages, compute_gae
 from mamba_rl.agents.tags import AUX_EXPLAINED_VARIANCE, AUX_METRICS, AUX_VALUE_LOSS
 
 TINY = dict(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
             device="cpu", seed=5, total_timesteps=10_000, checkpoint_every=0, track=False)
-AUX = dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3)
+AUX = dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3, aux_adv_add=None)  # the rescaled mix
+ADD = dict(aux_gamma=0.0, aux_adv_add=6.0)  # the default: immediate-reward credit added in reward units
 OFF = dict(aux_gamma=None)  # the default is on
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -126,6 +127,23 @@ def test_combine_advantages_checks_its_inputs():
         advantage_moments(a, a, a)
 
 
+@pytest.mark.parametrize("coef", [0.0, 6.0])
+def test_add_advantages_is_the_formula_and_checks_its_inputs(coef):
+    rewards, values, aux_values, term, trunc, valid, nv, aux_nv = _rollout(seed=3)
+    a, _ = compute_gae(rewards, values, term, trunc, valid, nv, 0.99, 0.95)
+    b, _ = compute_gae(rewards, aux_values, term, trunc, valid, aux_nv, 0.0, 0.65)
+    got = add_advantages(a, b, valid, coef)
+    want = torch.where(valid, a.double() + coef * b.double(), torch.zeros((), dtype=torch.float64))
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))
+    with pytest.raises(ValueError, match="coef must be a finite number >= 0, got -1.0"):
+        add_advantages(a, b, valid, -1.0)
+    with pytest.raises(ValueError, match="of one shape"):
+        add_advantages(a, b[:, :-1], valid, coef)
+    with pytest.raises(ValueError, match="of one shape"):
+        add_advantages(a, b, valid.float(), coef)
+
+
 # ------------------------------------------------------------------------------------------- the config
 @pytest.mark.parametrize("field,value,msg", [
     ("aux_gamma", 1.5, r"PPOConfig.aux_gamma must be in \[0.0, 1.0\], got 1.5"),
@@ -137,6 +155,8 @@ def test_combine_advantages_checks_its_inputs():
     ("aux_gae_lambda", None, r"PPOConfig.aux_gae_lambda must be a finite number, got None"),
     ("aux_adv_weight", -0.5, r"PPOConfig.aux_adv_weight must be in \[0.0, 1.0\], got -0.5"),
     ("aux_adv_weight", 2, r"PPOConfig.aux_adv_weight must be in \[0.0, 1.0\], got 2"),
+    ("aux_adv_add", -1.0, r"PPOConfig.aux_adv_add must be in \[0.0, inf\], got -1.0"),
+    ("aux_adv_add", "6", r"PPOConfig.aux_adv_add must be a finite number or None, got '6'"),
 ])
 def test_config_refuses_bad_aux_values(field, value, msg):
     with pytest.raises(ValueError, match=msg):
@@ -145,15 +165,18 @@ def test_config_refuses_bad_aux_values(field, value, msg):
 
 def test_config_defaults_and_round_trip():
     c = PPOConfig()
-    assert c.aux_gamma == 0.9 and c.aux_gae_lambda == 0.65 and c.aux_adv_weight == 0.3
-    on = PPOConfig(aux_gamma=0.9, aux_gae_lambda=1.0, aux_adv_weight=0.0)
+    assert c.aux_gamma == 0.0 and c.aux_adv_add == 6.0 and c.aux_gae_lambda == 0.65 and c.aux_adv_weight == 0.3
+    on = PPOConfig(aux_gamma=0.9, aux_gae_lambda=1.0, aux_adv_weight=0.0, aux_adv_add=None)
     assert PPOConfig.from_dict(on.to_dict()) == on
     off = PPOConfig(aux_gamma=None)
     assert PPOConfig.from_dict(off.to_dict()) == off
+    mixed = PPOConfig(**AUX).to_dict()
+    del mixed["aux_adv_add"]  # a checkpoint from before the additive form: the rescaled mix it trained with
+    assert PPOConfig.from_dict(mixed) == PPOConfig(**AUX)
     old = c.to_dict()
-    for k in ("aux_gamma", "aux_gae_lambda", "aux_adv_weight"):  # a checkpoint from before the feature: no aux head
+    for k in ("aux_gamma", "aux_gae_lambda", "aux_adv_weight", "aux_adv_add"):  # from before the feature: no aux head
         del old[k]
-    assert PPOConfig.from_dict(old) == off
+    assert PPOConfig.from_dict(old) == PPOConfig(aux_gamma=None, aux_adv_add=None)
 
 
 def test_cli_aux_flags(tmp_path, capsys):
@@ -164,6 +187,8 @@ def test_cli_aux_flags(tmp_path, capsys):
     assert build_parser().parse_args(["train", "--aux-gamma", "none"]).aux_gamma is None
     assert main(["train", "--aux-gamma", "1.2", "--device", "cpu"]) == 2
     assert "--aux-gamma (PPOConfig.aux_gamma) must be in [0.0, 1.0], got 1.2" in capsys.readouterr().err
+    assert build_parser().parse_args(["train", "--aux-adv-add", "3"]).aux_adv_add == 3.0
+    assert build_parser().parse_args(["train", "--aux-adv-add", "none"]).aux_adv_add is None
     assert main(["train", "--aux-adv-weight", "-1", "--device", "cpu"]) == 2
     assert "--aux-adv-weight (PPOConfig.aux_adv_weight) must be in [0.0, 1.0], got -1.0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
@@ -269,6 +294,20 @@ def test_update_mixes_the_advantages_and_adds_the_aux_value_loss(tmp_path):
     assert m["debug/rollout_parity"] < 1e-4  # both critics' stored values recomputed by the update
     # the aux head learned: its weights moved, and its loss is the form of the main one's
     assert not torch.equal(agent.policy.aux_critic.linear.bias, torch.zeros(1))
+    agent.close()
+
+
+def test_update_adds_the_immediate_reward_advantage_by_default(tmp_path):
+    """The default (aux_gamma 0, aux_adv_add 6): the aux returns are the rewards, and the policy's advantage
+    column is A_main + 6 A_aux, exactly add_advantages of the buffer's two."""
+    agent = _agent(tmp_path)
+    assert (agent.config.aux_gamma, agent.config.aux_adv_add) == (0.0, 6.0)
+    agent.collect_rollout()
+    b, up, a = agent.buffer, agent.updater, agent.policy.action_dim
+    agent.update_policy()
+    assert torch.equal(up.pack[..., a + 2], add_advantages(b.advantages, b.aux_advantages, b.valid, 6.0))
+    # gamma 0: the aux target is the (normalised) reward itself, (r - V) + V up to rounding
+    torch.testing.assert_close(b.aux_returns[b.valid], b.rewards[b.valid], rtol=1e-6, atol=1e-6)
     agent.close()
 
 
