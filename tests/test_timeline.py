@@ -1,0 +1,22 @@
+"""benchmarks/timeline.py's critical-path split: a kernel's time alone, its share of overlaps, and idle gaps."""
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _timeline():
+    spec = importlib.util.spec_from_file_location("timeline", os.path.join(ROOT, "benchmarks", "timeline.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_critical_splits_solo_shared_and_idle_time():
+    # a [0, 10) alone then with b over [6, 10); b runs on to 12; a gap [12, 15); c [15, 20) alone
+    ks = [("a(x)", 7, 0.0, 10.0), ("b", 8, 6.0, 6.0), ("c", 7, 15.0, 5.0)]
+    r = _timeline().critical(ks)
+    assert r["span_us"] == 20.0 and r["idle_us"] == 3.0
+    got = {k["name"]: (k["solo_us"], k["shared_us"]) for k in r["kernels"]}
+    assert got == {"a": (6.0, 2.0), "b": (2.0, 2.0), "c": (5.0, 0.0)}
+    assert [k["name"] for k in r["kernels"]] == ["a", "c", "b"]  # by total time
