@@ -250,7 +250,8 @@ class PPOConfig(_PPOFields):
             stds over the rollout's valid steps (all ranks'; A alone where std(A_aux) is ~0).
             Measured on the CPU (benchmarks/learning/README.md, 3 seeds at 200k env steps): the default (aux_gamma
             0, C 6) gives 6 of 8 POPGym bars and +0.114 over sb3-contrib's LSTM (ConcentrationEasy +0.135,
-            AutoencodeEasy -0.420), CartPoleNoVel >= 475 within 100k steps on seeds 1-5. The previous default
+            AutoencodeEasy -0.426), CartPoleNoVel >= 475 within 100k steps on 10 of 10 seeds, PendulumNoVel >= -200
+            on 3 of 3; C 8 reached AutoencodeEasy's bar (-0.414) but CartPoleNoVel's on 7 of 10 seeds. The previous default
             (aux_gamma 0.9, aux_gae_lambda 0.65, the rescaled mix at w 0.3): 6 of 8 and +0.085. The rescaled mix
             at aux_gamma 0 breaks CartPoleNoVel (a reward of 1 every step leaves A_aux only the critic's error,
             which the rescaling blows up to A's size: MMER 20-54 at w 1); the additive form leaves it at its own
