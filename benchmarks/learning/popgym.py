@@ -9,6 +9,8 @@ Methods:
   ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
   observation normaliser's statistics freeze once N env steps are done.
   ``--set obs_norm_clip=V`` clips the normalised observations to [-V, V] (sb3's ``clip_obs``).
+  ``--set joint_action=True`` turns a MultiDiscrete action (Battleship's row and column) into one Discrete over
+  every combination (a gymnasium ``ActionWrapper``; its envs cannot be pickled into a checkpoint).
   ``--set obs_norm_discrete=True`` normalises all-discrete (one-hot) observations too, the rule before
   :func:`mamba_rl.envs.make_vec_env` went continuous-only.
   ``--set gae_lambda_value=L`` computes the value targets with GAE lambda L, the advantages keeping ``gae_lambda``.
@@ -218,6 +220,33 @@ def _value_lambda(value_lambda: float) -> None:
     R.compute_gae = split
 
 
+def _joint_action_env(base: str) -> str:
+    """``--set joint_action=True`` (harness only): the task with its MultiDiscrete action (Battleship's row and
+    column) as one Discrete over every combination (a gymnasium ``ActionWrapper``), so the policy's categorical
+    can put its mass on any set of cells (a factorised head cannot express "any cell not yet shot"). Registers
+    ``<base>-joint`` in this process's gymnasium registry and returns that id."""
+    import gymnasium as gym
+    import numpy as np
+
+    if base.startswith("popgym-"):
+        import popgym  # noqa: F401  (registers the popgym-* ids)
+    new = f"mamba_rl_harness/{base}-joint-v0"
+    if new not in gym.registry:
+        class JointAction(gym.ActionWrapper):
+            def __init__(self, env):
+                super().__init__(env)
+                if not isinstance(env.action_space, gym.spaces.MultiDiscrete):
+                    raise ValueError(f"joint_action: expected a MultiDiscrete action space, got {env.action_space}")
+                self.nvec = tuple(int(v) for v in env.action_space.nvec)
+                self.action_space = gym.spaces.Discrete(int(np.prod(self.nvec)))
+
+            def action(self, action):
+                return np.array(np.unravel_index(int(action), self.nvec), dtype=np.int64)
+
+        gym.register(new, entry_point=lambda **kw: JointAction(gym.make(base, **kw)))
+    return new
+
+
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -244,8 +273,9 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
         _value_lambda(float(sets.pop("gae_lambda_value")))
     if "obs_norm_clip" in sets:
         _obs_norm_clip(float(sets.pop("obs_norm_clip")))
+    task_id = _joint_action_env(env_id(task)) if sets.pop("joint_action", False) else env_id(task)
     kw.update(sets)
-    agent = RecurrentPPO(env_id(task), **kw)
+    agent = RecurrentPPO(task_id, **kw)
     start = {f: getattr(agent.config, f) for f in sched}
     n_up = agent.num_updates
     last = deque(maxlen=100)
