@@ -206,6 +206,15 @@ def compute_gae_parallel(rewards: torch.Tensor, values: torch.Tensor, terminatio
     return advantages, returns
 
 
+def _check_pair(who: str, advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor) -> None:
+    """ValueError unless the two advantages and ``valid`` share one [N, T] shape and ``valid`` is bool."""
+    if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or advantages.dim() != 2:
+        raise ValueError(f"{who}: expected advantages, aux_advantages and valid of one [N, T] shape, got "
+                         f"{list(advantages.shape)}, {list(aux_advantages.shape)}, {list(valid.shape)}")
+    if valid.dtype != torch.bool:
+        raise ValueError(f"{who}: valid must be bool, got {valid.dtype}")
+
+
 def advantage_moments(advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """[count, sum A, sum A^2, sum A_aux, sum A_aux^2] over the valid steps, float64 [5] on the inputs' device:
     what :func:`combine_advantages` takes its two standard deviations from. Sums, so that a data-parallel run
@@ -219,11 +228,7 @@ def advantage_moments(advantages: torch.Tensor, aux_advantages: torch.Tensor, va
     Raises:
         ValueError: tensors of different shapes, or a ``valid`` that is not bool.
     """
-    if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or advantages.dim() != 2:
-        raise ValueError(f"advantage_moments: expected advantages, aux_advantages and valid of one [N, T] shape, got "
-                         f"{list(advantages.shape)}, {list(aux_advantages.shape)}, {list(valid.shape)}")
-    if valid.dtype != torch.bool:
-        raise ValueError(f"advantage_moments: valid must be bool, got {valid.dtype}")
+    _check_pair("advantage_moments", advantages, aux_advantages, valid)
     # a select, not a product: a NaN / inf at an invalid step stays out
     a = torch.where(valid, advantages.double(), 0.0)
     b = torch.where(valid, aux_advantages.double(), 0.0)
@@ -292,13 +297,10 @@ def add_advantages(advantages: torch.Tensor, aux_advantages: torch.Tensor, valid
         [N, T] float32 on the inputs' device.
 
     Raises:
-        ValueError: ``coef`` negative or not finite; tensors of different shapes, or a non-bool ``valid``.
+        ValueError: ``coef`` negative or not finite; tensors not of one [N, T] shape, or a non-bool ``valid``.
     """
     if not (math.isfinite(coef) and coef >= 0.0):
         raise ValueError(f"add_advantages: coef must be a finite number >= 0, got {coef!r}")
-    if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or valid.dtype != torch.bool:
-        raise ValueError(f"add_advantages: expected advantages, aux_advantages and a bool valid of one shape, got "
-                         f"{tuple(advantages.shape)}, {tuple(aux_advantages.shape)} and {tuple(valid.shape)} "
-                         f"{valid.dtype}")
+    _check_pair("add_advantages", advantages, aux_advantages, valid)
     mixed = advantages.float() + coef * aux_advantages.float()
     return torch.where(valid, mixed, torch.zeros((), device=advantages.device))
