@@ -85,7 +85,7 @@ def main(argv=None):
         for _ in range(10):
             tr._graphs["step"].replay()
         ks = replay_kernels(tr)
-        out["rows"][sh] = dict(kernels=ks, **critical(ks))
+        out["rows"][sh] = dict(trace=ks, **critical(ks))
         r = out["rows"][sh]
         print(f"{sh} {a.dtype}: span {r['span_us']} µs, idle {r['idle_us']}", flush=True)
         for k in r["kernels"][:8]:
