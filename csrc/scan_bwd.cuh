@@ -57,7 +57,7 @@ struct ScanBwdLocalSmem {
   static constexpr int CPB = ScanGeom<N>::CPB, TC = SCAN_TC;
   float dl[TC][CPB], gs[TC][CPB];
   __align__(16) float C[TC][N];
-  bool st[TC];
+  __align__(16) bool st[TC];  // read as words by chunk_has_start
 };
 
 // Local pass of the backward: segment k (1 <= k < nseg) runs the adjoint recurrence in
@@ -109,20 +109,23 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
     commit(c * TC);
     __syncthreads();
     if (c > sg.cb) r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c - 1, tid);
+    auto steps = [&](auto has_start) {  // the chunk's reverse steps (chunk_has_start: the same bits either way)
 #pragma unroll 4
-    for (int i = TC - 1; i >= 0; --i) {
-      const float dl = sdl[i][cl], gs = sgs[i][cl];
-      const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
-      const float cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-      const bool st = sst[i];
+      for (int i = TC - 1; i >= 0; --i) {
+        const float dl = sdl[i][cl], gs = sgs[i][cl];
+        const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
+        const float cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+        const bool st = decltype(has_start)::value && sst[i];
 #pragma unroll
-      for (int j = 0; j < NP; ++j) {
-        const float a = ex2f_(dl * A2[j]);
-        const float h = fmaf(gs, cx[j], hc[j]);
-        hc[j] = st ? 0.f : h * a;
-        P[j] = (st ? 0.f : P[j]) * a;
+        for (int j = 0; j < NP; ++j) {
+          const float a = ex2f_(dl * A2[j]);
+          const float h = fmaf(gs, cx[j], hc[j]);
+          hc[j] = st ? 0.f : h * a;
+          P[j] = (st ? 0.f : P[j]) * a;
+        }
       }
-    }
+    };
+    if (chunk_has_start(sst)) steps(HasStart<true>{}); else steps(HasStart<false>{});
     __syncthreads();
   }
   if (act) {
@@ -142,7 +145,7 @@ struct ScanBwdSmem {
   __align__(16) float Bv[TC][N];
   __align__(16) float Cv[TC][N];
   float red[TC][NW][2 * N];
-  bool st[TC];
+  __align__(16) bool st[TC];  // read as words by chunk_has_start
 };
 
 // The main pass of segment k: the adjoint entering it from the local pass's results (k < nseg - 1), then
@@ -231,61 +234,75 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
     __syncthreads();
     if (c > sg.cb) prefetch(c - 1);
     sm.S[0][tid] = s4;
+    const bool chunk_st = chunk_has_start(sm.st);
     {  // recompute the chunk's states (this thread's own S entries: no barrier needed)
       float s[NP] = {s4.x, s4.y, s4.z, s4.w};
+      auto recompute = [&](auto has_start) {
 #pragma unroll 4
-      for (int i = 0; i < TC; ++i) {
-        const float dl = sm.dl[i][cl];
-        const float dx_ = dl * sm.x[i][cl];
-        const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
-        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
-        const bool st = sm.st[i];
+        for (int i = 0; i < TC; ++i) {
+          const float dl = sm.dl[i][cl];
+          const float dx_ = dl * sm.x[i][cl];
+          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
+          const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
+          const bool st = decltype(has_start)::value && sm.st[i];
 #pragma unroll
-        for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
-        sm.S[i + 1][tid] = make_float4(s[0], s[1], s[2], s[3]);
-      }
+          for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
+          sm.S[i + 1][tid] = make_float4(s[0], s[1], s[2], s[3]);
+        }
+      };
+      if (chunk_st) recompute(HasStart<true>{}); else recompute(HasStart<false>{});
     }
+    auto reverse = [&](auto has_start) {  // the chunk's reverse steps (chunk_has_start: the same bits either way)
 #pragma unroll 2
-    for (int i = TC - 1; i >= 0; --i) {
-      const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
-      const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
-      const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP]);
-      const float4 Sc = sm.S[i + 1][tid], Sp = sm.S[i][tid];
-      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-      const float sc[NP] = {Sc.x, Sc.y, Sc.z, Sc.w}, spv[NP] = {Sp.x, Sp.y, Sp.z, Sp.w};
-      const bool st = sm.st[i];
-      const float g = sm.gs[i][cl];                          // d loss / d y_pre
-      float ys = 0.f, ddel = 0.f, dxp = 0.f;
-      float v8[8];
+      for (int i = TC - 1; i >= 0; --i) {
+        const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
+        const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
+        const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP]);
+        const float4 Sc = sm.S[i + 1][tid], Sp = sm.S[i][tid];
+        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+        const float sc[NP] = {Sc.x, Sc.y, Sc.z, Sc.w}, spv[NP] = {Sp.x, Sp.y, Sp.z, Sp.w};
+        const bool st = decltype(has_start)::value && sm.st[i];
+        const float g = sm.gs[i][cl];                          // d loss / d y_pre
+        // Per state j, with h = d loss / d s_t and a = exp(dl A_j): dB_j = h dl x, dC_j = g s_t, and
+        //   d loss / d dl = sum_j h (s_{t-1} a A_j + x B_j) = sum_j (h s_{t-1} a) A_j + x hB,
+        //   d loss / d x  = dl hB,  with hB = sum_j h B_j,
+        // so h s_{t-1} a (also dA's term) and hB are formed once per state, and the products by x / dl once per
+        // step (am: 0 for a padding channel, whose dB / dC partials must be 0).
+        const float amdx = am * dl * xv, amg = am * g;
+        float ys = 0.f, ddA = 0.f, hB = 0.f;
+        float v8[8];
 #pragma unroll
-      for (int j = 0; j < NP; ++j) {
-        const float a = ex2f_(dl * A2[j]);
-        const float sp = st ? 0.f : spv[j];
-        const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
-        ys = fmaf(sc[j], cx[j], ys);
-        v8[j] = am * h * dl * xv;                            // dB
-        v8[NP + j] = am * g * sc[j];                         // dC
-        const float spa = sp * a;
-        ddel = fmaf(h, fmaf(spa, A[j], xv * bx[j]), ddel);
-        dxp = fmaf(h * dl, bx[j], dxp);
-        dAacc[j] = fmaf(h * spa, dl, dAacc[j]);
-        hc[j] = st ? 0.f : h * a;
+        for (int j = 0; j < NP; ++j) {
+          const float a = ex2f_(dl * A2[j]);
+          const float sp = st ? 0.f : spv[j];
+          const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
+          ys = fmaf(sc[j], cx[j], ys);
+          v8[j] = h * amdx;                                    // dB
+          v8[NP + j] = amg * sc[j];                            // dC
+          const float hsa = h * (sp * a);
+          ddA = fmaf(hsa, A[j], ddA);
+          hB = fmaf(h, bx[j], hB);
+          dAacc[j] = fmaf(hsa, dl, dAacc[j]);
+          hc[j] = st ? 0.f : h * a;
+        }
+        ys = group_sum<G>(ys);
+        ddA = group_sum<G>(ddA);
+        hB = group_sum<G>(hB);
+        const float ddel = fmaf(xv, hB, ddA), dxp = dl * hB;
+        const float ddt = ddel * sm.sig[i][cl];
+        if (gi == 0) {  // outputs over the consumed inputs (see ScanBwdSmem)
+          sm.x[i][cl] = fmaf(g, Dd, dxp);
+          sm.dl[i][cl] = ddt;
+          sm.gs[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
+        }
+        dDacc = fmaf(amg, xv, dDacc);
+        ddbacc = fmaf(ddt, am, ddbacc);
+        int idx; bool dup;
+        const float rr = transpose_reduce8<G>(v8, lane, idx, dup);
+        sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
       }
-      ys = group_sum<G>(ys);
-      ddel = group_sum<G>(ddel);
-      dxp = group_sum<G>(dxp);
-      const float ddt = ddel * sm.sig[i][cl];
-      if (gi == 0) {  // outputs over the consumed inputs (see ScanBwdSmem)
-        sm.x[i][cl] = fmaf(g, Dd, dxp);
-        sm.dl[i][cl] = ddt;
-        sm.gs[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
-      }
-      dDacc = fmaf(g * am, xv, dDacc);
-      ddbacc = fmaf(ddt, am, ddbacc);
-      int idx; bool dup;
-      const float rr = transpose_reduce8<G>(v8, lane, idx, dup);
-      sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
-    }
+    };
+    if (chunk_st) reverse(HasStart<true>{}); else reverse(HasStart<false>{});
     __syncthreads();
     for (int idx = tid; idx < len * 2 * N; idx += SCAN_THREADS) {
       const int i = idx / (2 * N), j = idx % (2 * N);

@@ -27,6 +27,7 @@
 // runs one code path.
 // This header: the constants, the geometry and the chunk staging that scan_fwd.cuh and scan_bwd.cuh share.
 #pragma once
+#include <type_traits>
 #include <cooperative_groups.h>
 #include "common.cuh"
 
@@ -88,6 +89,23 @@ __device__ __forceinline__ void seg_combine(float (&s)[SCAN_NPT], float4 P, floa
 #pragma unroll
   for (int j = 0; j < SCAN_NPT; ++j) s[j] = p4[j] == 0.f ? e4[j] : fmaf(p4[j], s[j], e4[j]);
 }
+
+// Does a chunk have an episode start? `st` is the chunk's SCAN_TC staged flags, 16-byte aligned, read as words.
+// A block scans one batch row, so the answer is the same for every thread: a chunk without a start (the common
+// case) runs its loop specialised on "no start" (HasStart = false), without the reset selects. A select whose
+// flag is false passes its value through, so both loops give the same bits.
+__device__ __forceinline__ bool chunk_has_start(const bool* st) {
+  static_assert(SCAN_TC % 16 == 0, "chunk_has_start reads the flags 16 at a time");
+  unsigned any = 0;
+#pragma unroll
+  for (int k = 0; k < SCAN_TC / 16; ++k) {
+    const uint4 w = reinterpret_cast<const uint4*>(st)[k];
+    any |= w.x | w.y | w.z | w.w;
+  }
+  return any != 0;
+}
+template <bool V>
+using HasStart = std::integral_constant<bool, V>;
 
 // Which arrays a chunk load reads (dt and the episode starts always).
 enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };

@@ -13,7 +13,7 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sdl[TC][CPB], sdx[TC][CPB];
   __shared__ __align__(16) float sB[TC][N];
-  __shared__ bool sst[TC];
+  __shared__ __align__(16) bool sst[TC];
   const int tid = threadIdx.x, gi = tid % G, cl = tid / G;
   const int d0 = blockIdx.x * CPB, b = blockIdx.y;
   const int T_ = p.T, D = p.D;
@@ -50,19 +50,22 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
     commit(c * TC);
     __syncthreads();
     if (c + 1 < sg.ce) r.load(p, nullptr, 0, 0, b, d0, c + 1, tid);
+    auto steps = [&](auto has_start) {  // the chunk's steps (chunk_has_start: the same bits either way)
 #pragma unroll 4
-    for (int i = 0; i < TC; ++i) {
-      const float dl = sdl[i][cl], dx_ = sdx[i][cl];
-      const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
-      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
-      const bool st = sst[i];
+      for (int i = 0; i < TC; ++i) {
+        const float dl = sdl[i][cl], dx_ = sdx[i][cl];
+        const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
+        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
+        const bool st = decltype(has_start)::value && sst[i];
 #pragma unroll
-      for (int j = 0; j < NP; ++j) {
-        const float a = ex2f_(dl * A2[j]);
-        s[j] = fmaf(a, st ? 0.f : s[j], dx_ * bx[j]);
-        P[j] = (st ? 0.f : P[j]) * a;
+        for (int j = 0; j < NP; ++j) {
+          const float a = ex2f_(dl * A2[j]);
+          s[j] = fmaf(a, st ? 0.f : s[j], dx_ * bx[j]);
+          P[j] = (st ? 0.f : P[j]) * a;
+        }
       }
-    }
+    };
+    if (chunk_has_start(sst)) steps(HasStart<true>{}); else steps(HasStart<false>{});
     __syncthreads();
   }
   if (act) {
@@ -80,7 +83,7 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sx[TC][CPB], sdl[TC][CPB], sz[TC][CPB], sy[TC][CPB];
   __shared__ __align__(16) float sB[TC][N], sC[TC][N];
-  __shared__ bool sst[TC];
+  __shared__ __align__(16) bool sst[TC];
   const int tid = threadIdx.x;
   const int gi = tid % G, cl = tid / G;
   const int d0 = blockIdx.x * CPB;
@@ -137,23 +140,26 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
       float4* ck = reinterpret_cast<float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
       *ck = make_float4(s[0], s[1], s[2], s[3]);
     }
+    auto steps = [&](auto has_start) {  // the chunk's steps (chunk_has_start: the same bits either way)
 #pragma unroll 4
-    for (int i = 0; i < TC; ++i) {
-      const float xv = sx[i][cl], dl = sdl[i][cl];
-      const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
-      const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
-      const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-      const bool st = sst[i];
-      const float dx_ = dl * xv;
-      float y = 0.f;
+      for (int i = 0; i < TC; ++i) {
+        const float xv = sx[i][cl], dl = sdl[i][cl];
+        const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
+        const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
+        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+        const bool st = decltype(has_start)::value && sst[i];
+        const float dx_ = dl * xv;
+        float y = 0.f;
 #pragma unroll
-      for (int j = 0; j < NP; ++j) {
-        s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);  // select: a reset clears even inf/NaN
-        y = fmaf(s[j], cx[j], y);
+        for (int j = 0; j < NP; ++j) {
+          s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);  // select: a reset clears even inf/NaN
+          y = fmaf(s[j], cx[j], y);
+        }
+        y = group_sum<G>(y);
+        if (gi == 0) sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];
       }
-      y = group_sum<G>(y);
-      if (gi == 0) sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];
-    }
+    };
+    if (chunk_has_start(sst)) steps(HasStart<true>{}); else steps(HasStart<false>{});
     __syncthreads();
     T* ob = reinterpret_cast<T*>(p.out) + (int64_t)b * T_ * D;
 #pragma unroll
