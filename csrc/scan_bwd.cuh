@@ -125,7 +125,7 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
         }
       }
     };
-    if (chunk_has_start(sst)) steps(HasStart<true>{}); else steps(HasStart<false>{});
+    by_chunk_start(chunk_has_start(sst), steps);
     __syncthreads();
   }
   if (act) {
@@ -250,7 +250,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
           sm.S[i + 1][tid] = make_float4(s[0], s[1], s[2], s[3]);
         }
       };
-      if (chunk_st) recompute(HasStart<true>{}); else recompute(HasStart<false>{});
+      by_chunk_start(chunk_st, recompute);
     }
     auto reverse = [&](auto has_start) {  // the chunk's reverse steps (chunk_has_start: the same bits either way)
 #pragma unroll 2
@@ -302,7 +302,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
         sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
       }
     };
-    if (chunk_st) reverse(HasStart<true>{}); else reverse(HasStart<false>{});
+    by_chunk_start(chunk_st, reverse);
     __syncthreads();
     for (int idx = tid; idx < len * 2 * N; idx += SCAN_THREADS) {
       const int i = idx / (2 * N), j = idx % (2 * N);

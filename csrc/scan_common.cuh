@@ -106,6 +106,12 @@ __device__ __forceinline__ bool chunk_has_start(const bool* st) {
 }
 template <bool V>
 using HasStart = std::integral_constant<bool, V>;
+// f(HasStart<true>{}) where `has` (chunk_has_start), else f(HasStart<false>{}): f is a chunk's step loop, and
+// reads a step's flag as `decltype(has_start)::value && st[i]`.
+template <typename F>
+__device__ __forceinline__ void by_chunk_start(bool has, F&& f) {
+  if (has) f(HasStart<true>{}); else f(HasStart<false>{});
+}
 
 // Which arrays a chunk load reads (dt and the episode starts always).
 enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };

@@ -65,7 +65,7 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
         }
       }
     };
-    if (chunk_has_start(sst)) steps(HasStart<true>{}); else steps(HasStart<false>{});
+    by_chunk_start(chunk_has_start(sst), steps);
     __syncthreads();
   }
   if (act) {
@@ -159,7 +159,7 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
         if (gi == 0) sy[i][cl] = fmaf(Dd, xv, y) * sz[i][cl];
       }
     };
-    if (chunk_has_start(sst)) steps(HasStart<true>{}); else steps(HasStart<false>{});
+    by_chunk_start(chunk_has_start(sst), steps);
     __syncthreads();
     T* ob = reinterpret_cast<T*>(p.out) + (int64_t)b * T_ * D;
 #pragma unroll
