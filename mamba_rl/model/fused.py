@@ -219,8 +219,12 @@ class _WGrads:
     def add(self, dst, a, b):
         """dst (float32 arena view) += a^T @ b (a [K, M], b [K, N] or None for column sums)."""
         if not self.on:
-            if b is None:  # column sums as a GEMM with a ones row: at 65536 x 128 f32, 11 µs against sum(0)'s 67 (H100)
+            if b is None and a.is_cuda:  # column sums as a GEMM with a ones row: 11 µs against sum(0)'s 67 at
+                # 65536 x 128 float32 (H100). The CPU keeps sum(0), the order of the CPU extension's whole-backbone
+                # backward, which must give the same bits.
                 self._run(lambda: _acc_mm(dst.view(1, -1), a.new_ones(1, a.shape[0]), a), a)
+            elif b is None:
+                self._run(lambda: dst.add_(a.sum(0, dtype=torch.float32).view(dst.shape)), a)
             else:
                 self._run(lambda: _acc_mm(dst, a.t(), b), a, b)
             return
