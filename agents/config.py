@@ -49,7 +49,7 @@ _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0,
                 ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True),
                 ("min_action_std", 0.0, 1.0, False, False), ("aux_gamma", 0.0, 1.0, False, True),
                 ("aux_gae_lambda", 0.0, 1.0, False, False), ("aux_adv_weight", 0.0, 1.0, False, False),
-                ("aux_adv_add", 0.0, math.inf, False, True))
+                ("aux_adv_add", 0.0, 1000.0, False, True))
 
 
 @dataclass
@@ -260,8 +260,9 @@ class PPOConfig(_PPOFields):
         aux_adv_weight: weight w of the rescaled mix (with aux_gamma and ``aux_adv_add=None``; ignored otherwise);
             [0, 1].
         aux_adv_add: C in ``A + C * A_aux``, the aux advantage added in the reward's units (with aux_gamma; ignored
-            without); >= 0, or None for the rescaled mix (``aux_adv_weight``). A checkpoint from before this field
-            resumes with None, the mix it trained with.
+            without); in [0, 1000], or None for the rescaled mix (``aux_adv_weight``). The bound keeps the loss and
+            its gradient finite in float32 (at 1e20 every minibatch step overflows and is skipped, so nothing
+            trains). A checkpoint from before this field resumes with None, the mix it trained with.
         num_minibatches: minibatches per epoch; each is [num_envs/num_minibatches, num_steps].
         update_epochs: passes over the rollout per update.
         norm_adv: normalise advantages per minibatch (over valid steps); off by default.

@@ -35,6 +35,7 @@ reward's units, or (:func:`combine_advantages`) the mix at the default advantage
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -207,7 +208,10 @@ def compute_gae_parallel(rewards: torch.Tensor, values: torch.Tensor, terminatio
 
 
 def _check_pair(who: str, advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor) -> None:
-    """ValueError unless the two advantages and ``valid`` share one [N, T] shape and ``valid`` is bool."""
+    """ValueError unless the two advantages and ``valid`` are tensors of one [N, T] shape and ``valid`` is bool."""
+    for name, t in (("advantages", advantages), ("aux_advantages", aux_advantages), ("valid", valid)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or advantages.dim() != 2:
         raise ValueError(f"{who}: expected advantages, aux_advantages and valid of one [N, T] shape, got "
                          f"{list(advantages.shape)}, {list(aux_advantages.shape)}, {list(valid.shape)}")
@@ -299,8 +303,8 @@ def add_advantages(advantages: torch.Tensor, aux_advantages: torch.Tensor, valid
     Raises:
         ValueError: ``coef`` negative or not finite; tensors not of one [N, T] shape, or a non-bool ``valid``.
     """
-    if not (math.isfinite(coef) and coef >= 0.0):
-        raise ValueError(f"add_advantages: coef must be a finite number >= 0, got {coef!r}")
+    if isinstance(coef, bool) or not isinstance(coef, numbers.Real) or not (math.isfinite(coef) and coef >= 0.0):
+        raise ValueError(f"add_advantages: coef must be a finite real number >= 0, got {coef!r}")
     _check_pair("add_advantages", advantages, aux_advantages, valid)
     mixed = advantages.float() + coef * aux_advantages.float()
     return torch.where(valid, mixed, torch.zeros((), device=advantages.device))

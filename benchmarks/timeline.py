@@ -65,15 +65,20 @@ def main(argv=None):
     ap.add_argument("--shape", nargs="+", default=SHAPES, metavar="DMxBxT")
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     a = ap.parse_args(argv)
+    shapes = {}
+    for sh in a.shape:  # every shape checked before the first is profiled
+        try:
+            dm, B, T = (int(v) for v in sh.split("x"))
+        except ValueError:
+            ap.error(f"--shape expects DMxBxT (e.g. 128x64x1024), got {sh!r}")
+        if min(dm, B, T) < 1:
+            ap.error(f"--shape expects d_model, B and T >= 1, got {sh!r}")
+        shapes[sh] = (dm, B, T)
     if not torch.cuda.is_available():
         raise SystemExit("timeline: needs a CUDA device")
     from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
     out = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=a.dtype, rows={})
-    for sh in a.shape:
-        try:
-            dm, B, T = (int(v) for v in sh.split("x"))
-        except ValueError:
-            raise SystemExit(f"timeline: --shape expects DMxBxT (e.g. 128x64x1024), got {sh!r}") from None
+    for sh, (dm, B, T) in shapes.items():
         net = MambaBackbone(MambaConfig(d_model=dm, n_layers=3), 32, device="cuda", seed=0, backend="cuda")
         tr = MambaTrainer(net, batch=B, seq_len=T, dtype=a.dtype, lr=1e-3)
         g = torch.Generator(device="cuda").manual_seed(B * T)
@@ -91,7 +96,8 @@ def main(argv=None):
         for k in r["kernels"][:8]:
             print(f"   {k['solo_us']:9.1f} solo {k['shared_us']:8.1f} shared  {k['name'][:70]}", flush=True)
         del tr, net
-    json.dump(out, open(a.out, "w"))
+        with open(a.out, "w") as f:  # after every shape: a later failure keeps the rows already profiled
+            json.dump(out, f)
 
 
 if __name__ == "__main__":

@@ -20,3 +20,13 @@ def test_critical_splits_solo_shared_and_idle_time():
     got = {k["name"]: (k["solo_us"], k["shared_us"]) for k in r["kernels"]}
     assert got == {"a": (6.0, 2.0), "b": (2.0, 2.0), "c": (5.0, 0.0)}
     assert [k["name"] for k in r["kernels"]] == ["a", "c", "b"]  # by total time
+
+
+def test_every_shape_is_checked_before_any_is_profiled(tmp_path, capsys):
+    import pytest
+
+    for bad, msg in (("0x4x4", "d_model, B and T >= 1, got '0x4x4'"), ("12x3", "DMxBxT"), ("axbxc", "DMxBxT")):
+        with pytest.raises(SystemExit) as e:
+            _timeline().main(["--out", str(tmp_path / "t.json"), "--shape", "128x4x16", bad])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()

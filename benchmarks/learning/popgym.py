@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -251,9 +252,17 @@ def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, e
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
 
+    tmp = tempfile.mkdtemp(prefix="mamba_rl_popgym_")  # the run's checkpoints and logs: removed when it ends
+    try:
+        return _run_mamba_in(tmp, task, seed, total, sets, out, eval_episodes)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _CurveWriter,
+                  eval_episodes: int) -> dict:
     from mamba_rl.agents import RecurrentPPO
 
-    tmp = tempfile.mkdtemp(prefix="mamba_rl_popgym_")
     kw = dict(seed=seed, total_timesteps=total, num_envs=ROLLOUT[0], num_steps=ROLLOUT[1], device="cpu",
               threads=1, track=False, checkpoint_every=0, checkpoint_dir=tmp, runs_dir=tmp)
     given, sets = sets, dict(sets)
@@ -539,6 +548,33 @@ def plot(runs: dict, path: str) -> None:
     plt.close(fig)
 
 
+# --set names the harness itself takes (see the module docstring), not PPOConfig fields
+HARNESS_SETS = ("adv_norm_batch", "obs_norm_discrete", "gae_lambda_value", "obs_norm_clip", "joint_action",
+                "obs_norm_freeze_step") + tuple(f + "_end" for f in SCHEDULED)
+
+
+def _check_runs(ap: argparse.ArgumentParser, a: argparse.Namespace, sets: dict) -> None:
+    """Stop with one line (argparse's error, exit 2) on what every run would fail on: --total < 1, a task that is
+    not an env id, or a --set that PPOConfig refuses (an unknown field or a bad value)."""
+    if a.total < 1:
+        ap.error(f"--total must be >= 1 env steps, got {a.total}")
+    import gymnasium as gym
+
+    from mamba_rl.agents.config import PPOConfig
+    from mamba_rl.envs.registry import check_env_id
+
+    for task in a.tasks:
+        try:
+            check_env_id(env_id(task))
+        except (gym.error.Error, ImportError) as e:
+            ap.error(f"--tasks: {task!r}: {e}")
+    if "mamba" in a.methods:
+        try:  # an unknown field or a bad value: PPOConfig's ValueError names the field and what it expects
+            PPOConfig(**{k: v for k, v in sets.items() if k not in HARNESS_SETS})
+        except ValueError as e:
+            ap.error(f"--set: {e}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), help="POPGym names (AutoencodeEasy) or full env ids")
@@ -563,13 +599,18 @@ def main(argv=None) -> int:
     ap.add_argument("--task", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    parse_sets(a.set)  # a malformed --set fails here, before any run starts
+    try:
+        sets = parse_sets(a.set)  # a malformed --set fails here, before any run starts
+    except ValueError as e:
+        ap.error(str(e))
     if a.set and not a.variant and not a.worker:
         ap.error("--set needs --variant NAME (the folder mamba__NAME keeps that configuration's runs apart)")
     if a.worker:
         return worker(a)
     if a.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {a.jobs}")
+    if not a.summarise_only:
+        _check_runs(ap, a, sets)
     os.makedirs(a.out, exist_ok=True)
     jobs = []
     if not a.summarise_only:

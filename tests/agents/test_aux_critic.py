@@ -136,8 +136,11 @@ def test_add_advantages_is_the_formula_and_checks_its_inputs(coef):
     want = torch.where(valid, a.double() + coef * b.double(), torch.zeros((), dtype=torch.float64))
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     assert torch.equal(got[~valid], torch.zeros_like(got[~valid]))
-    with pytest.raises(ValueError, match="coef must be a finite number >= 0, got -1.0"):
-        add_advantages(a, b, valid, -1.0)
+    for bad in (-1.0, True, None, "6"):
+        with pytest.raises(ValueError, match=f"coef must be a finite real number >= 0, got {bad!r}"):
+            add_advantages(a, b, valid, bad)
+    with pytest.raises(ValueError, match="add_advantages: valid must be a torch.Tensor, got ndarray"):
+        add_advantages(a, b, valid.numpy(), coef)
     with pytest.raises(ValueError, match=r"add_advantages: expected .* of one \[N, T\] shape"):
         add_advantages(a, b[:, :-1], valid, coef)
     with pytest.raises(ValueError, match="add_advantages: valid must be bool, got torch.float32"):
@@ -155,7 +158,8 @@ def test_add_advantages_is_the_formula_and_checks_its_inputs(coef):
     ("aux_gae_lambda", None, r"PPOConfig.aux_gae_lambda must be a finite number, got None"),
     ("aux_adv_weight", -0.5, r"PPOConfig.aux_adv_weight must be in \[0.0, 1.0\], got -0.5"),
     ("aux_adv_weight", 2, r"PPOConfig.aux_adv_weight must be in \[0.0, 1.0\], got 2"),
-    ("aux_adv_add", -1.0, r"PPOConfig.aux_adv_add must be in \[0.0, inf\], got -1.0"),
+    ("aux_adv_add", -1.0, r"PPOConfig.aux_adv_add must be in \[0.0, 1000.0\], got -1.0"),
+    ("aux_adv_add", 1e20, r"PPOConfig.aux_adv_add must be in \[0.0, 1000.0\], got 1e\+20"),
     ("aux_adv_add", "6", r"PPOConfig.aux_adv_add must be a finite number or None, got '6'"),
 ])
 def test_config_refuses_bad_aux_values(field, value, msg):

@@ -3,6 +3,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -127,3 +128,21 @@ def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
 def test_set_needs_a_variant(pg, tmp_path):
     with pytest.raises(SystemExit):
         pg.main(["--methods", "mamba", "--set", "prev_action=True", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("extra,msg", [
+    (["--set", "foo"], "--set expects NAME=VALUE, got 'foo'"),
+    (["--variant", "v", "--set", "foo=1"], "unknown fields \\['foo'\\]"),
+    (["--variant", "v", "--set", "aux_adv_add=abc"], "aux_adv_add must be a finite number or None, got 'abc'"),
+    (["--tasks", "NoSuchTaskEasy"], "--tasks: 'NoSuchTaskEasy'"),
+    (["--total", "0"], "--total must be >= 1 env steps, got 0"),
+])
+def test_bad_runs_stop_before_any_worker_starts(pg, tmp_path, capsys, extra, msg):
+    """What every run would fail on stops main with one argparse line (exit 2), and nothing is written."""
+    pytest.importorskip("popgym")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        pg.main(["--methods", "mamba", "--seeds", "0", "--jobs", "1", "--out", str(out)] + extra)
+    assert e.value.code == 2
+    assert re.search(msg, capsys.readouterr().err)
+    assert not out.exists()
