@@ -239,7 +239,7 @@ def _run_train(args: argparse.Namespace) -> int:
     from mamba_rl.agents.checkpoint import read_agent_config
     import signal
 
-    from mamba_rl.agents.interrupts import exit_code, terminate_as_interrupt
+    from mamba_rl.agents.interrupts import exit_code, ignore_until_exit, terminate_as_interrupt
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import RunFolderError, claim_run
@@ -311,6 +311,7 @@ def _run_train(args: argparse.Namespace) -> int:
               f"earlier are under {agent.checkpoint_root}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:
+        ignore_until_exit()  # the run has stopped: a second signal must not raise while it closes down
         ckpt = agent.interrupted_checkpoint
         done = agent.global_step - start_step
         by = "" if exit_code(err) == 130 else f" by {signal.Signals(exit_code(err) - 128).name}"

@@ -7,6 +7,9 @@
 * :func:`interrupt_once` wraps a training loop: the first Ctrl-C (or SIGTERM, where it interrupts) raises as
   usual and at once switches both signals to holding, so a second one that follows within microseconds
   cannot cut short the handler that saves ``interrupted``.
+* :func:`ignore_until_exit`, once a run has stopped on a signal: a later SIGINT / SIGTERM prints one line and is
+  ignored, so the process ends with the first signal's exit code (one raised while the interpreter shuts down
+  would surface as a traceback from an atexit callback).
 * :func:`deferred_signals` wraps the ``interrupted`` save: a second Ctrl-C or SIGTERM while it runs prints
   one line and is otherwise ignored, so the save completes (a resume command never points at a folder
   that was cut short). SIGKILL still ends the process at once; the previous checkpoint folder is then
@@ -23,7 +26,8 @@ import sys
 import threading
 from typing import Any, Iterator
 
-__all__ = ["Interrupted", "terminate_as_interrupt", "interrupt_once", "deferred_signals", "exit_code"]
+__all__ = ["Interrupted", "terminate_as_interrupt", "interrupt_once", "deferred_signals", "ignore_until_exit",
+           "exit_code"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -115,3 +119,19 @@ def deferred_signals(what: str) -> Iterator[list[int]]:
     finally:
         for s, h in old.items():
             signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+def ignore_until_exit() -> bool:
+    """From now on SIGINT and SIGTERM print one line each and are otherwise ignored: for a run that has already
+    stopped on a signal and is closing down (its exit code is the first signal's). Returns False (nothing
+    changed) when called from another thread."""
+    if not _main_thread():
+        return False
+
+    def ignore(signum: int, frame: Any) -> None:  # noqa: ARG001 - signal handler signature
+        print(f"\n{signal.Signals(signum).name} received while the run is already stopping: ignored", file=sys.stderr,
+              flush=True)
+
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, ignore)
+    return True

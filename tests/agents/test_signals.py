@@ -113,3 +113,33 @@ def test_two_signals_at_once_still_save_interrupted(tmp_path):
     assert "SIGTERM received while saving" in r.stderr and "nothing was saved" not in r.stderr, r.stderr
     path = _resume_path(r.stderr)
     assert os.path.isfile(os.path.join(path, "agent.safetensors")), r.stderr
+
+
+_AFTER_THE_SAVE = """
+import os, signal, sys, time
+from mamba_rl.agents import RecurrentPPO
+from mamba_rl.agents.cli import main
+
+real_update, real_close = RecurrentPPO.update_policy, RecurrentPPO.close
+def update_policy(self):                 # the first SIGTERM, in the middle of update 2
+    if self.update == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    return real_update(self)
+def close(self):                         # a second SIGTERM once `interrupted` is saved, while the run closes down
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    return real_close(self)
+RecurrentPPO.update_policy, RecurrentPPO.close = update_policy, close
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_after_the_save_is_ignored_without_a_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _AFTER_THE_SAVE, "train", *TINY, "--total-timesteps", "160",
+                        "--checkpoint-dir", str(tmp_path / "ckpt")], capture_output=True, text=True,
+                       timeout=300, cwd=tmp_path)
+    assert r.returncode == 143, r.stderr  # the first signal's code
+    assert "SIGTERM received while the run is already stopping: ignored" in r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    assert os.path.isfile(os.path.join(_resume_path(r.stderr), "agent.safetensors"))
