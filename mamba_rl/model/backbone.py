@@ -79,6 +79,17 @@ def _guard_fused_backward(net, node) -> None:
     node.register_hook(post)
 
 
+def check_step_args(who: str, state, episode_starts) -> None:
+    """The checks of a backbone's one-token ``step`` (a type and a dtype test): ValueError unless ``state`` is a
+    :class:`RecurrentState` and ``episode_starts`` None or a bool tensor."""
+    if not isinstance(state, RecurrentState):
+        raise ValueError(f"{who}: state must be a RecurrentState (initial_state(batch)), got {type(state).__name__}")
+    if episode_starts is not None and (not isinstance(episode_starts, torch.Tensor)
+                                       or episode_starts.dtype != torch.bool):
+        raise ValueError(f"{who}: episode_starts must be a [B] bool tensor or None, got "
+                         f"{getattr(episode_starts, 'dtype', type(episode_starts).__name__)}")
+
+
 class MambaBackbone(ArenaModule):
     """Mamba-1 backbone ``x [B, T, input_dim] -> features [B, T, d_model]`` with RL reset semantics.
 
@@ -343,8 +354,15 @@ class MambaBackbone(ArenaModule):
         """One token through every layer: x_t [B, input_dim] -> features [B, d_model] (master dtype), with
         ``state`` advanced in place. One extension call where :meth:`kernel_support` ("step") allows it
         (CUDA: d_state 8/16, d_conv 4, at most 16 layers, shared memory; both: float32 state and arena
-        parameters); otherwise each block's :meth:`MambaBlock.step` (torch ops, capturable). Inputs are not
-        validated here (see :class:`Stepper`)."""
+        parameters); otherwise each block's :meth:`MambaBlock.step` (torch ops, capturable). Shapes and devices
+        are not validated here (see :class:`Stepper`); the two checks that are (each a type or dtype test) guard
+        against answers that would be silently wrong or a raw AttributeError.
+
+        Raises:
+            ValueError: ``state`` not a :class:`RecurrentState`, or ``episode_starts`` not a bool tensor (a uint8
+                mask would be inverted bitwise by the torch path and reset the wrong rows).
+        """
+        check_step_args(type(self).__name__ + ".step", state, episode_starts)
         c = self.cfg
         if state.ssm.dtype == torch.float32 and self.kernel_support("step"):
             return backbone_step_packed(self.kernels, x_t, self._packed_step_weights(), state.conv, state.ssm,

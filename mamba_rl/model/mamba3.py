@@ -75,7 +75,7 @@ from ..ops.capability import Support, kernel_support
 from ..ops.extension import extension, fallback_message
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
-from .backbone import MambaBackbone
+from .backbone import MambaBackbone, check_step_args
 from .fused_m3 import fused_m3_backbone, m3_core_kw, m3_core_params
 from .state import RecurrentState
 
@@ -471,10 +471,11 @@ class Mamba3Backbone(MambaBackbone):
     def step(self, x_t: torch.Tensor, state: RecurrentState, episode_starts: torch.Tensor | None = None):
         """One token through every layer: x_t [B, input_dim] -> features [B, d_model] (master dtype), with
         ``state`` (a :class:`Mamba3State`) advanced in place; rows with ``episode_starts`` [B] True start from
-        a zero state. Inputs are not validated here (see :class:`~mamba_rl.model.stepper.Stepper`). One
-        extension call (``m3_backbone_step``, the sequence kernel's own core with T = 1) where
-        :meth:`kernel_support` ("step") allows it and the state is float32; otherwise each block's
-        :meth:`Mamba3Block.step` (torch ops)."""
+        a zero state. Shapes and devices are not validated here (see :class:`~mamba_rl.model.stepper.Stepper`);
+        ValueError for a ``state`` that is not a RecurrentState or non-bool ``episode_starts``. One extension call
+        (``m3_backbone_step``, the sequence kernel's own core with T = 1) where :meth:`kernel_support` ("step")
+        allows it and the state is float32; otherwise each block's :meth:`Mamba3Block.step` (torch ops)."""
+        check_step_args(type(self).__name__ + ".step", state, episode_starts)
         if state.ssm.dtype == torch.float32 and self.kernel_support("step"):
             if self.backend == "cuda":
                 return self._step_cuda(x_t, state, episode_starts)

@@ -274,3 +274,23 @@ def test_stepper_load_state_non_state():
     st = make_net().stepper(2)
     with pytest.raises(ValueError, match="RecurrentState"):
         st.load_state(None)
+
+
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba3"])
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_backbone_step_refuses_non_bool_starts_and_a_missing_state(layer, backend):
+    """MambaBackbone.step is the unchecked fast path, but a uint8 reset mask (inverted bitwise by the torch path,
+    so the wrong rows reset) and a state that is not a RecurrentState are refused on every backend."""
+    cfg = MambaConfig(d_model=16, n_layers=1, d_state=4, layer=layer, **({"headdim": 8} if layer == "Mamba3" else {}))
+    net = MambaBackbone(cfg, IN, backend=backend)
+    x, st = torch.randn(2, IN), net.initial_state(2)
+    for bad in (torch.tensor([1, 0], dtype=torch.uint8), torch.tensor([1.0, 0.0]), [True, False]):
+        with pytest.raises(ValueError, match="step: episode_starts must be a \\[B\\] bool tensor or None, got"):
+            net.step(x, st, bad)
+    with pytest.raises(ValueError, match="step: state must be a RecurrentState"):
+        net.step(x, None)
+    ref = MambaBackbone(cfg, IN, backend=backend)
+    ref.load_state_dict(net.state_dict())
+    y = net.step(x, st, torch.tensor([True, False]))  # the refused calls left the state as it was
+    y_ref = ref.step(x, ref.initial_state(2), torch.tensor([True, False]))
+    assert torch.equal(y, y_ref)
