@@ -48,6 +48,10 @@ AUX_STD_EPS = 1e-8
 
 
 def _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda) -> None:
+    for name, t in (("rewards", rewards), ("values", values), ("terminations", terminations),
+                    ("truncations", truncations), ("valid", valid), ("next_value", next_value)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_envs, num_steps], got shape {tuple(rewards.shape)}")
     shape = rewards.shape
@@ -60,8 +64,9 @@ def _check(rewards, values, terminations, truncations, valid, next_value, gamma,
             raise ValueError(f"{name} must be bool, got {t.dtype}")
     if next_value.shape != shape[:1]:
         raise ValueError(f"next_value must have shape ({shape[0]},), got {tuple(next_value.shape)}")
-    if not (0.0 <= gamma <= 1.0 and 0.0 <= gae_lambda <= 1.0):
-        raise ValueError(f"gamma and gae_lambda must be in [0, 1], got {gamma}, {gae_lambda}")
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) and 0.0 <= v <= 1.0
+               for v in (gamma, gae_lambda)):
+        raise ValueError(f"gamma and gae_lambda must be real numbers in [0, 1], got {gamma!r}, {gae_lambda!r}")
 
 
 def compute_gae(

@@ -33,6 +33,14 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
     return value
 
 
+def _finite(value: int | float) -> bool:
+    """math.isfinite, False for an int too large for a float (where isfinite raises OverflowError)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.inf, lo_open: bool = False,
                optional: bool = False) -> float | None:
     """``value`` if it is a finite int or float (not a bool) in [lo, hi] ((lo, hi] with ``lo_open``); None
@@ -43,7 +51,7 @@ def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.in
     """
     if optional and value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
     if value < lo or value > hi or (lo_open and value == lo):
         raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")

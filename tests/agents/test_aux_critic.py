@@ -582,3 +582,13 @@ def test_graph_agent_trains_with_the_aux_critic(tmp_path, env):
         assert all(math.isfinite(m[k]) for k in ("losses/value_loss", "losses/policy_loss", *AUX_METRICS)), m
     assert agent.history[-1]["debug/rollout_parity"] < 1e-4
     agent.close()
+
+
+def test_compute_gae_refuses_non_tensors_and_non_real_discounts():
+    r = torch.zeros(2, 3)
+    b = torch.zeros(2, 3, dtype=torch.bool)
+    for g in (None, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match="gamma and gae_lambda must be real numbers in \\[0, 1\\], got"):
+            compute_gae(r, r, b, b, ~b, torch.zeros(2), g, 0.95)
+    with pytest.raises(ValueError, match="rewards must be a torch.Tensor, got ndarray"):
+        compute_gae(r.numpy(), r, b, b, ~b, torch.zeros(2), 0.9, 0.95)

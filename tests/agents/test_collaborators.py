@@ -88,6 +88,7 @@ def test_validation_helpers_name_expected_and_received():
     cases = [(lambda: check_int("n", True, lo=1), "n must be an int >= 1, got True"),
              (lambda: check_int("n", 0, lo=1, hi=3), r"n must be an int in \[1, 3\], got 0"),
              (lambda: check_real("x", math.nan, 0.0, 1.0), "x must be a finite number, got nan"),
+             (lambda: check_real("x", 10 ** 400), "x must be a finite number, got 1000"),  # not OverflowError
              (lambda: check_real("x", 0.0, 0.0, 1.0, lo_open=True), r"x must be in \(0.0, 1.0\], got 0.0"),
              (lambda: check_bool("b", 1), r"b must be a bool \(True or False\), got 1"),
              (lambda: check_choice("c", "f64", ("f32",)), r"c must be one of \('f32',\), got 'f64'")]
