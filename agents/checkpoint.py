@@ -134,8 +134,16 @@ def read_agent_meta(path: str | Path) -> tuple[Path, dict[str, Any]]:
 
 
 def agent_config(extra: dict[str, Any], **overrides: Any) -> PPOConfig:
-    """The PPOConfig saved in ``extra`` (:func:`read_agent_meta`) with ``overrides`` applied."""
-    config = PPOConfig.from_dict(extra["ppo_config"])
+    """The PPOConfig saved in ``extra`` (:func:`read_agent_meta`) with ``overrides`` applied. Raises
+    :class:`mamba_rl.CheckpointError` when the saved config itself is refused (a value no run could have saved:
+    an edited or damaged file), so that the error names the checkpoint, not a flag the user did not pass."""
+    from mamba_rl.train.checkpoint import CheckpointError
+
+    try:
+        config = PPOConfig.from_dict(extra["ppo_config"])
+    except (ValueError, TypeError) as err:
+        why = str(err).replace("PPOConfig.", "")  # a field of the file, not a flag of this command
+        raise CheckpointError(f"the checkpoint's saved config is refused: {why}; was the file edited?") from err
     return config.replace(**overrides) if overrides else config
 
 

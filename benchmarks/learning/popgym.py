@@ -652,6 +652,11 @@ def main(argv=None) -> int:
                     failed += 1
                     print(f"popgym: run failed (rc {rc}): {' '.join(p.args)}", file=sys.stderr)
             running = still
+    if a.columns:
+        present = sorted(d for d in os.listdir(a.out) if os.path.isdir(os.path.join(a.out, d)))
+        missing = [c for c in a.columns if c not in present]
+        if missing:
+            ap.error(f"--columns: no run folder {missing} under {a.out}; there are {present}")
     res = summarise(a.out, columns=a.columns)  # every finished run in the folder, not only this call's
     if res["runs"]:
         plot(res["runs"], os.path.join(a.out, "curves.png"))

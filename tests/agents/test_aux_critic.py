@@ -592,3 +592,14 @@ def test_compute_gae_refuses_non_tensors_and_non_real_discounts():
             compute_gae(r, r, b, b, ~b, torch.zeros(2), g, 0.95)
     with pytest.raises(ValueError, match="rewards must be a torch.Tensor, got ndarray"):
         compute_gae(r.numpy(), r, b, b, ~b, torch.zeros(2), 0.9, 0.95)
+
+
+def test_a_refused_saved_config_names_the_checkpoint_not_a_flag():
+    from mamba_rl import CheckpointError
+    from mamba_rl.agents.checkpoint import agent_config
+
+    saved = PPOConfig().to_dict()
+    assert agent_config({"ppo_config": dict(saved)}) == PPOConfig()
+    saved["aux_adv_add"] = -60.0
+    with pytest.raises(CheckpointError, match="the checkpoint's saved config is refused: aux_adv_add must be in"):
+        agent_config({"ppo_config": saved})

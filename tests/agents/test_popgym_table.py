@@ -146,3 +146,10 @@ def test_bad_runs_stop_before_any_worker_starts(pg, tmp_path, capsys, extra, msg
     assert e.value.code == 2
     assert re.search(msg, capsys.readouterr().err)
     assert not out.exists()
+
+
+def test_summarise_refuses_an_unknown_column(pg, tmp_path, capsys):
+    (tmp_path / "mamba").mkdir()
+    with pytest.raises(SystemExit) as e:
+        pg.main(["--summarise-only", "--out", str(tmp_path), "--columns", "mamba", "nothere"])
+    assert e.value.code == 2 and "--columns: no run folder ['nothere']" in capsys.readouterr().err
