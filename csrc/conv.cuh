@@ -14,19 +14,20 @@ constexpr int CONV_THREADS = 128; // channels per block
 // xv[j] = input at time tau0 + j (the carried window for tau < 0, 0 past T), for j < W. The raw dtype-T
 // loads are all issued into xr first and converted afterwards: converting each load as it arrives (as
 // before) made nvcc reuse one register per load, serialising the loads of bf16 / f16 windows.
-template <typename T, int W>
+// IN (an interior window, every tau in [0, T)): no bounds tests, the same values.
+template <typename T, int W, bool IN = false>
 __device__ __forceinline__ void load_window(T (&xr)[W], float (&xv)[W], const T* __restrict__ xb, int64_t x_st,
                                             const float* initbd, int tau0, int T_, int K) {
   const T zero = from_f<T>(0.f);
 #pragma unroll
   for (int j = 0; j < W; ++j) {
     const int tau = tau0 + j;
-    xr[j] = (tau >= 0 && tau < T_) ? xb[(int64_t)tau * x_st] : zero;
+    xr[j] = (IN || (tau >= 0 && tau < T_)) ? xb[(int64_t)tau * x_st] : zero;
   }
 #pragma unroll
   for (int j = 0; j < W; ++j) {
     const int tau = tau0 + j;
-    xv[j] = tau < 0 ? (initbd ? initbd[K - 1 + tau] : 0.f) : to_f(xr[j]);
+    xv[j] = (!IN && tau < 0) ? (initbd ? initbd[K - 1 + tau] : 0.f) : to_f(xr[j]);
   }
 }
 
@@ -43,8 +44,10 @@ __device__ __forceinline__ void load_starts(bool (&sv)[W], const bool* sb, int t
 // One thread per (b, d, chunk of CONV_LC steps). Every input the chunk needs is loaded into registers
 // first (fully unrolled, so all loads are in flight together), then the chunk is computed.
 // Tap validity: the tap at time tau of output t is used iff no episode start lies in (tau, t].
-template <typename T, int K>
-__global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p) {
+// IN: an interior chunk (conv_fwd_kernel's test): its window lies in [0, T) without an episode start, and the
+// chunk does not hold T - 1 (the final window). The tests drop out; the same FMAs, the same bits.
+template <typename T, int K, bool IN>
+__device__ __forceinline__ void conv_fwd_body(const ConvFwdParams& p) {
   constexpr int LC = CONV_LC, W = LC + K - 1;  // register window: times t0-K+1 .. t0+LC-1
   const int d = blockIdx.x * CONV_THREADS + threadIdx.x;
   const int c = blockIdx.y, b = blockIdx.z;
@@ -58,9 +61,14 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
   bool sv[W];
   {  // raw loads first (all in flight), conversions after: see load_window
     T xr[W];
-    load_window<T, W>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
+    load_window<T, W, IN>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
   }
-  load_starts<W>(sv, sb, t0 - (K - 1), T_);
+  if constexpr (IN) {
+#pragma unroll
+    for (int j = 0; j < W; ++j) sv[j] = false;
+  } else {
+    load_starts<W>(sv, sb, t0 - (K - 1), T_);
+  }
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];
@@ -69,7 +77,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
 #pragma unroll
   for (int i = 0; i < LC; ++i) {
     const int t = t0 + i;
-    if (t < T_) {
+    if (IN || t < T_) {
       float pre = bias;
       bool valid = true;
 #pragma unroll
@@ -80,7 +88,7 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
       ob[(int64_t)t * D] = from_f<T>(siluf_(pre));
     }
   }
-  if (t0 + LC >= T_) {  // this chunk holds T-1: write the final window
+  if (!IN && t0 + LC >= T_) {  // this chunk holds T-1: write the final window
     float* fb = p.final_state + ((int64_t)b * D + d) * (K - 1);
     bool valid = true;
     for (int j = K - 2; j >= 0; --j) {
@@ -92,9 +100,30 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
   }
 }
 
-// Partials layout: ws[(b * nC + c) * (K+1) + k][d], k = K is the bias.
+// One thread per (b, d, chunk of CONV_LC steps): the interior body where chunk blockIdx.y of row blockIdx.z is
+// interior (c >= 1, t0 + LC < T, no episode start at its window's times t0 - K + 1 .. t0 + LC - 1; the same for
+// the whole block), else the general one.
 template <typename T, int K>
-__device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
+__global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p) {
+  constexpr int W = CONV_LC + K - 1;
+  const int c = blockIdx.y, t0 = c * CONV_LC;
+  bool interior = c >= 1 && t0 + CONV_LC < p.T;
+  if (interior && p.starts) {
+    const bool* sb = p.starts + (int64_t)blockIdx.z * p.T + t0 - (K - 1);
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < W; ++j) any = any | sb[j];
+    interior = !any;
+  }
+  if (interior) conv_fwd_body<T, K, true>(p); else conv_fwd_body<T, K, false>(p);
+}
+
+// Partials layout: ws[(b * nC + c) * (K+1) + k][d], k = K is the bias.
+// IN: an interior chunk (conv_bwd_body's test): every time it touches lies in [0, T), no episode start among
+// them, neither the carried window nor dfinal / dinit. The bounds and reset tests then drop out at compile
+// time and the same FMAs run in the same order: the same bits as the general body.
+template <typename T, int K, bool IN>
+__device__ __forceinline__ void conv_bwd_body_t(const ConvBwdParams& p) {
   constexpr int LC = CONV_LC, WX = LC + 2 * (K - 1), WP = LC + K - 1;
   // xv/sv index j <-> time t0-K+1+j (j < WX); dp index m <-> time t0+m (m < WP)
   const int d = blockIdx.x * CONV_THREADS + threadIdx.x;
@@ -113,12 +142,17 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
     T xr[WX], gr[WP];
     const T zero = from_f<T>(0.f);
 #pragma unroll
-    for (int m = 0; m < WP; ++m) gr[m] = t0 + m < T_ ? gb[(int64_t)(t0 + m) * p.g_st] : zero;
-    load_window<T, WX>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
+    for (int m = 0; m < WP; ++m) gr[m] = (IN || t0 + m < T_) ? gb[(int64_t)(t0 + m) * p.g_st] : zero;
+    load_window<T, WX, IN>(xr, xv, xb, p.x_st, initbd, t0 - (K - 1), T_, K);
 #pragma unroll
     for (int m = 0; m < WP; ++m) gv[m] = to_f(gr[m]);
   }
-  load_starts<WX>(sv, sb, t0 - (K - 1), T_);
+  if constexpr (IN) {
+#pragma unroll
+    for (int j = 0; j < WX; ++j) sv[j] = false;
+  } else {
+    load_starts<WX>(sv, sb, t0 - (K - 1), T_);
+  }
   float w[K];
 #pragma unroll
   for (int k = 0; k < K; ++k) w[k] = p.w[d * K + k];
@@ -139,8 +173,8 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
       if (sv[m + k]) valid = false;
     }
     const float sg = sigmoidf_(pre);
-    dp[m] = t < T_ ? gv[m] * sg * (1.f + pre * (1.f - sg)) : 0.f;
-    if (m < LC && t < T_) {
+    dp[m] = (IN || t < T_) ? gv[m] * sg * (1.f + pre * (1.f - sg)) : 0.f;
+    if (m < LC && (IN || t < T_)) {
 #pragma unroll
       for (int k = 0; k < K; ++k) dW[k] = fmaf(dp[m], tap[k], dW[k]);
       dW[K] += dp[m];
@@ -156,9 +190,9 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
     for (int q = 0; q < K; ++q) {
       const int t = tau + q;
       if (q > 0 && sv[i + q + K - 1]) valid = false;
-      if (valid && t >= 0 && t < T_) acc = fmaf(w[K - 1 - q], dp[(i + q) < 0 ? 0 : (i + q)], acc);
+      if (valid && (IN || (t >= 0 && t < T_))) acc = fmaf(w[K - 1 - q], dp[(i + q) < 0 ? 0 : (i + q)], acc);
     }
-    if (dfb && tau >= T_ - K + 1) {
+    if (!IN && dfb && tau >= T_ - K + 1) {
       bool vf = true;
 #pragma unroll
       for (int q = 1; q < K - 1; ++q)
@@ -170,8 +204,8 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
   T* dxb = reinterpret_cast<T*>(p.dx) + b * p.dx_sb + d;
 #pragma unroll
   for (int i = 0; i < LC; ++i)
-    if (t0 + i < T_) dxb[(int64_t)(t0 + i) * p.dx_st] = from_f<T>(dx_at(i));
-  if (c == 0 && p.dinit) {
+    if (IN || t0 + i < T_) dxb[(int64_t)(t0 + i) * p.dx_st] = from_f<T>(dx_at(i));
+  if (!IN && c == 0 && p.dinit) {
     float* dib = p.dinit + ((int64_t)b * D + d) * (K - 1);
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) dib[j] = dx_at(j - (K - 1));
@@ -179,6 +213,24 @@ __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
   float* wsb = p.ws + ((int64_t)(b * nC + c) * (K + 1)) * D + d;
 #pragma unroll
   for (int k = 0; k <= K; ++k) wsb[(int64_t)k * D] = dW[k];
+}
+
+// The backward of chunk blockIdx.y of row blockIdx.z: the interior body where the chunk is interior (c >= 1, its
+// last time t0 + LC + K - 2 before T, no episode start at its times t0 - K + 1 .. t0 + LC + K - 2; the same for
+// the whole block), else the general one. At 64 x 1024 all but the last of 64 chunks of a row without resets.
+template <typename T, int K>
+__device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
+  constexpr int WX = CONV_LC + 2 * (K - 1);
+  const int c = blockIdx.y, t0 = c * CONV_LC;
+  bool interior = c >= 1 && t0 + CONV_LC + K - 2 < p.T;
+  if (interior && p.starts) {
+    const bool* sb = p.starts + (int64_t)blockIdx.z * p.T + t0 - (K - 1);
+    bool any = false;
+#pragma unroll
+    for (int j = 0; j < WX; ++j) any = any | sb[j];
+    interior = !any;
+  }
+  if (interior) conv_bwd_body_t<T, K, true>(p); else conv_bwd_body_t<T, K, false>(p);
 }
 
 template <typename T>
