@@ -172,8 +172,8 @@ def check_envs_file(ckpt: Path, env_file: Path) -> None:
     before anything is unpickled. Checkpoints older than this check (no digest recorded) pass.
 
     Raises:
-        mamba_rl.CheckpointError: the folder mixes the files of two saves (e.g. a save killed half-way
-            by an older version, or files copied by hand), naming both steps where known.
+        mamba_rl.CheckpointError: envs.pkl is not the file that save wrote: damaged (truncated, edited) or
+            from another save (a save killed half-way by an older version, files copied by hand).
     """
     from safetensors import safe_open
     import json
@@ -189,7 +189,8 @@ def check_envs_file(ckpt: Path, env_file: Path) -> None:
         raise CheckpointError(
             f"{env_file}: this envs.pkl (SHA-256 {got[:12]}...) is not the one saved with {ckpt.name} "
             f"(update {extra.get('update')}, global step {extra.get('global_step')}), which recorded {what}: "
-            f"the folder mixes two saves. Refusing to resume the envs from it; resume without --resume-envs "
+            f"the file is damaged (e.g. truncated) or the folder mixes two saves. Refusing to resume the envs "
+            f"from it; resume without --resume-envs "
             f"(the envs are rebuilt and reset) or from a complete checkpoint")
 
 
