@@ -41,6 +41,20 @@ __device__ __forceinline__ void load_starts(bool (&sv)[W], const bool* sb, int t
   }
 }
 
+// Is chunk c = blockIdx.y of row blockIdx.z interior: c >= 1, its last time t0 + last before T, and no episode
+// start among the W times t0 - K + 1 .. t0 - K + W of its window? The same answer for the whole block.
+template <int K, int W>
+__device__ __forceinline__ bool conv_chunk_interior(const bool* starts, int T_, int last) {
+  const int c = blockIdx.y, t0 = c * CONV_LC;
+  if (c < 1 || t0 + last >= T_) return false;
+  if (!starts) return true;
+  const bool* sb = starts + (int64_t)blockIdx.z * T_ + t0 - (K - 1);
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < W; ++j) any = any | sb[j];
+  return !any;
+}
+
 // One thread per (b, d, chunk of CONV_LC steps). Every input the chunk needs is loaded into registers
 // first (fully unrolled, so all loads are in flight together), then the chunk is computed.
 // Tap validity: the tap at time tau of output t is used iff no episode start lies in (tau, t].
@@ -105,17 +119,8 @@ __device__ __forceinline__ void conv_fwd_body(const ConvFwdParams& p) {
 // the whole block), else the general one.
 template <typename T, int K>
 __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p) {
-  constexpr int W = CONV_LC + K - 1;
-  const int c = blockIdx.y, t0 = c * CONV_LC;
-  bool interior = c >= 1 && t0 + CONV_LC < p.T;
-  if (interior && p.starts) {
-    const bool* sb = p.starts + (int64_t)blockIdx.z * p.T + t0 - (K - 1);
-    bool any = false;
-#pragma unroll
-    for (int j = 0; j < W; ++j) any = any | sb[j];
-    interior = !any;
-  }
-  if (interior) conv_fwd_body<T, K, true>(p); else conv_fwd_body<T, K, false>(p);
+  if (conv_chunk_interior<K, CONV_LC + K - 1>(p.starts, p.T, CONV_LC)) conv_fwd_body<T, K, true>(p);
+  else conv_fwd_body<T, K, false>(p);
 }
 
 // Partials layout: ws[(b * nC + c) * (K+1) + k][d], k = K is the bias.
@@ -220,17 +225,8 @@ __device__ __forceinline__ void conv_bwd_body_t(const ConvBwdParams& p) {
 // the whole block), else the general one. At 64 x 1024 all but the last of 64 chunks of a row without resets.
 template <typename T, int K>
 __device__ __forceinline__ void conv_bwd_body(const ConvBwdParams& p) {
-  constexpr int WX = CONV_LC + 2 * (K - 1);
-  const int c = blockIdx.y, t0 = c * CONV_LC;
-  bool interior = c >= 1 && t0 + CONV_LC + K - 2 < p.T;
-  if (interior && p.starts) {
-    const bool* sb = p.starts + (int64_t)blockIdx.z * p.T + t0 - (K - 1);
-    bool any = false;
-#pragma unroll
-    for (int j = 0; j < WX; ++j) any = any | sb[j];
-    interior = !any;
-  }
-  if (interior) conv_bwd_body_t<T, K, true>(p); else conv_bwd_body_t<T, K, false>(p);
+  if (conv_chunk_interior<K, CONV_LC + 2 * (K - 1)>(p.starts, p.T, CONV_LC + K - 2)) conv_bwd_body_t<T, K, true>(p);
+  else conv_bwd_body_t<T, K, false>(p);
 }
 
 template <typename T>
