@@ -44,6 +44,23 @@ class EvalResult:
         return float(np.std(self.returns))
 
 
+def reward_scale_of(train_envs: gym.vector.VectorEnv | None) -> float:
+    """The factor the training envs' NormalizeReward applied to rewards (what the prev-reward input saw):
+    1 / sqrt(return variance + epsilon) of its current statistics, 1.0 without one."""
+    rnorm = None if train_envs is None else find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeReward)
+    return 1.0 if rnorm is None else float(1.0 / np.sqrt(rnorm.return_rms.var + rnorm.epsilon))
+
+
+def normalize_like_training(train_envs: gym.vector.VectorEnv | None, obs: np.ndarray) -> np.ndarray:
+    """Flat observations [B, obs_dim] (or [obs_dim]) as the training envs' observation normalisation returns them,
+    with its statistics frozen (gymnasium's NormalizeObservation formula: (obs - mean) / sqrt(var + epsilon)), as
+    float32; ``obs`` unchanged without one."""
+    norm = None if train_envs is None else find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeObservation)
+    if norm is None:
+        return obs
+    return ((obs - norm.obs_rms.mean) / np.sqrt(norm.obs_rms.var + norm.epsilon)).astype(np.float32)
+
+
 def _eval_env(env_id: str, train_envs: gym.vector.VectorEnv | None, video_dir: str | None) -> tuple[gym.Env, float]:
     """One env like the training envs: frozen observation normalisation, and the reward scale the
     prev-reward input saw in training (1.0 without NormalizeReward)."""
@@ -57,9 +74,7 @@ def _eval_env(env_id: str, train_envs: gym.vector.VectorEnv | None, video_dir: s
         env.obs_rms.var = norm.obs_rms.var.copy()
         env.obs_rms.count = norm.obs_rms.count
         env.update_running_mean = False
-    rnorm = find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeReward)
-    reward_scale = 1.0 if rnorm is None else float(1.0 / np.sqrt(rnorm.return_rms.var + rnorm.epsilon))
-    return env, reward_scale
+    return env, reward_scale_of(train_envs)
 
 
 def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, deterministic: bool = False,

@@ -53,7 +53,7 @@ from .device_actor import GraphActor
 from .devices import resolve_device
 from .distributed import (DataParallel, RunningStatsSync, rank as dist_rank, shard_permutation,
                           world_size as dist_world_size)
-from .evaluate import EvalResult, evaluate_policy
+from .evaluate import EvalResult, evaluate_policy, normalize_like_training, reward_scale_of
 from .head_optim import FlatHeadAdam
 from .interrupts import deferred_signals, interrupt_once
 from .logger import TensorBoardLogger
@@ -485,16 +485,32 @@ class RecurrentPPO:
     def predict(self, obs: np.ndarray, state: PolicyState | None = None, episode_start: np.ndarray | None = None,
                 deterministic: bool = False, reward: np.ndarray | None = None) -> tuple[np.ndarray, PolicyState]:
         """sb3-style ``predict``: (env actions, new PolicyState) of :meth:`Policy.act` (see its arguments).
-        ``obs``: flat float rows [B, obs_dim] / [obs_dim], or raw observations of the env's space (a Dict /
-        Tuple observation, a batch of them as its vector env returns, or a list of them), flattened as in
-        training (:func:`mamba_rl.envs.flatten_observation`); anything else raises ValueError naming the
-        space. ``reward`` (the last reward) is needed with ``prev_reward``. Samples with a generator of its own
-        (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
+        ``obs``: the observations as ``gymnasium.make(env_id)`` returns them, raw: flat float rows [B, obs_dim] /
+        [obs_dim], or observations of the env's space (a Dict / Tuple observation, a batch of them as its vector
+        env returns, or a list of them), flattened as in training (:func:`mamba_rl.envs.flatten_observation`);
+        anything else raises ValueError naming the space. The agent's own observation normalisation
+        (``normalize_obs``) is applied with the training statistics frozen, as :meth:`evaluate` does, so a plain
+        env loop acts as the trained policy does. ``reward`` (the last raw reward) is needed with
+        ``prev_reward``, and is scaled as training's NormalizeReward scaled it. Samples with a generator of its
+        own (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
         if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
-        obs = self._flat_obs(obs)
+        obs, reward = self._as_trained(obs, reward)
         action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
         return action, state
+
+    def _as_trained(self, obs: Any, reward: Any) -> tuple[Any, Any]:
+        """Raw observations and reward as the policy saw them in training: flattened and normalised with the
+        frozen statistics, the reward scaled (:func:`normalize_like_training`, :func:`reward_scale_of`)."""
+        obs = self._flat_obs(obs)
+        if obs.ndim in (1, 2) and obs.shape[-1] == self.policy.obs_dim and np.issubdtype(obs.dtype, np.number) \
+                and not np.issubdtype(obs.dtype, np.complexfloating):  # anything else: Policy.act's clear error
+            obs = normalize_like_training(self.envs, obs)
+        if reward is not None:
+            scale = reward_scale_of(self.envs)
+            if scale != 1.0:
+                reward = np.asarray(reward, dtype=np.float64) * scale
+        return obs, reward
 
     def raw_observation_space(self) -> gym.Space:
         """The single env's observation space before flattening (what ``env.reset()`` returns samples of)."""
@@ -520,11 +536,13 @@ class RecurrentPPO:
 
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
               reward: np.ndarray | None = None) -> np.ndarray:
-        """Critic value V(obs) [B] float32 (numpy) with ``state`` (the state is not advanced): ``obs`` as in
-        :meth:`predict`, ``state`` the PolicyState of B envs it returned, ``episode_start`` [B] bools, ``reward``
-        [B] (with ``prev_reward``). Raises ValueError for any of them of another shape or type, or a NaN / inf
-        observation (:meth:`mamba_rl.agents.policy.Policy.value`)."""
-        return self.policy.value(self._flat_obs(obs), state, episode_start, reward)
+        """Critic value V(obs) [B] float32 (numpy) with ``state`` (the state is not advanced): ``obs`` and
+        ``reward`` raw, as in :meth:`predict` (normalised and scaled as in training), ``state`` the PolicyState of
+        B envs it returned, ``episode_start`` [B] bools, ``reward`` [B] (with ``prev_reward``). Raises ValueError
+        for any of them of another shape or type, or a NaN / inf observation
+        (:meth:`mamba_rl.agents.policy.Policy.value`)."""
+        obs, reward = self._as_trained(obs, reward)
+        return self.policy.value(obs, state, episode_start, reward)
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: int | None = None,
                  video_dir: str | None = None, progress: bool = False) -> EvalResult:

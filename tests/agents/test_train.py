@@ -9,6 +9,7 @@ import torch
 from gymnasium import spaces
 from mamba_rl import CheckpointError
 from mamba_rl.agents import SCALAR_TAGS, PPOConfig, RecurrentPPO
+from mamba_rl.envs import find_vector_wrapper
 
 TINY = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2, d_state=4,
             device="cpu", seed=7)
@@ -172,3 +173,25 @@ def test_resume_never_reads_the_env_pickle_unless_asked(tmp_path):
     with pytest.raises(CheckpointError, match=r"this envs.pkl \(SHA-256 [0-9a-f]{12}\.\.\.\) is not the one saved with "
                                               r"agent.safetensors"):
         RecurrentPPO.load(ckpt, restore_envs=True)  # refused before anything is unpickled
+
+
+def test_predict_takes_raw_observations_and_normalises_them_as_training_did(tmp_path):
+    """predict / value apply the agent's own observation normalisation (frozen training statistics) and
+    reward scale, so a plain env loop on raw observations acts as evaluate() does."""
+    from mamba_rl.agents.evaluate import normalize_like_training, reward_scale_of
+
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=256, track=False, prev_reward=True))
+    agent.learn()
+    norm = find_vector_wrapper(agent.envs, gym.wrappers.vector.NormalizeObservation)
+    assert norm is not None and not np.allclose(norm.obs_rms.var, 1.0)  # the statistics moved in training
+    raw = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
+    want = ((raw - norm.obs_rms.mean) / np.sqrt(norm.obs_rms.var + norm.epsilon)).astype(np.float32)
+    np.testing.assert_array_equal(normalize_like_training(agent.envs, raw), want)
+    scale = reward_scale_of(agent.envs)
+    assert scale != 1.0
+    a, s = agent.predict(raw, deterministic=True, reward=np.ones(3))
+    b, t, _ = agent.policy.act(want, None, None, True, np.ones(3) * scale)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(agent.value(raw, s, [False] * 3, reward=np.ones(3)),
+                                  agent.policy.value(want, t, [False] * 3, np.ones(3) * scale))
+    agent.close()
