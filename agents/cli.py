@@ -81,20 +81,21 @@ def _optional_str(text: str) -> str | None:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """``{field: one-line doc}`` from the ``Attributes:`` section of ``cls``'s docstring (Google style).
+    """``{field: doc}`` from the ``Attributes:`` section of ``cls``'s docstring (Google style).
 
-    The first line of each entry is its ``--help`` text, so the dataclass docstring is the one source
-    of a field's documentation; "(default ...)" parentheticals are dropped (argparse adds the default).
+    The first sentence of each entry (its lines joined, up to the first ". " outside parentheses) is its
+    ``--help`` text, so the dataclass docstring is the one source of a field's documentation; "(default ...)"
+    parentheticals are dropped (argparse adds the default), and reST's double backticks become single quotes.
     """
     import inspect
     import re
 
     lines = (inspect.getdoc(cls) or "").splitlines()
-    out: dict[str, str] = {}
+    entries: dict[str, list[str]] = {}
     start = next((i for i, line in enumerate(lines) if re.match(r"^Attributes\b.*:\s*$", line.strip())), None)
     if start is None:
-        return out
-    entry_indent = None
+        return {}
+    entry_indent, current = None, None
     for line in lines[start + 1:]:
         if not line.strip():
             continue
@@ -104,8 +105,25 @@ def field_docs(cls: type) -> dict[str, str]:
         entry_indent = indent if entry_indent is None else entry_indent
         m = re.match(r"^(\w+): (.*)$", line.strip())
         if indent == entry_indent and m:
-            out[m.group(1)] = re.sub(r"\s*\(default[^)]*\)", "", m.group(2)).strip()
+            current = m.group(1)
+            entries[current] = [m.group(2)]
+        elif current is not None and indent > entry_indent:
+            entries[current].append(line.strip())
+    out = {}
+    for name, parts in entries.items():
+        text = re.sub(r"\s*\(default[^)]*\)", "", " ".join(parts)).replace("``", "'")
+        out[name] = _first_sentence(text).strip()
     return out
+
+
+def _first_sentence(text: str) -> str:
+    """``text`` up to and including its first ". " (or final ".") outside parentheses; all of it if none."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if ch == "." and depth <= 0 and (i + 1 == len(text) or text[i + 1] == " "):
+            return text[:i + 1]
+    return text
 
 
 def _field_help() -> dict[str, str]:

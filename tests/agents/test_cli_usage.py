@@ -64,6 +64,9 @@ def test_help_comes_from_the_config_docstrings(capsys):
     help_text = " ".join(_help("train", capsys).split())
     assert docs["normalize_reward"].split()[0] in help_text and "(default: True)" in help_text
     assert "backbone residual stream width" in help_text  # MambaConfig's own docstring
+    # an entry that wraps onto more lines keeps its first sentence whole (it once stopped at "ignored")
+    assert docs["aux_adv_add"].endswith("or None for the rescaled mix ('aux_adv_weight').")
+    assert "``" not in help_text
 
 
 USER_MISTAKES = [
