@@ -294,6 +294,9 @@ def _run_train(args: argparse.Namespace) -> int:
         raise UsageError(f"--total-timesteps {_steps(c.total_timesteps)} is below the {_steps(agent.global_step)} env "
                          f"steps this checkpoint has done: pass a larger one (or none, to keep the run's "
                          f"{_steps(read_agent_config(args.resume)[1].total_timesteps)})") from None
+    if args.resume and agent.global_step >= c.planned_timesteps:
+        print(f"note: this run has already done its {_steps(c.planned_timesteps)} env steps, so there is nothing "
+              f"to train; pass a larger --total-timesteps to continue it", file=sys.stderr)
     try:  # the run's folders, created exclusively, before the name is printed
         claim_run(agent.run, agent.config)
     except (OSError, RunFolderError) as err:

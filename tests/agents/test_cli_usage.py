@@ -353,3 +353,14 @@ def test_an_explicit_kernel_backend_that_cannot_load_is_a_one_line_error(tmp_pat
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert lines[0].startswith("mamba-rl train: error: backend 'cpu': the cpu kernels could not load")
     assert "MAMBA_RL_DISABLE_CPU" in lines[0] and "use backend 'auto'" in lines[0]
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--env-id", "CartPole-v1", "--total-timesteps", "64", *TINY]) == 0
+    final = capsys.readouterr().out.strip().split("checkpoint: ")[-1]
+    assert main(["train", "--resume", final, *TINY]) == 0
+    err = capsys.readouterr().err
+    assert "has already done its 64 env steps, so there is nothing to train; pass a larger --total-timesteps" in err
+    assert main(["train", "--resume", final, "--total-timesteps", "96", *TINY]) == 0
+    assert "nothing to train" not in capsys.readouterr().err
