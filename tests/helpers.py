@@ -1,6 +1,8 @@
 """Shared helpers of the core tests: tiny float64-capable reference models, an oracle that runs each
 episode on its own, the reset patterns and the error measures the parity tests share."""
+import importlib.util
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -9,6 +11,16 @@ from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer, RecurrentState
 from mamba_rl.ops import causal_conv1d_ref, rms_norm_ref, selective_scan_ref
 
 F64 = torch.float64
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_script(relpath: str, name: str):
+    """The module of a script of the repository (e.g. ``benchmarks/timeline.py``) loaded by path, as ``name``
+    (not the script's own name where that would shadow a package, as ``popgym``)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, relpath))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def rel(a, b) -> float:

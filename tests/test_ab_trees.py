@@ -1,17 +1,11 @@
 """benchmarks/ab_trees.py's checks and summary (the timing itself needs a GPU: it runs on the device)."""
-import importlib.util
-import os
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_script
 
 
 def _ab():
-    spec = importlib.util.spec_from_file_location("ab_trees", os.path.join(ROOT, "benchmarks", "ab_trees.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/ab_trees.py", "ab_trees")
 
 
 def _tree(path):

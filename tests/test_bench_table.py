@@ -1,21 +1,16 @@
 """benchmarks/bench.py's table(): rows that failed (``err``, us=nan) or are missing (e.g. no Mamba-3 rows)."""
-import importlib.util
 import math
-import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATH = os.path.join(ROOT, "benchmarks", "bench.py")
+from tests.helpers import load_script
+
 NAN = float("nan")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_table", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/bench.py", "bench_table")
 
 
 def _train(model, us, **kw):

@@ -1,15 +1,9 @@
 """benchmarks/timeline.py's critical-path split: a kernel's time alone, its share of overlaps, and idle gaps."""
-import importlib.util
-import os
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_script
 
 
 def _timeline():
-    spec = importlib.util.spec_from_file_location("timeline", os.path.join(ROOT, "benchmarks", "timeline.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/timeline.py", "timeline")
 
 
 def test_critical_splits_solo_shared_and_idle_time():

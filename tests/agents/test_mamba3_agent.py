@@ -1,6 +1,5 @@
 """RecurrentPPO with ``layer="Mamba3"`` on the CPU: the backbone runs the C++ Mamba-3 kernels (backend auto),
 the agent trains, and a run resumed from a checkpoint continues with the same losses."""
-import pytest
 import torch
 
 from mamba_rl.agents import PPOConfig, RecurrentPPO

@@ -1,5 +1,4 @@
 """benchmarks/learning/popgym.py: parsing, MMER, the table, and one tiny run of each method end to end (CPU)."""
-import importlib.util
 import json
 import math
 import os
@@ -7,16 +6,13 @@ import re
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PATH = os.path.join(ROOT, "benchmarks", "learning", "popgym.py")
+from tests.helpers import load_script
+
 
 
 @pytest.fixture(scope="module")
 def pg():
-    spec = importlib.util.spec_from_file_location("popgym_table", PATH)  # not "popgym": that is the env package
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/learning/popgym.py", "popgym_table")  # not "popgym": that is the env package
 
 
 def test_env_id_and_sets(pg):

@@ -57,7 +57,6 @@ def test_vs_torch_adamw_100_steps(oc, clip):
     shapes = [(64, 33), (129,), (7, 5)]
     n_decay = 64 * 33
     tp = [torch.randn(*s, device="cuda", generator=g).requires_grad_(True) for s in shapes]
-    P = sum(t.numel() for t in tp)
     arena = torch.cat([t.detach().reshape(-1) for t in tp]).clone()
     m, v = torch.zeros_like(arena), torch.zeros_like(arena)
     opt = torch.optim.AdamW([{"params": tp[:1], "weight_decay": 0.1}, {"params": tp[1:], "weight_decay": 0.0}],
