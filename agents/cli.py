@@ -308,7 +308,8 @@ def _run_train(args: argparse.Namespace) -> int:
               f"({_steps(agent.global_step)} of {_steps(c.planned_timesteps)} env steps done)", file=sys.stderr)
     rounded = "" if c.planned_timesteps == c.total_timesteps else \
         f" (--total-timesteps {_steps(c.total_timesteps)} rounded up to whole rollouts)"
-    print(f"run {agent.run_name}: {c.env_id}, device {agent.device}, dtype {c.dtype}, backend {agent.policy.net.backend}, "
+    print(f"run {agent.run_name}: {c.env_id}, {c.backbone.layer}, device {agent.device}, dtype {c.dtype}, "
+          f"backend {agent.policy.net.backend}, "
           f"{threads} CPU thread{'s' * (threads != 1)}; {agent.num_updates} updates of {c.num_envs}x{c.num_steps} "
           f"= {_steps(c.planned_timesteps)} env steps{rounded}", file=sys.stderr)
     if c.track:

@@ -60,8 +60,9 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
         c = agent.config
         if lead:
             W = agent.world_size
-            print(f"run {agent.run_name}: {c.env_id}, {W} ranks x {c.num_envs} envs, device {agent.device}, dtype "
-                  f"{c.dtype}, backend {agent.policy.net.backend}, process group {dist.get_backend()}; "
+            print(f"run {agent.run_name}: {c.env_id}, {c.backbone.layer}, {W} ranks x {c.num_envs} envs, device "
+                  f"{agent.device}, dtype {c.dtype}, backend {agent.policy.net.backend}, process group "
+                  f"{dist.get_backend()}; "
                   f"{agent.num_updates} updates of {W}x{c.num_envs}x{c.num_steps} = "
                   f"{agent.num_updates * W * c.batch_size:,} env steps", file=sys.stderr)
         start, start_step = time.perf_counter(), agent.global_step
