@@ -8,6 +8,7 @@ state, zero previous action and reward), as in docs/architecture.md, "Reset sema
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import gymnasium as gym
@@ -51,30 +52,14 @@ def reward_scale_of(train_envs: gym.vector.VectorEnv | None) -> float:
     return 1.0 if rnorm is None else float(1.0 / np.sqrt(rnorm.return_rms.var + rnorm.epsilon))
 
 
-def normalize_like_training(train_envs: gym.vector.VectorEnv | None, obs: np.ndarray) -> np.ndarray:
-    """Flat observations [B, obs_dim] (or [obs_dim]) as the training envs' observation normalisation returns them,
-    with its statistics frozen (gymnasium's NormalizeObservation formula: (obs - mean) / sqrt(var + epsilon)), as
-    float32; ``obs`` unchanged without one."""
+def obs_normaliser(train_envs: gym.vector.VectorEnv | None) -> Callable[[np.ndarray], np.ndarray]:
+    """The training envs' observation normalisation with its statistics frozen, as a function of flat raw
+    observations [B, obs_dim] (or [obs_dim]) to float32 (gymnasium's NormalizeObservation formula:
+    (obs - mean) / sqrt(var + epsilon), read from the live statistics at each call); the identity without one."""
     norm = None if train_envs is None else find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeObservation)
     if norm is None:
-        return obs
-    return ((obs - norm.obs_rms.mean) / np.sqrt(norm.obs_rms.var + norm.epsilon)).astype(np.float32)
-
-
-def _eval_env(env_id: str, train_envs: gym.vector.VectorEnv | None, video_dir: str | None) -> tuple[gym.Env, float]:
-    """One env like the training envs: frozen observation normalisation, and the reward scale the
-    prev-reward input saw in training (1.0 without NormalizeReward)."""
-    env = make_env(env_id, capture_video=video_dir is not None, video_dir=video_dir or "videos")
-    if train_envs is None:
-        return env, 1.0
-    norm = find_vector_wrapper(train_envs, gym.wrappers.vector.NormalizeObservation)
-    if norm is not None:
-        env = gym.wrappers.NormalizeObservation(env)
-        env.obs_rms.mean = norm.obs_rms.mean.copy()
-        env.obs_rms.var = norm.obs_rms.var.copy()
-        env.obs_rms.count = norm.obs_rms.count
-        env.update_running_mean = False
-    return env, reward_scale_of(train_envs)
+        return lambda obs: obs
+    return lambda obs: ((obs - norm.obs_rms.mean) / np.sqrt(norm.obs_rms.var + norm.epsilon)).astype(np.float32)
 
 
 def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, deterministic: bool = False,
@@ -103,7 +88,8 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
     """
     check_int("num_episodes", num_episodes, lo=1)
     check_int("seed", seed, lo=0, hi=2**32 - num_episodes)
-    env, reward_scale = _eval_env(env_id, train_envs, video_dir)
+    env = make_env(env_id, capture_video=video_dir is not None, video_dir=video_dir or "videos")
+    normalise, reward_scale = obs_normaliser(train_envs), reward_scale_of(train_envs)
     returns, lengths, values = [], [], []
     bar = None
     if progress:
@@ -116,8 +102,9 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
             state, start, reward = policy.initial_state(1), True, 0.0
             total, steps, vals = 0.0, 0, []
             while True:
-                action, state, value = policy.act(obs[None], state, episode_start=[start], deterministic=deterministic,
-                                                  reward=[reward * reward_scale], generator=generator)
+                action, state, value = policy.act(normalise(obs[None]), state, episode_start=[start],
+                                                  deterministic=deterministic, reward=[reward * reward_scale],
+                                                  generator=generator)
                 vals.append(float(value[0]))
                 obs, reward, term, trunc, _ = env.step(action[0])
                 total += float(reward)

@@ -47,11 +47,16 @@ __all__ = ["compute_gae", "compute_gae_parallel", "gae_discount_matrix", "advant
 AUX_STD_EPS = 1e-8
 
 
-def _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda) -> None:
-    for name, t in (("rewards", rewards), ("values", values), ("terminations", terminations),
-                    ("truncations", truncations), ("valid", valid), ("next_value", next_value)):
+def _require_tensors(prefix: str, **named) -> None:
+    """ValueError naming the first of ``named`` that is not a torch.Tensor (``prefix`` leads the message)."""
+    for name, t in named.items():
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise ValueError(f"{prefix}{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def _check(rewards, values, terminations, truncations, valid, next_value, gamma, gae_lambda) -> None:
+    _require_tensors("", rewards=rewards, values=values, terminations=terminations, truncations=truncations,
+                     valid=valid, next_value=next_value)
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [num_envs, num_steps], got shape {tuple(rewards.shape)}")
     shape = rewards.shape
@@ -214,9 +219,7 @@ def compute_gae_parallel(rewards: torch.Tensor, values: torch.Tensor, terminatio
 
 def _check_pair(who: str, advantages: torch.Tensor, aux_advantages: torch.Tensor, valid: torch.Tensor) -> None:
     """ValueError unless the two advantages and ``valid`` are tensors of one [N, T] shape and ``valid`` is bool."""
-    for name, t in (("advantages", advantages), ("aux_advantages", aux_advantages), ("valid", valid)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    _require_tensors(f"{who}: ", advantages=advantages, aux_advantages=aux_advantages, valid=valid)
     if advantages.shape != aux_advantages.shape or advantages.shape != valid.shape or advantages.dim() != 2:
         raise ValueError(f"{who}: expected advantages, aux_advantages and valid of one [N, T] shape, got "
                          f"{list(advantages.shape)}, {list(aux_advantages.shape)}, {list(valid.shape)}")

@@ -53,7 +53,7 @@ from .device_actor import GraphActor
 from .devices import resolve_device
 from .distributed import (DataParallel, RunningStatsSync, rank as dist_rank, shard_permutation,
                           world_size as dist_world_size)
-from .evaluate import EvalResult, evaluate_policy, normalize_like_training, reward_scale_of
+from .evaluate import EvalResult, evaluate_policy, obs_normaliser, reward_scale_of
 from .head_optim import FlatHeadAdam
 from .interrupts import deferred_signals, interrupt_once
 from .logger import TensorBoardLogger
@@ -501,11 +501,11 @@ class RecurrentPPO:
 
     def _as_trained(self, obs: Any, reward: Any) -> tuple[Any, Any]:
         """Raw observations and reward as the policy saw them in training: flattened and normalised with the
-        frozen statistics, the reward scaled (:func:`normalize_like_training`, :func:`reward_scale_of`)."""
+        frozen statistics, the reward scaled (:func:`obs_normaliser`, :func:`reward_scale_of`)."""
         obs = self._flat_obs(obs)
         if obs.ndim in (1, 2) and obs.shape[-1] == self.policy.obs_dim and np.issubdtype(obs.dtype, np.number) \
                 and not np.issubdtype(obs.dtype, np.complexfloating):  # anything else: Policy.act's clear error
-            obs = normalize_like_training(self.envs, obs)
+            obs = obs_normaliser(self.envs)(obs)
         if reward is not None:
             scale = reward_scale_of(self.envs)
             if scale != 1.0:

@@ -178,7 +178,7 @@ def test_resume_never_reads_the_env_pickle_unless_asked(tmp_path):
 def test_predict_takes_raw_observations_and_normalises_them_as_training_did(tmp_path):
     """predict / value apply the agent's own observation normalisation (frozen training statistics) and
     reward scale, so a plain env loop on raw observations acts as evaluate() does."""
-    from mamba_rl.agents.evaluate import normalize_like_training, reward_scale_of
+    from mamba_rl.agents.evaluate import obs_normaliser, reward_scale_of
 
     agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=256, track=False, prev_reward=True))
     agent.learn()
@@ -186,7 +186,7 @@ def test_predict_takes_raw_observations_and_normalises_them_as_training_did(tmp_
     assert norm is not None and not np.allclose(norm.obs_rms.var, 1.0)  # the statistics moved in training
     raw = np.random.default_rng(0).normal(size=(3, 4)).astype(np.float32)
     want = ((raw - norm.obs_rms.mean) / np.sqrt(norm.obs_rms.var + norm.epsilon)).astype(np.float32)
-    np.testing.assert_array_equal(normalize_like_training(agent.envs, raw), want)
+    np.testing.assert_array_equal(obs_normaliser(agent.envs)(raw), want)
     scale = reward_scale_of(agent.envs)
     assert scale != 1.0
     a, s = agent.predict(raw, deterministic=True, reward=np.ones(3))
