@@ -47,6 +47,7 @@ _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0,
                 ("gae_lambda", 0.0, 1.0, False, False), ("clip_coef", 0.0, math.inf, True, False),
                 ("ent_coef", 0.0, math.inf, False, False), ("vf_coef", 0.0, math.inf, False, False),
                 ("max_grad_norm", 0.0, math.inf, True, True), ("target_kl", 0.0, math.inf, True, True),
+                ("max_minibatch_kl", 0.0, math.inf, True, True),
                 ("min_action_std", 0.0, 1.0, False, False), ("aux_gamma", 0.0, 1.0, False, True),
                 ("aux_gae_lambda", 0.0, 1.0, False, False), ("aux_adv_weight", 0.0, 1.0, False, False),
                 ("aux_adv_add", 0.0, 1000.0, False, True))
@@ -91,6 +92,7 @@ class _PPOFields:
     vf_coef: float = 0.5
     max_grad_norm: float | None = 0.5
     target_kl: float | None = 0.02
+    max_minibatch_kl: float | None = None
     min_action_std: float = 0.2
     backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool | str = "auto"
@@ -277,6 +279,15 @@ class PPOConfig(_PPOFields):
             0.02 by default: with it and 3 epochs every POPGym task's seed spread stayed <= 0.070 and
             CartPoleNoVel's seeds 1-5 within 11 of return, at the same means (benchmarks/learning/README.md,
             2026-12-05).
+        max_minibatch_kl: skip an update's remaining minibatch steps from the first minibatch whose approx_kl,
+            measured before its step, exceeds it (stable-baselines3's per-minibatch early stop, there at 1.5 x
+            target_kl); None (the default): never. A skipped step leaves the weights, both optimizers' moments and
+            the f16 loss scale as they were; the count is logged as ``losses/kl_stopped_steps``. On CUDA the test
+            runs on the device inside the captured minibatch (no host sync); on the CPU the update ends at the
+            stop. A late collapse on PositionOnlyCartPole (one failed episode after 2M steps of perfect ones, the
+            critic's explained variance at -3, approx_kl 0.06 -> 0.6 over six updates, the return 1.0 -> 0.16)
+            did not happen with it at 0.03 or 0.05, and at 0.10 the return fell to 0.32 (benchmarks/learning/README.md,
+            2026-12-06).
         min_action_std: the smallest std of a Box action's Gaussian, as a fraction of its half-range (0: off).
             The half-range is ``(high - low) / 2`` per action dimension (1 where a bound is infinite); [0, 1]. After
             every head step the state-independent ``log_std`` is raised to ``log(min_action_std * half-range)``

@@ -5,7 +5,8 @@ Tags written by :class:`mamba_rl.agents.RecurrentPPO` (named in :mod:`mamba_rl.a
 * ``charts/episodic_return``, ``charts/episodic_length`` (one point per finished episode, at
   the global step it finished), ``charts/SPS``, ``charts/learning_rate``;
 * ``losses/{value_loss, policy_loss, entropy, approx_kl, old_approx_kl, clipfrac,
-  explained_variance}`` (CleanRL: last minibatch's losses, clipfrac averaged over the update);
+  explained_variance}`` (CleanRL: last minibatch's losses, clipfrac averaged over the update) and
+  ``losses/kl_stopped_steps`` (the minibatch steps ``max_minibatch_kl`` skipped in the update);
 * ``backbone/{grad_norm, loss_scale, overflow_skipped}`` (mean grad norm, last loss scale and
   the number of optimizer steps skipped over the update on a NaN / inf gradient: an f16 overflow, or
   a non-finite loss in any dtype);

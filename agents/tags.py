@@ -8,7 +8,7 @@ produced by :meth:`~mamba_rl.agents.update.PPOUpdate.run` (:data:`UPDATE_METRICS
 from __future__ import annotations
 
 __all__ = ["EPISODIC_RETURN", "EPISODIC_LENGTH", "SPS", "LEARNING_RATE", "ROLLOUT_MS", "UPDATE_MS",
-           "ROLLOUT_PARITY", "OVERFLOW_SKIPPED", "NONFINITE_OBS", "NONFINITE_REWARDS", "UPDATE_METRICS",
+           "ROLLOUT_PARITY", "OVERFLOW_SKIPPED", "KL_STOPPED", "NONFINITE_OBS", "NONFINITE_REWARDS", "UPDATE_METRICS",
            "AUX_VALUE_LOSS", "AUX_EXPLAINED_VARIANCE", "AUX_METRICS", "SCALAR_TAGS"]
 
 EPISODIC_RETURN = "charts/episodic_return"  # one point per finished episode, at the step it finished
@@ -19,14 +19,16 @@ ROLLOUT_MS = "perf/rollout_ms"  # wall time of the last rollout
 UPDATE_MS = "perf/update_ms"  # wall time of the last update
 ROLLOUT_PARITY = "debug/rollout_parity"  # max |new - stored| log-prob / value of an update's first minibatch
 OVERFLOW_SKIPPED = "backbone/overflow_skipped"  # minibatch steps skipped on a NaN / inf gradient in the update
+KL_STOPPED = "losses/kl_stopped_steps"  # minibatch steps skipped by PPOConfig.max_minibatch_kl in the update
 NONFINITE_OBS = "env/nonfinite_obs"  # nonfinite="zero" only: non-finite values the env guard zeroed so far
 NONFINITE_REWARDS = "env/nonfinite_rewards"
 
 # what one update reports, in PPOUpdate.run's order: the last minibatch's losses, clipfrac averaged over the
-# update, explained variance, mean grad norm, the loss scale after the update, skipped f16 steps, parity
+# update, explained variance, mean grad norm (of the steps taken), the loss scale after the update, steps skipped on
+# a non-finite gradient, steps skipped by max_minibatch_kl, parity
 UPDATE_METRICS = ("losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
                   "losses/old_approx_kl", "losses/clipfrac", "losses/explained_variance", "backbone/grad_norm",
-                  "backbone/loss_scale", OVERFLOW_SKIPPED, ROLLOUT_PARITY)
+                  "backbone/loss_scale", OVERFLOW_SKIPPED, KL_STOPPED, ROLLOUT_PARITY)
 
 # with the two-horizon critic (PPOConfig.aux_gamma) only, after UPDATE_METRICS: the aux critic's value loss (the
 # last minibatch's, before vf_coef) and its explained variance over the rollout's valid steps

@@ -70,9 +70,15 @@ _LAYOUT = ("num_envs", "num_steps", "num_minibatches", "update_epochs")
 _LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm")
 
 # per-minibatch metric columns of the device table (aux_v: the aux critic's value loss, 0 without it)
-_COLS = ("v", "pg", "ent", "kl", "old_kl", "aux_v", "clipfrac", "grad_norm", "skipped", "parity")
+# kl_stop: the step was skipped by PPOConfig.max_minibatch_kl; skipped: by a NaN / inf gradient (not a KL stop)
+_COLS = ("v", "pg", "ent", "kl", "old_kl", "aux_v", "clipfrac", "kl_stop", "grad_norm", "skipped", "parity")
 METRIC_NAMES = UPDATE_METRICS  # the names of what run() returns, in order
 AUX_METRIC_NAMES = AUX_METRICS  # and after them with the two-horizon critic
+
+
+def _kl_limit(limit: float | None) -> float:
+    """PPOConfig.max_minibatch_kl as the device limit's value (inf: off)."""
+    return math.inf if limit is None else float(limit)
 
 
 def _flag_nonfinite_heads(grad_arena: torch.Tensor, head_sq: torch.Tensor) -> None:
@@ -148,9 +154,15 @@ class PPOUpdate:
                                       pin_memory=dev.type == "cuda")
         self.mb_index = torch.zeros(1, dtype=torch.int64, device=dev)
         self.table = torch.zeros(self.max_steps, len(_COLS), device=dev)
+        # PPOConfig.max_minibatch_kl as a device scalar the captured graph reads (inf: off; refreshed by run()),
+        # and the flag that a minibatch of this update exceeded it (every later step of the update is skipped)
+        self.kl_limit = torch.full((), _kl_limit(c.max_minibatch_kl), device=dev)
+        self._kl_limit_of = c.max_minibatch_kl
+        self.kl_stopped = torch.zeros((), dtype=torch.bool, device=dev)
         n_heads = sum(q.numel() for q in self.head_params)
-        # data-parallel: [backbone gradient arena | head gradient], summed over ranks by one all-reduce
-        self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads, device=dev) if dp is not None else None
+        # data-parallel: [backbone gradient arena | head gradient | approx_kl share], summed over ranks by one
+        # all-reduce (every rank then takes the same max_minibatch_kl decision)
+        self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads + 1, device=dev) if dp is not None else None
         # data-parallel: this rank's [sum adv, sum adv^2, valid count] of the minibatch, summed over ranks
         self.stat_buf = torch.zeros(3, dtype=torch.float64, device=dev) if dp is not None else None
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
@@ -229,7 +241,7 @@ class PPOUpdate:
             d_out = tr.d_buf.view(-1, tr.d_buf.shape[-1]) if tr.d_buf.dtype == torch.float32 and \
                 tr.d_buf.is_contiguous() else None
             hg = categorical_ppo_grads(c, feat.detach(), self.actor.linear, self.critic.linear, mb, count, adv_norm,
-                                       out=d_out, losses=self._loss_row,
+                                       out=d_out, losses=self._loss_row or c.max_minibatch_kl is not None,
                                        aux_critic=self.aux_critic.linear if self.aux else None)
             if d_out is None:
                 tr.d_buf.copy_(hg.d_features.view_as(tr.d_buf))
@@ -257,7 +269,8 @@ class PPOUpdate:
         if dp is not None:
             nb = tr.net.grad_arena.numel()
             self.comm[:nb].copy_(tr.net.grad_arena)
-            self.comm[nb:].copy_(flat)
+            self.comm[nb:-1].copy_(flat)
+            self.comm[-1:].copy_(st["kl"]) if "kl" in st else self.comm[-1:].zero_()  # none: the guard is off
         # detached: a kept autograd graph would keep the heads' AccumulateGrad nodes (and the stream they
         # were made on) alive into the next capture
         self._phase2 = (flat, head_grads, {k: v.detach() for k, v in st.items()}, newvalue.detach(),
@@ -269,11 +282,22 @@ class PPOUpdate:
         c, tr, mb = self._config, self.trainer, self._mb
         flat, head_grads, st, newvalue, aux_newvalue = self._phase2
         arena = tr.net.grad_arena
+        kl = st.get("kl")
         if self.dp is not None:  # the heads step with the summed gradient
             nb = arena.numel()
             arena.copy_(self.comm[:nb])
-            flat = self.comm[nb:]
+            flat = self.comm[nb:-1]
+            kl = self.comm[-1]  # approx_kl of the whole minibatch (every rank's share summed)
             tr.extra_sq_buf.copy_(flat.square().sum())
+        # max_minibatch_kl: from the first minibatch whose approx_kl exceeds the limit every step of the update is
+        # skipped, through the trainer's non-finite skip (a NaN head norm: weights, moments and the step count
+        # stay; the heads skip with it); a select, no sync. Off (an inf limit) it passes everything through.
+        stop = self.kl_stopped | (kl > self.kl_limit) if kl is not None else self.kl_stopped
+        self.kl_stopped.copy_(stop)
+        tr.extra_sq_buf.copy_(torch.where(stop, float("nan"), tr.extra_sq_buf))
+        scaler = tr.scaler
+        if scaler.enabled:  # a KL stop is no overflow: the f16 loss scale and its growth count stay as they were
+            kept = (scaler.scale.clone(), scaler.growth_tracker.clone())
         if self.device.type == "cpu":  # reading the squared norm is free here: flag only a non-finite one
             if not math.isfinite(tr.extra_sq_buf.item()):
                 arena[:1].add_(float("nan"))
@@ -281,6 +305,10 @@ class PPOUpdate:
             _flag_nonfinite_heads(arena, tr.extra_sq_buf)
         tr.optimizer_body()
         s = tr.scalars
+        if scaler.enabled:
+            scaler.scale.copy_(torch.where(stop, kept[0], scaler.scale))
+            scaler.growth_tracker.copy_(torch.where(stop, kept[1], scaler.growth_tracker))
+            s[LOSS_SCALE] = scaler.scale[0]
         skip = s[FOUND_INF] > 0  # the trainer skipped its step (the agent makes it skip every non-finite one)
         if self.device_heads:
             self.head_optimizer.flat_step(flat, self.head_optimizer.lr_t, s[CLIP_COEF], skip)
@@ -308,7 +336,7 @@ class PPOUpdate:
                 parity = st["clipfrac"].new_zeros(())
             zero = st["clipfrac"].new_zeros(())  # losses not computed in this (eager) minibatch: not read
             row = torch.stack([st.get(k, zero) for k in ("v", "pg", "ent", "kl", "old_kl", "aux_v")] +
-                              [st["clipfrac"], s[GRAD_NORM].float(), skip.float(), parity])
+                              [st["clipfrac"], stop.float(), s[GRAD_NORM].float(), (skip & ~stop).float(), parity])
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
             self.mb_index.add_(1)
 
@@ -333,7 +361,7 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         return self.trainer.graph_buffers() + self._head_state() + (
             self.comm, self.stat_buf, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
-            self.mb_index, self.table, self.log_std_floor)
+            self.mb_index, self.table, self.log_std_floor, self.kl_limit, self.kl_stopped)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture the minibatch as CUDA graphs: one graph of :meth:`_minibatch` on one process; with data
@@ -345,7 +373,8 @@ class PPOUpdate:
         """
         if self.device.type != "cuda" or not self.flat_heads:
             raise RuntimeError("PPOUpdate.capture needs a CUDA policy whose head optimizer is a FlatHeadAdam")
-        saved = self.trainer.snapshot() + snapshot((self.table, self.mb_index) + self._head_state()[:4])
+        saved = self.trainer.snapshot() + snapshot((self.table, self.mb_index, self.kl_stopped) +
+                                                   self._head_state()[:4])
         if self.dp is None:
             bodies = {"minibatch": self._minibatch}
         else:  # no collective inside a graph: the all-reduces run eagerly between the phases' graphs
@@ -396,10 +425,17 @@ class PPOUpdate:
                     adv.copy_(combine_advantages(adv, aux_adv, valid, self._config.aux_adv_weight, moments))
             self.mb_index.zero_()
 
-    def _kl(self, row: int) -> float:
-        """approx_kl of minibatch ``row`` over every rank (each rank holds its share)."""
+    def _epoch_stop(self, c: PPOConfig, row: int) -> bool:
+        """Whether the update ends after the epoch whose last minibatch is ``row``: its approx_kl (over every
+        rank: each holds its share) above ``target_kl``, or a ``max_minibatch_kl`` stop (the same on every
+        rank). One device->host read, none when neither is set."""
+        if c.target_kl is None and c.max_minibatch_kl is None:
+            return False
         kl = self.table[row, _COLS.index("kl")].clone()
-        return float(self.dp.sum_(kl) if self.dp is not None else kl)
+        if self.dp is not None:
+            self.dp.sum_(kl)
+        kl, stopped = torch.stack([kl, self.kl_stopped.float()]).tolist()
+        return stopped > 0.5 or (c.target_kl is not None and kl > c.target_kl)
 
     def run(self, config: PPOConfig, draw_rows: Callable[[], torch.Tensor]) -> dict[str, float]:
         """``update_epochs`` x ``num_minibatches`` minibatch steps over the buffer.
@@ -434,10 +470,17 @@ class PPOUpdate:
         if self.log_std_floor is not None and c.min_action_std != self._floor_of:
             self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))
             self._floor_of = c.min_action_std
+        if c.max_minibatch_kl != self._kl_limit_of:
+            self.kl_limit.fill_(_kl_limit(c.max_minibatch_kl))
+            self._kl_limit_of = c.max_minibatch_kl
         if self._capture and self._captured_loss != self._fields(config, _LOSS):
             self._capture_minibatch()
         self._load_rollout()
+        self.kl_stopped.zero_()
         m = c.num_minibatches
+        # the CPU ends the update at a max_minibatch_kl stop (reading the flag is free there); CUDA skips the
+        # remaining steps on the device and ends at the next epoch boundary's read
+        host_stop = self.device.type == "cpu" and c.max_minibatch_kl is not None
         done = 0
         for epoch in range(c.update_epochs):
             rows = draw_rows()
@@ -455,13 +498,15 @@ class PPOUpdate:
                     finally:
                         self._parity_row = self._loss_row = True
                 done += 1
+                if host_stop and bool(self.kl_stopped):
+                    break
             # after the last epoch there is nothing left to stop: no read (the host sync) there
-            if c.target_kl is not None and epoch + 1 < c.update_epochs and self._kl(done - 1) > c.target_kl:
+            if epoch + 1 < c.update_epochs and self._epoch_stop(c, done - 1):
                 break
         a = self.action_dim
         if self.dp is not None:  # losses are each rank's share of the global mean: sum them (one call)
             self.dp.sum_(self.table[:done])
-            self.table[:done, len(_COLS) - 3:].div_(self.dp.world)  # grad_norm, skipped: equal; parity: mean
+            self.table[:done, len(_COLS) - 4:].div_(self.dp.world)  # kl_stop .. skipped: equal; parity: mean
         with torch.no_grad():
             valid = self.pack[..., a + 4] > 0.5
             ev = explained_variance(self.pack[..., a + 3], self.pack[..., a + 1], valid)
@@ -472,11 +517,11 @@ class PPOUpdate:
         host, tail = host[:-len(tail)], host[-len(tail):]
         tab = host.reshape(done, len(_COLS))
         col = {k: tab[:, i] for i, k in enumerate(_COLS)}
-        ok = col["skipped"] < 0.5
+        ok = (col["skipped"] < 0.5) & (col["kl_stop"] < 0.5)  # the steps taken
         last = tab[-1]
         vals = [last[0], last[1], last[2], last[3], last[4], col["clipfrac"].mean(), tail[0],
                 col["grad_norm"][ok].mean() if ok.any() else 0.0, tail[1], col["skipped"].sum(),
-                col["parity"][0]]
+                col["kl_stop"].sum(), col["parity"][0]]
         out = {k: float(v) for k, v in zip(METRIC_NAMES, vals)}
         if self.aux:  # the aux critic's value loss (the last step's, as value_loss) and explained variance
             out.update(zip(AUX_METRIC_NAMES, (float(last[_COLS.index("aux_v")]), float(tail[2]))))

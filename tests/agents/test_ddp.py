@@ -56,7 +56,7 @@ def _one_process(tmp_path, device: str, updates: int, extra: dict | None = None)
 
 
 def _check_update_identity(tmp_path, device: str, rtol: float = 1e-4, atol: float = 2e-5,
-                           extra: dict | None = None) -> None:
+                           extra: dict | None = None, moves: bool = True) -> None:
     updates = 2
     _spawn(update_worker, str(tmp_path), device, updates, extra)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
@@ -64,19 +64,30 @@ def _check_update_identity(tmp_path, device: str, rtol: float = 1e-4, atol: floa
     assert torch.equal(r0["final"], r1["final"])
     init, final, metrics = _one_process(tmp_path, device, updates, extra)
     assert torch.equal(r0["init"], init)  # same weights from the config seed
-    assert (final - init).abs().max() > 1e-4  # the updates did move the weights
+    assert ((final - init).abs().max() > 1e-4) == moves  # the updates did move the weights (or, stopped, did not)
     torch.testing.assert_close(r0["final"], final, rtol=rtol, atol=atol)
     for m_dp, m_one in zip(r0["metrics"], metrics):
         keys = ["losses/value_loss", "losses/policy_loss", "losses/entropy", "losses/approx_kl",
                 "losses/clipfrac", "backbone/grad_norm"]
         if extra and extra.get("aux_gamma") is not None:  # the aux loss: each rank's share of the global mean
             keys.append("losses/aux_value_loss")
+        if extra and extra.get("max_minibatch_kl") is not None:
+            keys.append("losses/kl_stopped_steps")
+            assert m_dp["losses/kl_stopped_steps"] == 1.0  # the first minibatch: the CPU update ends there
         for k in keys:
             assert m_dp[k] == pytest.approx(m_one[k], rel=10 * rtol, abs=1e-6), k
 
 
 def test_two_ranks_equal_one_process_gloo(tmp_path):
     _check_update_identity(tmp_path, "cpu")
+
+
+def test_two_ranks_equal_one_process_with_a_kl_stop_gloo(tmp_path):
+    """max_minibatch_kl: the stop is decided on the minibatch's whole approx_kl (each rank's share summed in the
+    gradients' all-reduce), so every rank skips the same steps, as one process with all the envs does. The fake
+    rollouts' stored log-probs are not the policy's, so the first minibatch already exceeds the limit: nothing
+    moves, on both ranks and in the one process."""
+    _check_update_identity(tmp_path, "cpu", extra=dict(max_minibatch_kl=1e-9), moves=False)
 
 
 def test_two_ranks_equal_one_process_with_the_aux_critic_gloo(tmp_path):

@@ -1,0 +1,96 @@
+"""PPOConfig.max_minibatch_kl: an update's minibatch steps stop at the first minibatch whose approx_kl (measured
+before its step) exceeds the limit; the stopped steps change nothing and are counted in losses/kl_stopped_steps."""
+
+import pytest
+import torch
+from mamba_rl.agents import PPOConfig, RecurrentPPO
+from mamba_rl.agents.tags import KL_STOPPED, OVERFLOW_SKIPPED, UPDATE_METRICS
+from mamba_rl.ops.optim import STEP
+
+TINY = dict(num_envs=4, num_steps=32, num_minibatches=2, update_epochs=3, d_model=16, n_layers=2, d_state=4,
+            seed=7, track=False, total_timesteps=128)
+
+
+def _agent(tmp_path, env="CartPole-v1", device="cpu", **kw):
+    cfg = PPOConfig(**dict(TINY, device=device, runs_dir=str(tmp_path / "runs"),
+                           checkpoint_dir=str(tmp_path / "ckpt"), **kw))
+    return RecurrentPPO(env, config=cfg)
+
+
+def _heads_step(agent) -> int:
+    return int(agent.head_optimizer.step_t)  # FlatHeadAdam's shared step count (CPU and CUDA)
+
+
+def _weights(agent) -> torch.Tensor:
+    return torch.cat([agent.policy.net.arena.detach().cpu()] +
+                     [p.detach().cpu().reshape(-1) for p in agent.policy.heads.parameters()])
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), "0.05"])
+def test_a_limit_that_is_not_a_positive_number_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="PPOConfig.max_minibatch_kl must be"):
+        PPOConfig(max_minibatch_kl=bad)
+
+
+def test_off_by_default_and_a_limit_never_reached_gives_the_same_bits(tmp_path):
+    assert PPOConfig().max_minibatch_kl is None
+    assert KL_STOPPED in UPDATE_METRICS
+    off = _agent(tmp_path / "off")
+    off.learn()
+    far = _agent(tmp_path / "far", max_minibatch_kl=1e9)
+    far.learn()
+    assert torch.equal(_weights(off), _weights(far))
+    for a in (off, far):
+        assert int(a.trainer.scalars[STEP]) == TINY["num_minibatches"] * TINY["update_epochs"]
+        a.close()
+
+
+def test_a_stop_skips_every_later_step_of_the_update_and_counts_it(tmp_path):
+    """A limit below any KL after one step: each update takes its first minibatch step (its approx_kl is ~0:
+    the rollout's own policy) and stops at the second; the CPU update ends there."""
+    agent = _agent(tmp_path, max_minibatch_kl=1e-9)
+    metrics = []
+    agent.learn(callback=lambda a, m: metrics.append(m))
+    assert len(metrics) == 1
+    m = metrics[0]
+    assert m[KL_STOPPED] == 1.0 and m[OVERFLOW_SKIPPED] == 0.0
+    assert m["losses/approx_kl"] > 1e-9  # the stopping minibatch's estimate
+    assert int(agent.trainer.scalars[STEP]) == 1 and _heads_step(agent) == 1  # one step each, the rest skipped
+    assert torch.isfinite(agent.policy.net.arena).all() and torch.isfinite(_weights(agent)).all()
+    agent.close()
+
+
+def test_the_stop_resets_each_update_and_a_changed_limit_takes_effect(tmp_path):
+    agent = _agent(tmp_path, max_minibatch_kl=1e-9)
+    agent.learn()
+    assert int(agent.trainer.scalars[STEP]) == 1
+    agent.learn(total_timesteps=256)  # a second update: its first step is taken again
+    assert int(agent.trainer.scalars[STEP]) == 2
+    agent.config = agent.config.replace(max_minibatch_kl=None)
+    agent.learn(total_timesteps=384)
+    assert int(agent.trainer.scalars[STEP]) == 2 + TINY["num_minibatches"] * TINY["update_epochs"]
+    agent.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_cuda_skips_on_the_device_and_keeps_the_f16_loss_scale(tmp_path, graphs, dtype):
+    """On CUDA the stopped steps run and are skipped on the device (no sync) up to the epoch's end, where the
+    update ends: the steps taken and the steps stopped add up to the epoch's 2 minibatches, the same for the
+    backbone and the heads. (The first minibatch's approx_kl is the rollout parity's: ~0 in f32, above 1e-9 in
+    f16 or eagerly on some hosts, so 1 or 2 are stopped.) f16: a KL stop does not back off the loss scale."""
+    agent = _agent(tmp_path, device="cuda", cuda_graphs=graphs, dtype=dtype, max_minibatch_kl=1e-9)
+    scale0 = float(agent.trainer.scaler.scale[0])
+    metrics = []
+    agent.learn(callback=lambda a, m: metrics.append(m))
+    m = metrics[0]
+    stopped = int(m[KL_STOPPED])
+    assert stopped in (1, 2) and m[KL_STOPPED] == stopped and m[OVERFLOW_SKIPPED] == 0.0
+    taken = TINY["num_minibatches"] - stopped
+    assert int(agent.trainer.scalars[STEP]) == taken and _heads_step(agent) == taken
+    assert torch.isfinite(_weights(agent)).all()
+    if dtype == "f16":
+        assert float(agent.trainer.scaler.scale[0]) == scale0 and m["backbone/loss_scale"] == scale0
+    agent.close()
