@@ -358,7 +358,7 @@ _PROBE = textwrap.dedent('''
         off = {"aux_gamma": None} if "aux_gamma" in PPOConfig.__dataclass_fields__ else {}  # on by default now
         cfg = PPOConfig(num_envs=4, num_steps=16, num_minibatches=2, update_epochs=2, d_model=16, n_layers=2,
                         d_state=4, device="cpu", seed=3, total_timesteps=3 * 64, checkpoint_every=0, track=False,
-                        runs_dir=out + "/runs", checkpoint_dir=out + "/ckpt", **kw, **off)
+                        runs_dir=out + "/runs", checkpoint_dir=out + "/ckpt", prev_reward=False, **kw, **off)
         agent = RecurrentPPO(config=cfg)
         agent.learn()
         res[name] = dict(history=[{k: v for k, v in m.items() if not k.startswith(("charts/", "perf/"))}

@@ -151,7 +151,7 @@ def test_prev_action_auto_follows_the_action_space_and_the_env_declaration():
 
     gym.register("mamba_rl_test/NeedsPrevAgent-v0", entry_point=NeedsPrev, max_episode_steps=8)
     tiny = dict(d_model=16, n_layers=1, d_state=4, num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1,
-                total_timesteps=16, device="cpu", track=False, checkpoint_every=0)
+                total_timesteps=16, device="cpu", track=False, checkpoint_every=0, prev_reward=False)
     try:
         for env_id, prev, want in [("mamba_rl_test/NeedsPrevAgent-v0", "auto", True),
                                    ("mamba_rl_test/NeedsPrevAgent-v0", False, False),

@@ -78,7 +78,7 @@ def test_evaluation_resets_memory_per_episode(tmp_path):
     # control: memory does matter for this agent, so equal values above mean it was reset
     obs = np.zeros((1, agent.policy.obs_dim), np.float32)
     _, s = agent.predict(obs)
-    _, s = agent.predict(obs + 1, s)
+    _, s = agent.predict(obs + 1, s, reward=[1.0])  # the default agent takes the last reward as an input
     v_carry = agent.value(obs, s, episode_start=[False])
     v_reset = agent.value(obs, s, episode_start=[True])
     assert not np.allclose(v_carry, v_reset)
