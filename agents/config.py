@@ -284,10 +284,10 @@ class PPOConfig(_PPOFields):
             target_kl); None (the default): never. A skipped step leaves the weights, both optimizers' moments and
             the f16 loss scale as they were; the count is logged as ``losses/kl_stopped_steps``. On CUDA the test
             runs on the device inside the captured minibatch (no host sync); on the CPU the update ends at the
-            stop. A late collapse on PositionOnlyCartPole (one failed episode after 2M steps of perfect ones, the
-            critic's explained variance at -3, approx_kl 0.06 -> 0.6 over six updates, the return 1.0 -> 0.16)
-            did not happen with it at 0.03 or 0.05, and at 0.10 the return fell to 0.32 (benchmarks/learning/README.md,
-            2026-12-06).
+            stop. On a deterministic late collapse of PositionOnlyCartPole (one failed episode after 2M steps of
+            perfect ones, the critic's explained variance at -3, the return 1.0 -> 0.16) 0.03 and 0.05 kept the
+            return >= 0.996, 0.10 and 0.15 did not; at 200k steps 0.05 binds often and left AutoencodeEasy at
+            -0.417 (-0.415 without), so it is off by default (benchmarks/learning/README.md, 2026-12-06).
         min_action_std: the smallest std of a Box action's Gaussian, as a fraction of its half-range (0: off).
             The half-range is ``(high - low) / 2`` per action dimension (1 where a bound is infinite); [0, 1]. After
             every head step the state-independent ``log_std`` is raised to ``log(min_action_std * half-range)``
