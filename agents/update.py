@@ -270,7 +270,10 @@ class PPOUpdate:
             nb = tr.net.grad_arena.numel()
             self.comm[:nb].copy_(tr.net.grad_arena)
             self.comm[nb:-1].copy_(flat)
-            self.comm[-1:].copy_(st["kl"]) if "kl" in st else self.comm[-1:].zero_()  # none: the guard is off
+            if "kl" in st:
+                self.comm[-1:].copy_(st["kl"])
+            else:  # not computed: max_minibatch_kl is off
+                self.comm[-1:].zero_()
         # detached: a kept autograd graph would keep the heads' AccumulateGrad nodes (and the stream they
         # were made on) alive into the next capture
         self._phase2 = (flat, head_grads, {k: v.detach() for k, v in st.items()}, newvalue.detach(),
