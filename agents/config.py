@@ -282,7 +282,7 @@ class PPOConfig(_PPOFields):
         max_minibatch_kl: skip an update's remaining minibatch steps from the first minibatch whose approx_kl,
             measured before its step, exceeds it (stable-baselines3's per-minibatch early stop, there at 1.5 x
             target_kl); None (the default): never. A skipped step leaves the weights, both optimizers' moments and
-            the f16 loss scale as they were; the count is logged as ``losses/kl_stopped_steps``. On CUDA the test
+            the f16 loss scale as they were; the update's untaken steps are logged as ``losses/kl_stopped_steps``. On CUDA the test
             runs on the device inside the captured minibatch (no host sync); on the CPU the update ends at the
             stop. On a deterministic late collapse of PositionOnlyCartPole (one failed episode after 2M steps of
             perfect ones, the critic's explained variance at -3, the return 1.0 -> 0.16) 0.03 and 0.05 kept the

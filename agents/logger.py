@@ -6,7 +6,7 @@ Tags written by :class:`mamba_rl.agents.RecurrentPPO` (named in :mod:`mamba_rl.a
   the global step it finished), ``charts/SPS``, ``charts/learning_rate``;
 * ``losses/{value_loss, policy_loss, entropy, approx_kl, old_approx_kl, clipfrac,
   explained_variance}`` (CleanRL: last minibatch's losses, clipfrac averaged over the update) and
-  ``losses/kl_stopped_steps`` (the minibatch steps ``max_minibatch_kl`` skipped in the update);
+  ``losses/kl_stopped_steps`` (the update's planned minibatch steps a ``max_minibatch_kl`` stop left untaken);
 * ``backbone/{grad_norm, loss_scale, overflow_skipped}`` (mean grad norm, last loss scale and
   the number of optimizer steps skipped over the update on a NaN / inf gradient: an f16 overflow, or
   a non-finite loss in any dtype);

@@ -209,7 +209,8 @@ class Policy:
             the new PolicyState; the critic values V(obs) [B] float32 numpy, from the same step).
 
         Raises:
-            ValueError: wrong obs width, or a missing reward when ``prev_reward`` is on.
+            ValueError: wrong obs width; with ``prev_reward``, a missing reward (where a row does not start an
+                episode), or one that is not [B] finite numbers.
         """
         x, single = self._obs(obs)
         b = x.shape[0]
@@ -227,12 +228,7 @@ class Policy:
             starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool))
         if self.memoryless:
             starts = torch.ones_like(starts)
-        prev_reward = state.prev_reward
-        if self.use_prev_reward:
-            if reward is None and not bool(starts.all()):
-                raise ValueError("predict: this agent uses prev_reward; pass reward= (the last reward, [B])")
-            if reward is not None:
-                prev_reward = torch.as_tensor(_per_env("reward", reward, b, np.float32))
+        prev_reward = self._prev_reward(reward, state.prev_reward, starts, "predict")
         feat, recurrent = self._features(x, state, starts, prev_reward)
         dist: ActionDist = self.actor.dist(self.actor.linear(feat).cpu(), self.host_log_std())  # sampled on the host
         value = self.critic(feat).cpu().numpy()
@@ -240,6 +236,26 @@ class Policy:
         new_state = PolicyState(recurrent, action.clone(), prev_reward.clone())
         env_action = self.stager(b).to_env(action.numpy())
         return (env_action[0] if single else env_action), new_state, value
+
+    def _prev_reward(self, reward, held: torch.Tensor, starts: torch.Tensor, who: str) -> torch.Tensor:
+        """The previous-reward input [B] float32 of :meth:`act` / :meth:`value`: ``reward`` checked (one number per
+        env, finite where the row does not start an episode; rows that start one read 0) with ``prev_reward`` on;
+        ``held`` (the state's, unused) without it. A missing reward where some row does not start an episode is a
+        ValueError."""
+        if not self.use_prev_reward:
+            return held
+        b = starts.shape[0]
+        if reward is None:
+            if not bool(starts.all()):
+                raise ValueError(f"{who}: this agent uses prev_reward; pass reward= (the last reward, [{b}])")
+            return torch.zeros(b)
+        r = _per_env("reward", reward, b, np.float32, who)
+        start = starts.numpy()
+        bad = ~np.isfinite(r) & ~start  # a row that starts an episode does not read it
+        if bad.any():
+            raise ValueError(f"{who}: reward must be finite, got {r[bad][:4].tolist()} (after the agent's reward "
+                             f"scaling, in float32)")
+        return torch.as_tensor(np.where(start, np.float32(0), r))
 
     @torch.no_grad()
     def value(self, obs: np.ndarray, state: PolicyState, episode_start: np.ndarray,
@@ -250,11 +266,13 @@ class Policy:
             obs: [B, obs_dim] (or [obs_dim]) float observations, as for :meth:`act`.
             state: the PolicyState of B envs that :meth:`act` returned.
             episode_start: [B] bool, True where ``obs`` starts an episode (those rows' memory reset).
-            reward: [B] the last reward (with ``prev_reward``; default: the one ``state`` holds).
+            reward: [B] the reward received after the action ``state`` holds; needed with ``prev_reward`` (as
+                in :meth:`act`) where a row does not start an episode.
 
         Raises:
             ValueError: an obs of another width, no rows, NaN / inf values; a ``state`` that is not a
-                PolicyState of B envs; an ``episode_start`` or ``reward`` without one value per env.
+                PolicyState of B envs; an ``episode_start`` without one value per env; with ``prev_reward``, a
+                missing reward, or one that is not [B] finite numbers.
         """
         x, _ = self._obs(obs, "value")
         b = x.shape[0]
@@ -268,8 +286,7 @@ class Policy:
         starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool, "value"))
         if self.memoryless:
             starts = torch.ones_like(starts)
-        prev_reward = state.prev_reward if reward is None else torch.as_tensor(
-            _per_env("reward", reward, b, np.float32, "value"))
+        prev_reward = self._prev_reward(reward, state.prev_reward, starts, "value")
         feat, _ = self._features(x, state, starts, prev_reward)
         return self.critic(feat).cpu().numpy()
 

@@ -495,22 +495,28 @@ class RecurrentPPO:
         own (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
         if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
-        obs, reward = self._as_trained(obs, reward)
+        obs, reward = self._as_trained(obs, reward, "predict")
         action, state, _ = self.policy.act(obs, state, episode_start, deterministic, reward, self._predict_generator)
         return action, state
 
-    def _as_trained(self, obs: Any, reward: Any) -> tuple[Any, Any]:
+    def _as_trained(self, obs: Any, reward: Any, who: str) -> tuple[Any, Any]:
         """Raw observations and reward as the policy saw them in training: flattened and normalised with the
-        frozen statistics, the reward scaled (:func:`obs_normaliser`, :func:`reward_scale_of`)."""
+        frozen statistics, the reward scaled (:func:`obs_normaliser`, :func:`reward_scale_of`); without
+        ``prev_reward`` the reward is not an input and is ignored. A reward that is not numbers is a ValueError
+        naming ``who`` (its shape and finiteness: :meth:`Policy.act`)."""
         obs = self._flat_obs(obs)
         if obs.ndim in (1, 2) and obs.shape[-1] == self.policy.obs_dim and np.issubdtype(obs.dtype, np.number) \
                 and not np.issubdtype(obs.dtype, np.complexfloating):  # anything else: Policy.act's clear error
             obs = obs_normaliser(self.envs)(obs)
-        if reward is not None:
-            scale = reward_scale_of(self.envs)
-            if scale != 1.0:
-                reward = np.asarray(reward, dtype=np.float64) * scale
-        return obs, reward
+        if reward is None or not self.policy.use_prev_reward:
+            return obs, None
+        try:
+            raw = np.asarray(reward)
+        except ValueError as err:  # numpy's "inhomogeneous shape"
+            raise ValueError(f"{who}: reward must be one number per env, got {reward!r}: {err}") from None
+        if raw.dtype.kind not in "biuf":
+            raise ValueError(f"{who}: reward must be numbers, got dtype {raw.dtype}: {reward!r}")
+        return obs, raw.astype(np.float64) * reward_scale_of(self.envs)
 
     def raw_observation_space(self) -> gym.Space:
         """The single env's observation space before flattening (what ``env.reset()`` returns samples of)."""
@@ -541,7 +547,7 @@ class RecurrentPPO:
         B envs it returned, ``episode_start`` [B] bools, ``reward`` [B] (with ``prev_reward``). Raises ValueError
         for any of them of another shape or type, or a NaN / inf observation
         (:meth:`mamba_rl.agents.policy.Policy.value`)."""
-        obs, reward = self._as_trained(obs, reward)
+        obs, reward = self._as_trained(obs, reward, "value")
         return self.policy.value(obs, state, episode_start, reward)
 
     def evaluate(self, num_episodes: int = 10, deterministic: bool = False, seed: int | None = None,

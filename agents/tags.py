@@ -19,7 +19,7 @@ ROLLOUT_MS = "perf/rollout_ms"  # wall time of the last rollout
 UPDATE_MS = "perf/update_ms"  # wall time of the last update
 ROLLOUT_PARITY = "debug/rollout_parity"  # max |new - stored| log-prob / value of an update's first minibatch
 OVERFLOW_SKIPPED = "backbone/overflow_skipped"  # minibatch steps skipped on a NaN / inf gradient in the update
-KL_STOPPED = "losses/kl_stopped_steps"  # minibatch steps skipped by PPOConfig.max_minibatch_kl in the update
+KL_STOPPED = "losses/kl_stopped_steps"  # the update's planned minibatch steps a max_minibatch_kl stop left untaken
 NONFINITE_OBS = "env/nonfinite_obs"  # nonfinite="zero" only: non-finite values the env guard zeroed so far
 NONFINITE_REWARDS = "env/nonfinite_rewards"
 

@@ -522,9 +522,13 @@ class PPOUpdate:
         col = {k: tab[:, i] for i, k in enumerate(_COLS)}
         ok = (col["skipped"] < 0.5) & (col["kl_stop"] < 0.5)  # the steps taken
         last = tab[-1]
+        # every planned step of the update that a max_minibatch_kl stop left untaken: the stopped rows run (CUDA
+        # runs the rest of the epoch on the device) and those never run (the CPU ends at the stop, CUDA at the
+        # epoch's end), so both count the same
+        kl_stopped = col["kl_stop"].sum() + (self.max_steps - done if col["kl_stop"].any() else 0)
         vals = [last[0], last[1], last[2], last[3], last[4], col["clipfrac"].mean(), tail[0],
                 col["grad_norm"][ok].mean() if ok.any() else 0.0, tail[1], col["skipped"].sum(),
-                col["kl_stop"].sum(), col["parity"][0]]
+                kl_stopped, col["parity"][0]]
         out = {k: float(v) for k, v in zip(METRIC_NAMES, vals)}
         if self.aux:  # the aux critic's value loss (the last step's, as value_loss) and explained variance
             out.update(zip(AUX_METRIC_NAMES, (float(last[_COLS.index("aux_v")]), float(tail[2]))))

@@ -47,14 +47,17 @@ def check_real(name: str, value: Any, lo: float = -math.inf, hi: float = math.in
     passes when ``optional``.
 
     Raises:
-        ValueError: "NAME must be a finite number, got VALUE" or "NAME must be in [LO, HI], got VALUE".
+        ValueError: "NAME must be a finite number, got VALUE" or "NAME must be in [LO, HI], got VALUE" ("must be
+            >= LO" / "> LO" where HI is infinite).
     """
     if optional and value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise ValueError(f"{name} must be a finite number{' or None' if optional else ''}, got {value!r}")
     if value < lo or value > hi or (lo_open and value == lo):
-        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+        where = (f"{'>' if lo_open else '>='} {lo}" if hi == math.inf else
+                 f"in {'(' if lo_open else '['}{lo}, {hi}]")  # no "inf]": inf itself is refused above
+        raise ValueError(f"{name} must be {where}, got {value!r}")
     return value
 
 

@@ -42,6 +42,17 @@ def _value(text: str):
         return text  # a plain string (e.g. a device name)
 
 
+def _agent(args, sets: dict, RecurrentPPO):
+    """The testbed's agent: a fresh run (``--train``) or the checkpoint resumed with its envs (``--resume``)."""
+    if args.train:
+        # prev_reward False: the recorded run predates that default (--set prev_reward=True for the new one)
+        kw = dict(seed=1, total_timesteps=3_000_000, num_envs=64, num_steps=128, device="cpu", threads=1,
+                  track=False, checkpoint_every=25, checkpoint_dir=args.train, runs_dir=args.train,
+                  prev_reward=False)
+        return RecurrentPPO(TASK, **{**kw, **sets})
+    return RecurrentPPO.load(args.resume, restore_envs=True, track=False, checkpoint_every=0, **sets)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
@@ -58,18 +69,22 @@ def main(argv: list[str] | None = None) -> int:
         k, v = item.split("=", 1)
         sets[k] = _value(v)
 
+    from mamba_rl import CheckpointError
     from mamba_rl.agents import RecurrentPPO
 
-    if args.train:
-        # prev_reward False: the recorded run predates that default (--set prev_reward=True for the new one)
-        kw = dict(seed=1, total_timesteps=3_000_000, num_envs=64, num_steps=128, device="cpu", threads=1,
-                  track=False, checkpoint_every=25, checkpoint_dir=args.train, runs_dir=args.train,
-                  prev_reward=False)
-        agent = RecurrentPPO(TASK, **{**kw, **sets})
-    else:
-        agent = RecurrentPPO.load(args.resume, restore_envs=True, track=False, checkpoint_every=0, **sets)
-    if agent.update >= args.until:
-        ap.error(f"--until {args.until}: the run is already at update {agent.update}")
+    if args.json:  # fail now, not after a 20-minute run
+        try:
+            open(args.json, "a").close()
+        except OSError as e:
+            ap.error(f"--json {args.json}: {e.strerror}")
+    try:
+        agent = _agent(args, sets, RecurrentPPO)
+    except (ValueError, TypeError, FileNotFoundError, CheckpointError) as e:
+        ap.error(str(e))
+    if not agent.update < args.until <= agent.num_updates:
+        agent.close()
+        ap.error(f"--until {args.until}: expected an update after the run's {agent.update} and at most its last, "
+                 f"{agent.num_updates}")
     last, rows = deque(maxlen=100), []
 
     class _Done(Exception):

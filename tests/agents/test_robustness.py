@@ -466,7 +466,7 @@ def test_predict_and_value_refuse_bad_inputs_by_name(tmp_path):
     for call, msg in cases:
         with pytest.raises(ValueError, match=msg):
             call()
-    v = agent.value(np.zeros((2, 2), np.float32), state, np.array([1, 0]))  # 0 / 1 ints are bools
+    v = agent.value(np.zeros((2, 2), np.float32), state, np.array([1, 0]), reward=[0.0, 1.0])  # 0 / 1: bools
     assert v.shape == (2,) and v.dtype == np.float32 and np.isfinite(v).all()
     agent.close()
 

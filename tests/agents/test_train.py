@@ -79,8 +79,8 @@ def test_evaluation_resets_memory_per_episode(tmp_path):
     obs = np.zeros((1, agent.policy.obs_dim), np.float32)
     _, s = agent.predict(obs)
     _, s = agent.predict(obs + 1, s, reward=[1.0])  # the default agent takes the last reward as an input
-    v_carry = agent.value(obs, s, episode_start=[False])
-    v_reset = agent.value(obs, s, episode_start=[True])
+    v_carry = agent.value(obs, s, episode_start=[False], reward=[1.0])
+    v_reset = agent.value(obs, s, episode_start=[True])  # a start needs no reward: the input is 0 there
     assert not np.allclose(v_carry, v_reset)
     agent.close()
 
@@ -98,7 +98,29 @@ def test_predict_api_shapes_and_errors(tmp_path):
         agent.predict(np.zeros((3, 5), np.float32))
     with pytest.raises(ValueError, match="pass reward="):
         agent.predict(obs, s)
+    # a reward the agent could not have seen in training is refused, and the state is left as it was
+    for bad, msg in [([np.nan, 0.0, 0.0], "reward must be finite"), ([0.0, np.inf, 0.0], "reward must be finite"),
+                     ([1e39, 0.0, 0.0], "reward must be finite"), ([None, 0.0, 0.0], "reward must be numbers"),
+                     (["a", "b", "c"], "reward must be numbers"), ("1", "reward must be numbers"),
+                     ([0.0, 1.0], r"one value per env, expected shape \[3\]")]:
+        with pytest.raises(ValueError, match=msg):
+            agent.predict(obs, s, reward=bad)
+    assert torch.isfinite(s.recurrent.ssm).all()
+    # value(): the same reward rule (no stale reward from the state)
+    with pytest.raises(ValueError, match="value: this agent uses prev_reward; pass reward="):
+        agent.value(obs, s1, episode_start=np.zeros(3, bool))
+    with pytest.raises(ValueError, match="value: reward must be finite"):
+        agent.value(obs, s1, episode_start=np.zeros(3, bool), reward=[np.nan, 0.0, 0.0])
+    v = agent.value(obs, s1, episode_start=np.zeros(3, bool), reward=np.ones(3))
+    assert v.shape == (3,) and np.isfinite(v).all()
     agent.close()
+    # without prev_reward the reward is not an input: anything given is ignored
+    off = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path / "off", total_timesteps=128, track=False,
+                                                   prev_reward=False))
+    _, s = off.predict(obs)
+    a2, _ = off.predict(obs, s, reward=["a", "b", "c"])
+    assert a2.shape == (3,)
+    off.close()
 
 
 class _AnyEnv(gym.Env):
