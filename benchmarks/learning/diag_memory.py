@@ -52,9 +52,11 @@ class Player:
     """Steps the agent's policy on a batch of envs and returns per-step logits, actions, rewards, observations."""
 
     def __init__(self, agent, env_id: str, n: int, seed: int):
+        from mamba_rl.agents.evaluate import reward_scale_of
         from mamba_rl.envs import make_vec_env
 
         self.agent, self.policy, self.n = agent, agent.policy, n
+        self.reward_scale = reward_scale_of(agent.envs)  # the previous-reward input, as training scales it
         self.envs = make_vec_env(env_id, num_envs=n, seed=seed)
         self.seed = seed
 
@@ -81,6 +83,8 @@ class Player:
             A.append(act.numpy().copy())
             D.append(done.copy())  # done before this step: the step is not part of the first episode
             obs, r, term, trunc, _ = self.envs.step(env_act)
+            state = PolicyState(state.recurrent, state.prev_action,
+                                torch.as_tensor((np.asarray(r, np.float64) * self.reward_scale).astype(np.float32)))
             R.append(np.asarray(r, dtype=np.float64))
             done = done | np.asarray(term) | np.asarray(trunc)
             starts = torch.zeros(n, dtype=torch.bool)
