@@ -490,8 +490,9 @@ class RecurrentPPO:
         env returns, or a list of them), flattened as in training (:func:`mamba_rl.envs.flatten_observation`);
         anything else raises ValueError naming the space. The agent's own observation normalisation
         (``normalize_obs``) is applied with the training statistics frozen, as :meth:`evaluate` does, so a plain
-        env loop acts as the trained policy does. ``reward`` (the last raw reward) is needed with
-        ``prev_reward``, and is scaled as training's NormalizeReward scaled it. Samples with a generator of its
+        env loop acts as the trained policy does. ``reward`` (the last raw reward, [B]) is needed with
+        ``prev_reward`` (on by default) wherever a row does not start an episode, and is scaled as training's
+        NormalizeReward scaled it; a missing, NaN / inf or non-numeric one is a ValueError. Samples with a generator of its
         own (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
         if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
@@ -544,7 +545,8 @@ class RecurrentPPO:
               reward: np.ndarray | None = None) -> np.ndarray:
         """Critic value V(obs) [B] float32 (numpy) with ``state`` (the state is not advanced): ``obs`` and
         ``reward`` raw, as in :meth:`predict` (normalised and scaled as in training), ``state`` the PolicyState of
-        B envs it returned, ``episode_start`` [B] bools, ``reward`` [B] (with ``prev_reward``). Raises ValueError
+        B envs it returned, ``episode_start`` [B] bools, ``reward`` [B] (needed with ``prev_reward`` as in
+        :meth:`predict`). Raises ValueError
         for any of them of another shape or type, or a NaN / inf observation
         (:meth:`mamba_rl.agents.policy.Policy.value`)."""
         obs, reward = self._as_trained(obs, reward, "value")
