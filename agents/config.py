@@ -5,8 +5,9 @@ steps, gamma 0.99, GAE lambda 0.95, 4 minibatches, clip 0.2 (also on the value),
 Adam eps 1e-5, lr linearly annealed. What differs was measured on the memory tasks (benchmarks/learning/README.md):
 lr 2e-3, 3 epochs stopped early past ``target_kl`` 0.02, no entropy bonus, a floor on a Box action's std
 (``min_action_std``), no per-minibatch advantage normalisation, the previous action as an input for discrete
-actions and the previous reward for every env, and gymnasium's NormalizeObservation (its statistics frozen after 20,000 env steps; continuous
-observations only) and NormalizeReward (actor and critic share the backbone, see ``normalize_reward``).
+actions and the previous reward for every env, and gymnasium's NormalizeObservation (its statistics frozen after
+20,000 env steps; continuous observations only) and NormalizeReward (actor and critic share the backbone, see
+``normalize_reward``).
 The backbone is a :class:`mamba_rl.MambaConfig` (field ``backbone``), with its defaults:
 d_model 128, 3 layers, d_state 16, d_conv 4, expand 2, dt_rank "auto", rms_norm_eps 1e-5.
 """
@@ -282,9 +283,9 @@ class PPOConfig(_PPOFields):
         max_minibatch_kl: skip an update's remaining minibatch steps from the first minibatch whose approx_kl,
             measured before its step, exceeds it (stable-baselines3's per-minibatch early stop, there at 1.5 x
             target_kl); None (the default): never. A skipped step leaves the weights, both optimizers' moments and
-            the f16 loss scale as they were; the update's untaken steps are logged as ``losses/kl_stopped_steps``. On CUDA the test
-            runs on the device inside the captured minibatch (no host sync); on the CPU the update ends at the
-            stop. On a deterministic late collapse of PositionOnlyCartPole (one failed episode after 2M steps of
+            the f16 loss scale as they were; the update's untaken steps are logged as
+            ``losses/kl_stopped_steps``. On CUDA the test runs on the device inside the captured minibatch (no host
+            sync); on the CPU the update ends at the stop. On a deterministic late collapse of PositionOnlyCartPole (one failed episode after 2M steps of
             perfect ones, the critic's explained variance at -3, the return 1.0 -> 0.16) 0.03 and 0.05 kept the
             return >= 0.996, 0.10 and 0.15 did not; at 200k steps 0.05 binds often and left AutoencodeEasy at
             -0.417 (-0.415 without), so it is off by default (benchmarks/learning/README.md, 2026-12-06).

@@ -492,8 +492,9 @@ class RecurrentPPO:
         (``normalize_obs``) is applied with the training statistics frozen, as :meth:`evaluate` does, so a plain
         env loop acts as the trained policy does. ``reward`` (the last raw reward, [B]) is needed with
         ``prev_reward`` (on by default) wherever a row does not start an episode, and is scaled as training's
-        NormalizeReward scaled it; a missing, NaN / inf or non-numeric one is a ValueError. Samples with a generator of its
-        own (seeded with ``config.seed`` on first use), never the rollout's, so predicting never changes training."""
+        NormalizeReward scaled it; a missing, NaN / inf or non-numeric one is a ValueError. Samples with a
+        generator of its own (seeded with ``config.seed`` on first use), never the rollout's, so predicting never
+        changes training."""
         if self._predict_generator is None:
             self._predict_generator = torch.Generator().manual_seed(self.config.seed)
         obs, reward = self._as_trained(obs, reward, "predict")
