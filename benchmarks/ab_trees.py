@@ -43,16 +43,17 @@ print("RESULT" + json.dumps(dict(rows=out, device=torch.cuda.get_device_name(), 
 """
 
 
-def parse_rows(ap: argparse.ArgumentParser, rows: list[str]) -> list[tuple[int, int, int]]:
-    """``["128x16x64"]`` -> ``[(128, 16, 64)]`` (d_model, B, T, each >= 1); argparse's error otherwise."""
+def parse_rows(ap: argparse.ArgumentParser, rows: list[str], flag: str = "--rows") -> list[tuple[int, int, int]]:
+    """``["128x16x64"]`` -> ``[(128, 16, 64)]`` (d_model, B, T, each >= 1); argparse's error naming ``flag``
+    otherwise (benchmarks/timeline.py's ``--shape`` too)."""
     out = []
     for r in rows:
         try:
             dm, B, T = (int(v) for v in r.split("x"))
         except ValueError:
-            ap.error(f"--rows expects DMxBxT (e.g. 128x64x1024), got {r!r}")
+            ap.error(f"{flag} expects DMxBxT (e.g. 128x64x1024), got {r!r}")
         if min(dm, B, T) < 1:
-            ap.error(f"--rows expects d_model, B and T >= 1, got {r!r}")
+            ap.error(f"{flag} expects d_model, B and T >= 1, got {r!r}")
         out.append((dm, B, T))
     return out
 

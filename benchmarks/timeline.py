@@ -65,15 +65,9 @@ def main(argv=None):
     ap.add_argument("--shape", nargs="+", default=SHAPES, metavar="DMxBxT")
     ap.add_argument("--dtype", default="bf16", choices=["f32", "bf16"])
     a = ap.parse_args(argv)
-    shapes = {}
-    for sh in a.shape:  # every shape checked before the first is profiled
-        try:
-            dm, B, T = (int(v) for v in sh.split("x"))
-        except ValueError:
-            ap.error(f"--shape expects DMxBxT (e.g. 128x64x1024), got {sh!r}")
-        if min(dm, B, T) < 1:
-            ap.error(f"--shape expects d_model, B and T >= 1, got {sh!r}")
-        shapes[sh] = (dm, B, T)
+    from benchmarks.ab_trees import parse_rows
+
+    shapes = dict(zip(a.shape, parse_rows(ap, a.shape, "--shape")))  # every shape checked before the first is profiled
     if not torch.cuda.is_available():
         raise SystemExit("timeline: needs a CUDA device")
     from mamba_rl import MambaBackbone, MambaConfig, MambaTrainer
