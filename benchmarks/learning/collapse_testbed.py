@@ -22,7 +22,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ast
+import importlib.util
 import json
 import math
 import os
@@ -35,15 +35,18 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  
 TASK = "popgym-PositionOnlyCartPoleEasy-v0"
 
 
-def _value(text: str):
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text  # a plain string (e.g. a device name)
+def _parse_sets(items: list[str]) -> dict:
+    """popgym.py's ``--set NAME=VALUE`` parser (Python literals, else strings), loaded from this folder by path."""
+    spec = importlib.util.spec_from_file_location("popgym_harness", os.path.join(HERE, "popgym.py"))
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    return harness.parse_sets(items)
 
 
-def _agent(args, sets: dict, RecurrentPPO):
+def _agent(args, sets: dict):
     """The testbed's agent: a fresh run (``--train``) or the checkpoint resumed with its envs (``--resume``)."""
+    from mamba_rl.agents import RecurrentPPO
+
     if args.train:
         # prev_reward False: the recorded run predates that default (--set prev_reward=True for the new one)
         kw = dict(seed=1, total_timesteps=3_000_000, num_envs=64, num_steps=128, device="cpu", threads=1,
@@ -62,15 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a PPOConfig override")
     ap.add_argument("--json", help="write the per-update rows here")
     args = ap.parse_args(argv)
-    sets = {}
-    for item in args.set:
-        if "=" not in item:
-            ap.error(f"--set expects FIELD=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        sets[k] = _value(v)
+    try:
+        sets = _parse_sets(args.set)
+    except ValueError as e:
+        ap.error(str(e))
 
     from mamba_rl import CheckpointError
-    from mamba_rl.agents import RecurrentPPO
 
     if args.json:  # fail now, not after a 20-minute run
         try:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as e:
             ap.error(f"--json {args.json}: {e.strerror}")
     try:
-        agent = _agent(args, sets, RecurrentPPO)
+        agent = _agent(args, sets)
     except (ValueError, TypeError, FileNotFoundError, CheckpointError) as e:
         ap.error(str(e))
     if not agent.update < args.until <= agent.num_updates:
