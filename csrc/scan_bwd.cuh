@@ -93,14 +93,14 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
       const bool ok = t0 + i < T_;
-      const float zf = to_f(r.z[e_]);
+      const float zf = pad_f(r.z[e_], ok);
       sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
       sgs[i][ch] = ok ? to_f(r.g[e_]) * (zf * sigmoidf_(zf)) : 0.f;
     }
 #pragma unroll
     for (int e_ = 0; e_ < EB; ++e_) {
       const int e = tid + e_ * SCAN_THREADS;
-      sC[e / N][e % N] = to_f(r.Cv[e_]);
+      sC[e / N][e % N] = pad_f(r.Cv[e_], t0 + e / N < T_);
     }
     if (tid < TC) sst[tid] = r.st;
   };
@@ -192,11 +192,11 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
       const bool ok = t0 + i < T_;  // pad: decay 1, no input, zero gradient
-      const float dr = to_f(r.dt[e_]) + p.dt_bias[dd];
-      const float zf = to_f(r.z[e_]);
+      const float dr = pad_f(r.dt[e_], ok) + p.dt_bias[dd];
+      const float zf = pad_f(r.z[e_], ok);
       const float sgz = sigmoidf_(zf);
-      const float gv = ok ? to_f(r.g[e_]) : 0.f;
-      sm.x[i][ch] = to_f(r.x[e_]);
+      const float gv = pad_f(r.g[e_], ok);
+      sm.x[i][ch] = pad_f(r.x[e_], ok);
       sm.dl[i][ch] = ok ? softplusf_(dr) : 0.f;
       sm.sig[i][ch] = ok ? dsoftplusf_(dr) : 0.f;
       sm.gs[i][ch] = gv * (zf * sgz);                          // d loss / d y_pre
@@ -205,8 +205,9 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
 #pragma unroll
     for (int e_ = 0; e_ < EB; ++e_) {
       const int e = tid + e_ * SCAN_THREADS;
-      sm.Bv[e / N][e % N] = to_f(r.Bv[e_]);
-      sm.Cv[e / N][e % N] = to_f(r.Cv[e_]);
+      const bool ok = t0 + e / N < T_;
+      sm.Bv[e / N][e % N] = pad_f(r.Bv[e_], ok);
+      sm.Cv[e / N][e % N] = pad_f(r.Cv[e_], ok);
     }
     if (tid < TC) sm.st[tid] = r.st;
   };

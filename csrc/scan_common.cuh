@@ -113,6 +113,11 @@ __device__ __forceinline__ void by_chunk_start(bool has, F&& f) {
   if (has) f(HasStart<true>{}); else f(HasStart<false>{});
 }
 
+// A staged element as float: the loaded value, or 0 for a step past T (ok = false): a padded step has decay 1,
+// no input and a zero gradient. Selecting after the conversion gives the bits of converting a zero.
+template <typename T>
+__device__ __forceinline__ float pad_f(T v, bool ok) { return ok ? to_f(v) : 0.f; }
+
 // Which arrays a chunk load reads (dt and the episode starts always).
 enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
 
@@ -120,10 +125,13 @@ enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
 // coalesced (consecutive threads read consecutive channels / states) and issued for chunk c+1 before chunk c
 // is computed, so memory latency is paid once per chunk. M (SL_* bits) selects the arrays; GRAD (SL_G) is the
 // output gradient (backward). Steps past T load zeros.
-// The registers hold the raw activation dtype T; commit() converts (to_f) when it stages the chunk in shared
-// memory. Converting at load time (as v2/v3 did) put a cvt that waits on each bf16/f16 load right behind
-// the prefetch, so the warp stalled on the next chunk's memory latency before computing the current chunk:
-// the bf16 scan ran 2.0x the f32 one (4 x 4096: 4.6 ms vs 2.3 ms forward, 8.6 vs 4.5 ms backward).
+// The registers hold the raw activation dtype T, as loaded; commit() converts them (pad_f) when it stages the
+// chunk in shared memory, and zeroes the steps past T there. Any use of a loaded register right behind the
+// prefetch makes the warp wait for the next chunk's memory latency before it computes the current chunk:
+// converting at load time (as v2/v3 did) ran the bf16 scan at 2.0x the f32 one (4 x 4096: 4.6 ms vs 2.3 ms
+// forward, 8.6 vs 4.5 ms backward), and zeroing the padded steps at load time (a select on every loaded value,
+// up to the twenty-second session) held the backward's warps on those selects for ~5 % of its samples (ncu
+// source counters at 64 x 1024 bf16).
 template <typename T, int N, int M>
 struct ScanChunkRegs {
   static constexpr int EA = ScanGeom<N>::EA, EB = ScanGeom<N>::EB, CPB = ScanGeom<N>::CPB;
@@ -131,15 +139,15 @@ struct ScanChunkRegs {
   T Bv[(M & SL_B) ? EB : 1], Cv[(M & SL_C) ? EB : 1];
   bool st = false;  // held by threads tid < SCAN_TC: the episode start of step t0 + tid
   // Element k of the [TC][CPB] arrays is step tid / CPB + k * (SCAN_THREADS / CPB) of channel tid % CPB (CPB
-  // divides SCAN_THREADS); of the [TC][N] arrays, step (tid + k * SCAN_THREADS) / N, state tid % N. Steps past
-  // T read step T - 1 (a valid address: the loads are unconditional, no branch around each one) and keep zero.
+  // divides SCAN_THREADS); of the [TC][N] arrays, step (tid + k * SCAN_THREADS) / N, state tid % N: the element
+  // (tid + k * SCAN_THREADS) of the staged [TC][CPB] / [TC][N] array. Steps past T read step T - 1 (a valid
+  // address: the loads are unconditional, no branch around each one); commit() zeroes them (pad_f).
   __device__ __forceinline__ void load(const ScanFwdParams& p, const void* dout, int64_t g_sb, int64_t g_st,
                                        int b, int d0, int c, int tid) {
     static_assert(SCAN_THREADS % CPB == 0 && SCAN_THREADS % N == 0, "scan geometry");
     constexpr int DI = SCAN_THREADS / CPB, DN = SCAN_THREADS / N;
     const int t0 = c * SCAN_TC, T_ = p.T;
     const int dd = min(d0 + tid % CPB, p.D - 1);
-    const T zero = from_f<T>(0.f);
     // element (t, column) of an array with row stride sb and step stride st; tc is t clamped into [0, T)
     auto at = [&](const void* base, int64_t sb, int64_t st, int col, int64_t tc) {
       return __ldg(reinterpret_cast<const T*>(base) + (b * sb + col + tc * st));
@@ -147,23 +155,22 @@ struct ScanChunkRegs {
 #pragma unroll
     for (int k = 0; k < EA; ++k) {
       const int t = t0 + tid / CPB + k * DI;
-      const bool ok = t < T_;
-      const int64_t tc = ok ? t : T_ - 1;
-      if constexpr ((M & SL_X) != 0) { const T v = at(p.x, p.x_sb, p.x_st, dd, tc); x[k] = ok ? v : zero; }
-      { const T v = at(p.dt, p.dt_sb, p.dt_st, dd, tc); dt[k] = ok ? v : zero; }
-      if constexpr ((M & SL_Z) != 0) { const T v = at(p.z, p.z_sb, p.z_st, dd, tc); z[k] = ok ? v : zero; }
-      if constexpr ((M & SL_G) != 0) { const T v = at(dout, g_sb, g_st, dd, tc); g[k] = ok ? v : zero; }
+      const int64_t tc = t < T_ ? t : T_ - 1;
+      if constexpr ((M & SL_X) != 0) x[k] = at(p.x, p.x_sb, p.x_st, dd, tc);
+      dt[k] = at(p.dt, p.dt_sb, p.dt_st, dd, tc);
+      if constexpr ((M & SL_Z) != 0) z[k] = at(p.z, p.z_sb, p.z_st, dd, tc);
+      if constexpr ((M & SL_G) != 0) g[k] = at(dout, g_sb, g_st, dd, tc);
     }
     const int nn = tid % N;
 #pragma unroll
     for (int k = 0; k < EB; ++k) {
       const int t = t0 + tid / N + k * DN;
-      const bool ok = t < T_;
-      const int64_t tc = ok ? t : T_ - 1;
-      if constexpr ((M & SL_B) != 0) { const T v = at(p.Bm, p.B_sb, p.B_st, nn, tc); Bv[k] = ok ? v : zero; }
-      if constexpr ((M & SL_C) != 0) { const T v = at(p.Cm, p.C_sb, p.C_st, nn, tc); Cv[k] = ok ? v : zero; }
+      const int64_t tc = t < T_ ? t : T_ - 1;
+      if constexpr ((M & SL_B) != 0) Bv[k] = at(p.Bm, p.B_sb, p.B_st, nn, tc);
+      if constexpr ((M & SL_C) != 0) Cv[k] = at(p.Cm, p.C_sb, p.C_st, nn, tc);
     }
-    if (tid < SCAN_TC) st = (p.starts && t0 + tid < T_) ? p.starts[(int64_t)b * T_ + t0 + tid] : false;
+    st = false;
+    if (tid < SCAN_TC && p.starts && t0 + tid < T_) st = p.starts[(int64_t)b * T_ + t0 + tid];
   }
 };
 

@@ -34,14 +34,15 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      const float dl = t0 + i < T_ ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
+      const bool ok = t0 + i < T_;
+      const float dl = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
       sdl[i][ch] = dl;
-      sdx[i][ch] = dl * to_f(r.x[e_]);
+      sdx[i][ch] = dl * pad_f(r.x[e_], ok);
     }
 #pragma unroll
     for (int e_ = 0; e_ < EB; ++e_) {
       const int e = tid + e_ * SCAN_THREADS;
-      sB[e / N][e % N] = to_f(r.Bv[e_]);
+      sB[e / N][e % N] = pad_f(r.Bv[e_], t0 + e / N < T_);
     }
     if (tid < TC) sst[tid] = r.st;
   };
@@ -117,15 +118,17 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const int dd = min(d0 + ch, D - 1);
-      sx[i][ch] = to_f(r.x[e_]);
-      sdl[i][ch] = t0 + i < T_ ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;  // pad: decay 1, no input
-      sz[i][ch] = siluf_(to_f(r.z[e_]));
+      const bool ok = t0 + i < T_;
+      sx[i][ch] = pad_f(r.x[e_], ok);
+      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;  // pad: decay 1, no input
+      sz[i][ch] = siluf_(pad_f(r.z[e_], ok));
     }
 #pragma unroll
     for (int e_ = 0; e_ < EB; ++e_) {
       const int e = tid + e_ * SCAN_THREADS;
-      sB[e / N][e % N] = to_f(r.Bv[e_]);
-      sC[e / N][e % N] = to_f(r.Cv[e_]);
+      const bool ok = t0 + e / N < T_;
+      sB[e / N][e % N] = pad_f(r.Bv[e_], ok);
+      sC[e / N][e % N] = pad_f(r.Cv[e_], ok);
     }
     if (tid < TC) sst[tid] = r.st;
   };
