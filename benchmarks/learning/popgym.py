@@ -367,17 +367,28 @@ def run_dir(out: str, method: str, variant: str | None) -> str:
 
 
 def worker(a) -> int:
-    """One run (``--worker``): the CSV curve, then the JSON of its final numbers."""
+    """One run (``--worker``): the CSV curve, then the JSON of its final numbers. A run stopped by SIGTERM (``timeout``,
+    a scheduler) or Ctrl-C still writes its JSON, with the steps it reached and ``"stopped"`` naming the signal
+    (the summary counts it as a run of that many steps; the next call of the harness runs it again); the worker
+    then exits with 128 + the signal number."""
+    from mamba_rl.agents.interrupts import exit_code, ignore_until_exit, terminate_as_interrupt
+
     d = run_dir(a.out, a.worker, a.variant)
     os.makedirs(d, exist_ok=True)
     base = os.path.join(d, f"{file_name(a.task)}__seed{a.seed}")
     w = _CurveWriter(base + ".csv")
     sets = parse_sets(a.set)
     t0 = time.time()
-    if a.worker == "mamba":
-        extra = run_mamba(a.task, a.seed, a.total, sets, w, a.eval_episodes)
-    else:
-        extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.sb3_prev_action)
+    terminate_as_interrupt()
+    stopped = None
+    try:
+        if a.worker == "mamba":
+            extra = run_mamba(a.task, a.seed, a.total, sets, w, a.eval_episodes)
+        else:
+            extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.sb3_prev_action)
+    except KeyboardInterrupt as err:  # SIGINT, or SIGTERM as Interrupted: keep the curve so far as a stopped run
+        ignore_until_exit()
+        stopped, extra = err, {"eval": math.nan, "stopped": str(err) or "SIGINT"}
     w.close()
     res = {"task": a.task, "env_id": env_id(a.task), "method": a.worker, "variant": a.variant, "seed": a.seed,
            "total": a.total, "steps": w.curve[-1][0] if w.curve else 0, "mmer": mmer(w.curve),
@@ -385,8 +396,9 @@ def worker(a) -> int:
            "versions": _versions(a.worker), "date": time.strftime("%Y-%m-%d"), **extra}
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    print(f"{base}: MMER {res['mmer']:.3f} in {res['wall_s']:.0f} s", file=sys.stderr)
-    return 0
+    print(f"{base}: MMER {res['mmer']:.3f} in {res['wall_s']:.0f} s" + (f", stopped by {extra['stopped']}" if stopped
+                                                                        else ""), file=sys.stderr)
+    return exit_code(stopped) if stopped is not None else 0
 
 
 def _read_curve(path: str) -> tuple[list[tuple[int, float]], list[int]]:
@@ -622,8 +634,10 @@ def main(argv=None) -> int:
             for task in a.tasks:
                 for seed in a.seeds:
                     done = os.path.join(run_dir(a.out, method, variant), f"{file_name(task)}__seed{seed}.json")
-                    if not a.rerun and os.path.exists(done) and json.load(open(done))["total"] == a.total:
-                        continue
+                    if not a.rerun and os.path.exists(done):
+                        prev = json.load(open(done))
+                        if prev["total"] == a.total and "stopped" not in prev:  # a stopped run runs again
+                            continue
                     cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, "--task", task, "--seed",
                            str(seed), "--total", str(a.total), "--out", a.out, "--eval-episodes",
                            str(a.eval_episodes)]
