@@ -124,7 +124,7 @@ enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
 // The inputs of one chunk of SCAN_TC steps of one block (CPB channels of row b), held in registers. Loads are
 // coalesced (consecutive threads read consecutive channels / states) and issued for chunk c+1 before chunk c
 // is computed, so memory latency is paid once per chunk. M (SL_* bits) selects the arrays; GRAD (SL_G) is the
-// output gradient (backward). Steps past T load zeros.
+// output gradient (backward). Steps past T are zeroed when staged (pad_f).
 // The registers hold the raw activation dtype T, as loaded; commit() converts them (pad_f) when it stages the
 // chunk in shared memory, and zeroes the steps past T there. Any use of a loaded register right behind the
 // prefetch makes the warp wait for the next chunk's memory latency before it computes the current chunk:
