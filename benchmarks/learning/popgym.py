@@ -51,6 +51,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -307,8 +308,12 @@ def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _
     if eval_episodes:
         ev = float(agent.evaluate(num_episodes=eval_episodes, deterministic=True).mean)
     agent.close()
-    return {"eval": ev, "config": {k: (v if isinstance(v, (int, float, str, bool)) or v is None else repr(v))
-                                   for k, v in given.items()}}
+    return {"eval": ev, "config": _config_of(given)}
+
+
+def _config_of(sets: dict) -> dict:
+    """The ``--set`` values of a run as JSON values (numbers, strings, bools and None as they are; others as repr)."""
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)) for k, v in sets.items()}
 
 
 def run_sb3(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int,
@@ -368,14 +373,18 @@ def run_dir(out: str, method: str, variant: str | None) -> str:
 
 def worker(a) -> int:
     """One run (``--worker``): the CSV curve, then the JSON of its final numbers. A run stopped by SIGTERM (``timeout``,
-    a scheduler) or Ctrl-C still writes its JSON, with the steps it reached and ``"stopped"`` naming the signal
-    (the summary counts it as a run of that many steps; the next call of the harness runs it again); the worker
-    then exits with 128 + the signal number."""
+    a scheduler, the harness passing on its own) or Ctrl-C still writes its JSON, with the steps it reached and
+    ``"stopped"`` naming the signal (the summary counts it as a run of that many steps; the next call of the harness
+    runs it again); the worker then exits with 128 + the signal number. A signal before the run has imported its
+    libraries ends the worker without a JSON (its CSV then has no rows; the next call runs it again too)."""
     from mamba_rl.agents.interrupts import exit_code, ignore_until_exit, terminate_as_interrupt
 
     d = run_dir(a.out, a.worker, a.variant)
     os.makedirs(d, exist_ok=True)
     base = os.path.join(d, f"{file_name(a.task)}__seed{a.seed}")
+    if os.path.exists(base + ".json"):  # an earlier run's numbers must not outlive the CSV rewritten below
+        os.remove(base + ".json")
+    versions = _versions(a.worker)  # imports torch & co. before a signal can raise inside an import
     w = _CurveWriter(base + ".csv")
     sets = parse_sets(a.set)
     t0 = time.time()
@@ -388,12 +397,12 @@ def worker(a) -> int:
             extra = run_sb3(a.task, a.seed, a.total, sets, w, a.eval_episodes, prev_action=a.sb3_prev_action)
     except KeyboardInterrupt as err:  # SIGINT, or SIGTERM as Interrupted: keep the curve so far as a stopped run
         ignore_until_exit()
-        stopped, extra = err, {"eval": math.nan, "stopped": str(err) or "SIGINT"}
+        stopped, extra = err, {"eval": math.nan, "config": _config_of(sets), "stopped": str(err) or "SIGINT"}
     w.close()
     res = {"task": a.task, "env_id": env_id(a.task), "method": a.worker, "variant": a.variant, "seed": a.seed,
            "total": a.total, "steps": w.curve[-1][0] if w.curve else 0, "mmer": mmer(w.curve),
            "final": w.curve[-1][1] if w.curve else math.nan, "wall_s": round(time.time() - t0, 1),
-           "versions": _versions(a.worker), "date": time.strftime("%Y-%m-%d"), **extra}
+           "versions": versions, "date": time.strftime("%Y-%m-%d"), **extra}
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
     print(f"{base}: MMER {res['mmer']:.3f} in {res['wall_s']:.0f} s" + (f", stopped by {extra['stopped']}" if stopped
@@ -587,6 +596,21 @@ def _check_runs(ap: argparse.ArgumentParser, a: argparse.Namespace, sets: dict) 
             ap.error(f"--set: {e}")
 
 
+def _stop_workers(procs: list, signum: int, wait_s: float = 120.0) -> None:
+    """Pass ``signum`` on to the workers still running and wait for each (it writes its JSON and exits); one that
+    has not exited after ``wait_s`` seconds is killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)
+    deadline = time.time() + wait_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), help="POPGym names (AutoencodeEasy) or full env ids")
@@ -650,22 +674,41 @@ def main(argv=None) -> int:
                     if a.nice:
                         cmd = ["nice", "-n", str(a.nice)] + cmd
                     jobs.append(cmd)
+    from mamba_rl.agents.interrupts import exit_code, ignore_until_exit, terminate_as_interrupt
+
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     running, t0, failed = [], time.time(), 0
-    with open(os.path.join(a.out, "runs.log"), "a") as log:
-        while jobs or running:
-            while jobs and len(running) < a.jobs:
-                running.append(subprocess.Popen(jobs.pop(0), env=env, stdout=log, stderr=log, cwd=ROOT))
-            time.sleep(0.5)
-            still = []
-            for p in running:
-                rc = p.poll()
-                if rc is None:
-                    still.append(p)
-                elif rc != 0:
-                    failed += 1
-                    print(f"popgym: run failed (rc {rc}): {' '.join(p.args)}", file=sys.stderr)
-            running = still
+    # Each worker runs in a session of its own, so a signal meant for the harness (Ctrl-C, `timeout`, a scheduler's
+    # SIGTERM) reaches the harness alone, which passes it on to the running workers and waits for their JSONs.
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # restored when main returns
+    terminate_as_interrupt()
+    try:
+        with open(os.path.join(a.out, "runs.log"), "a") as log:
+            while jobs or running:
+                while jobs and len(running) < a.jobs:
+                    running.append(subprocess.Popen(jobs.pop(0), env=env, stdout=log, stderr=log, cwd=ROOT,
+                                                    start_new_session=True))
+                time.sleep(0.5)
+                still = []
+                for p in running:
+                    rc = p.poll()
+                    if rc is None:
+                        still.append(p)
+                    elif rc != 0:
+                        failed += 1
+                        what = "stopped" if rc in (128 + signal.SIGINT, 128 + signal.SIGTERM) else "failed"
+                        print(f"popgym: run {what} (rc {rc}): {' '.join(p.args)}", file=sys.stderr)
+                running = still
+    except KeyboardInterrupt as err:
+        ignore_until_exit()
+        _stop_workers(running, getattr(err, "signum", signal.SIGINT))
+        print(f"popgym: stopped by {err or 'SIGINT'}: {len(running)} running runs stopped (their JSONs say so), "
+              f"{len(jobs)} not started", file=sys.stderr)
+        return exit_code(err)
+    finally:
+        for sig, h in handlers.items():
+            if h is not None:
+                signal.signal(sig, h)
     if a.columns:
         present = sorted(d for d in os.listdir(a.out) if os.path.isdir(os.path.join(a.out, d)))
         missing = [c for c in a.columns if c not in present]

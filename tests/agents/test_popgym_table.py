@@ -152,8 +152,9 @@ def test_summarise_refuses_an_unknown_column(pg, tmp_path, capsys):
 
 
 def test_a_run_stopped_by_sigterm_keeps_its_curve_and_runs_again(pg, tmp_path):
-    """SIGTERM (``timeout``, a scheduler) mid-run: the worker writes its JSON with the steps reached and the signal,
-    exits 143, the summary counts it at those steps, and the next harness call runs it again."""
+    """SIGTERM to the harness (``timeout``, a scheduler) mid-run: it passes the signal on to its worker and waits;
+    the worker writes its JSON with the steps reached and the signal; both exit 143; the summary counts the run at
+    those steps; the next harness call runs it again."""
     import signal
     import subprocess
     import sys
@@ -161,25 +162,30 @@ def test_a_run_stopped_by_sigterm_keeps_its_curve_and_runs_again(pg, tmp_path):
 
     pytest.importorskip("popgym")
     out = tmp_path / "out"
-    cmd = [sys.executable, pg.__file__, "--worker", "mamba", "--task", "RepeatPreviousEasy", "--seed", "0",
-           "--total", "10000000", "--out", str(out), "--eval-episodes", "0", "--variant", "tiny",
-           "--set", "d_model=16", "--set", "n_layers=1"]
+    tiny = ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"]
+    cmd = [sys.executable, pg.__file__, "--methods", "mamba", "--tasks", "RepeatPreviousEasy", "--seeds", "0",
+           "--total", "10000000", "--jobs", "1", "--out", str(out)] + tiny
     p = subprocess.Popen(cmd, cwd=pg.ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    csv_path = out / "mamba__tiny" / "RepeatPreviousEasy__seed0.csv"
+    run = out / "mamba__tiny" / "RepeatPreviousEasy__seed0"
+    csv_path = run.with_suffix(".csv")
     deadline = time.time() + 120
     while time.time() < deadline and (not csv_path.exists() or len(csv_path.read_text().splitlines()) < 3):
         time.sleep(0.2)  # two updates logged
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) == 128 + signal.SIGTERM
-    r = json.load(open(out / "mamba__tiny" / "RepeatPreviousEasy__seed0.json"))
+    assert p.wait(timeout=150) == 128 + signal.SIGTERM
+    r = json.load(open(run.with_suffix(".json")))
     assert r["stopped"] == "signal 15 (SIGTERM)" and 2048 <= r["steps"] < r["total"] and math.isfinite(r["mmer"])
+    assert r["config"] == {"d_model": 16, "n_layers": 1}
+    assert "stopped by signal 15 (SIGTERM)" in open(out / "runs.log").read()  # the worker's own line
+    size = csv_path.stat().st_size
+    time.sleep(1.5)
+    assert csv_path.stat().st_size == size  # the worker has exited: no orphan writes on
     s = pg.summarise(str(out))["summary"]["RepeatPreviousEasy|mamba__tiny"]
     assert s["steps"] == r["steps"]
     # the harness runs a stopped run of the same budget again (here: the JSON given a budget of 1024 steps)
     r["total"] = 1024
-    json.dump(r, open(out / "mamba__tiny" / "RepeatPreviousEasy__seed0.json", "w"))
+    json.dump(r, open(run.with_suffix(".json"), "w"))
     assert pg.main(["--methods", "mamba", "--tasks", "RepeatPreviousEasy", "--seeds", "0", "--total", "1024",
-                    "--jobs", "1", "--out", str(out), "--variant", "tiny", "--set", "d_model=16",
-                    "--set", "n_layers=1"]) == 0
-    r2 = json.load(open(out / "mamba__tiny" / "RepeatPreviousEasy__seed0.json"))
+                    "--jobs", "1", "--out", str(out)] + tiny) == 0
+    r2 = json.load(open(run.with_suffix(".json")))
     assert "stopped" not in r2 and r2["steps"] == r2["total"] == 1024
