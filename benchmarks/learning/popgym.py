@@ -30,6 +30,9 @@ A run writes ``{out}/{method}[__{variant}]/{task}__seed{seed}.csv`` (columns ``g
 mean_return_last100, wall_s``; one row per rollout) and, when it finished, ``...seed{seed}.json``
 (final numbers, versions). A run whose JSON exists for the same budget is not run again (``--rerun`` forces
 it), so sb3's slow side is run once and its committed results are reused until a version changes.
+SIGTERM or Ctrl-C to the harness (``timeout``, a scheduler) is passed on to its running workers, each of which
+writes its JSON with the steps it reached and ``"stopped"``; the harness exits 143 / 130, and its next call runs
+the stopped runs again (from the start: a run has no resume).
 Then ``summary.json``, ``table.md`` (MMER mean +- std per task and method, per-seed values) and
 ``curves.png`` (env steps on x, one panel per task, mean over seeds with a min..max band) are written.
 
