@@ -350,7 +350,8 @@ def _run_train(args: argparse.Namespace) -> int:
     final = agent.checkpoint_root / "final"
     recent = list(agent.recent_returns)
     if recent:
-        print(f"mean return of the last {len(recent)} episodes: {sum(recent) / len(recent):.2f}", file=sys.stderr)
+        n = len(recent)
+        print(f"mean return of the last {n} episode{'' if n == 1 else 's'}: {sum(recent) / n:.2f}", file=sys.stderr)
     session = "" if agent.global_step - start_step == agent.global_step else \
         f" ({_steps(agent.global_step - start_step)} of them in this session)"
     print(f"done: {_steps(agent.global_step)} env steps{session} in {time.perf_counter() - start:.0f} s",
@@ -515,6 +516,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # before training started (imports, env and model setup): nothing to save
         print(f"\nmamba-rl {args.command}: interrupted before anything was saved", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed by its reader (``mamba-rl envs | head``): stop quietly, as a shell tool
+        # does; stdout goes to /dev/null so that the interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader went away
 
 
 if __name__ == "__main__":  # also ``python -m mamba_rl``, which torchrun runs on every rank

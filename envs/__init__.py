@@ -3,7 +3,7 @@
 ``make_vec_env`` builds a ``gymnasium.vector`` env from any id ``gymnasium.make`` accepts:
 gymnasium's own, the ``mamba_rl/*NoVel*`` ids registered on import (:mod:`.pomdp`), ``module:EnvId``
 ids (the module is imported first, in the main process and in every async worker) and POPGym's
-``popgym-*`` ids (optional extra ``pip install -e .[popgym]``; imported on first use of such an id).
+``popgym-*`` ids (optional extra ``pip install -e ".[popgym]"``; imported on first use of such an id).
 Modules: :mod:`.registry` (id checks, ``list_env_ids`` for ``mamba-rl envs``), :mod:`.vector` (the
 factories), :mod:`.wrappers` (picklable flattening wrappers, vector-stack helpers), :mod:`.guards`
 (non-finite values and dead workers at the env boundary), :mod:`.stats` (vector episode statistics and

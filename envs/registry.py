@@ -24,7 +24,7 @@ def _import_popgym(env_id: str) -> None:
     except ImportError as err:
         raise ImportError(
             f"env id {env_id!r} needs the optional 'popgym' package: "
-            "pip install -e .[popgym]  (or pip install popgym)"
+            'pip install -e ".[popgym]"  (or pip install popgym)'
         ) from err
 
 

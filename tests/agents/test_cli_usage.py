@@ -134,6 +134,23 @@ def test_envs_lists_the_project_ids(capsys):
     assert "CartPole-v1" in capsys.readouterr().out
 
 
+def test_envs_into_a_closed_pipe_stops_quietly():
+    """``mamba-rl envs | head -1``: the reader has gone away before the listing is written (its read end closed
+    first, so every write fails); the command stops with the shell's SIGPIPE status (141) and no traceback, as a
+    shell tool does."""
+    import os
+
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "mamba_rl", "envs"], stdout=w, stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(w)
+    err = p.stderr.decode()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert p.returncode == 141, (p.returncode, err)
+
+
 def test_run_covers_total_timesteps_and_says_so(tmp_path, capsys):
     rc = main(["train", "--env", "CartPole-v1", "--total-timesteps", "48", *TINY, *_dirs(tmp_path)])
     assert rc == 0
