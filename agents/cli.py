@@ -503,7 +503,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A user mistake (a flag value the config refuses, an unknown env id, a missing or unfit
     checkpoint, CUDA asked for but absent, a missing optional package) prints one
-    ``mamba-rl CMD: error: ...`` line on stderr and returns 2, as argparse does for a bad flag;
+    ``mamba-rl CMD: error: ...`` line on stderr and returns 2, as argparse does for a bad flag; a
+    stdout closed by its reader (``mamba-rl envs | head``) returns 141 quietly (128 + SIGPIPE);
     anything else (a bug) keeps its traceback.
     """
     args = build_parser().parse_args(argv)
