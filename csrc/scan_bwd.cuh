@@ -193,7 +193,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
       const int dd = min(d0 + ch, D - 1);
       const bool ok = t0 + i < T_;  // pad: decay 1, no input, zero gradient
       // dr is used under ok only, so to_f would give the same bits; with it ptxas spills 4 bytes in the 4-block
-      // build (sm_90, CUDA 13.0), which the twenty-second session measured at +4 % (benchmarks/NOTES.md)
+      // build (sm_90, CUDA 13.0); a 4-byte spill there cost +4 % in the twenty-second session (benchmarks/NOTES.md)
       const float dr = pad_f(r.dt[e_], ok) + p.dt_bias[dd];
       const float zf = pad_f(r.z[e_], ok);
       const float sgz = sigmoidf_(zf);
