@@ -6,9 +6,12 @@
 // row over its group (sc2_group_sums). The x_proj and out_proj sums over the block's channels are pushed into
 // every block of the cluster (st.async into distributed shared memory, completing on the receiver's mbarrier),
 // and each block adds the 8 blocks' sums in rank order. Every weight a thread uses sits in its registers, loaded
-// right after the same weights' use in the layer before (layer 0's at the start, with the input projection), so
-// no phase waits on an L2 round trip. Each layer's RMSNorm is folded into the previous layer's residual update
-// (the warp that owns a row has all of it). Deterministic: the result depends on the shape only.
+// after the same weights' use in the layer before (layer 0's at the start, with the input projection; in_proj's
+// after the x_proj pushes rather than before them), so no phase waits on an L2 round trip. The per-row loops of
+// the three projections are unrolled by 4, so independent rows' shuffle chains can overlap; the arithmetic per
+// row is the same, so the same bits (both measured 1-2.5 % faster: benchmarks/NOTES.md, twenty-fifth session).
+// Each layer's RMSNorm is folded into the previous layer's residual update (the warp that owns a row has all of
+// it). Deterministic: the result depends on the shape only.
 #pragma once
 #include <cooperative_groups.h>
 #include "step.cuh"
@@ -132,8 +135,18 @@ __device__ __forceinline__ void sc2_bar_wait(uint32_t bar, uint32_t parity) {
 __device__ long long* sc2_probe_buf;
 #define SC2_STAMP(k) \
   do { if (lane == 0) stp[warp * 64 + (k)] = clock64(); } while (0)
+// the global nanosecond timer (comparable across SMs: where the blocks start and end, the waves)
+#define SC2_GSTAMP(k)                                                              \
+  do {                                                                             \
+    if (lane == 0) {                                                               \
+      unsigned long long g_;                                                       \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g_));                      \
+      stp[warp * 64 + (k)] = (long long)g_;                                        \
+    }                                                                              \
+  } while (0)
 #else
 #define SC2_STAMP(k) do {} while (0)
+#define SC2_GSTAMP(k) do {} while (0)
 #endif
 
 template <typename WT, int R, int N>
@@ -165,6 +178,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   long long* stp = reinterpret_cast<long long*>(bars + 2);  // [W][64]
   float* xin = reinterpret_cast<float*>(stp + W * 64);
   SC2_STAMP(0);
+  SC2_GSTAMP(61);
 #else
   float* xin = reinterpret_cast<float*>(bars + 2);  // [R][in_dim]
 #endif
@@ -261,7 +275,9 @@ backbone_step_cluster2_kernel(StepParams p) {
   // behind its first loads
   input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h, [&] {
     load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
+    SC2_STAMP(56);
   });
+  SC2_STAMP(57);
   // u = RMSNorm(h) for layer 0: warp per row
   auto norm_rows = [&](bool last) {
 #pragma unroll
@@ -287,13 +303,15 @@ backbone_step_cluster2_kernel(StepParams p) {
   };
   norm_rows(false);
   load_norm(1);
+  SC2_STAMP(58);
   __syncthreads();
-  SC2_STAMP(1);
+  SC2_STAMP(59);
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+  SC2_STAMP(1);
 
   for (int l = 0; l < L; ++l) {
     // ---- in_proj: this warp's 4 xi and 4 z channels, each row summed over its LI lanes
-#pragma unroll 1
+#pragma unroll 4
     for (int r = 0; r < R; ++r) {
       float uv[CPL], a[NI];
       sc2_lds(u + r * DM + ci, uv);
@@ -302,7 +320,6 @@ backbone_step_cluster2_kernel(StepParams p) {
       const float v = sc2_group_sums<NI, LI>(a, lane);
       if (wi_lane) (si < 4 ? xcs : zs)[r * DS + 4 * warp + (si & 3)] = v;
     }
-    if (l + 1 < L) load_in(l + 1);
     SC2_STAMP(2 + 18 * l);
     __syncthreads();
     SC2_STAMP(3 + 18 * l);
@@ -330,7 +347,7 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(5 + 18 * l);
     // ---- x_proj over the block's 32 channels (outputs warp + 8j), pushed into slot `rank` of every block's gx
-#pragma unroll 1
+#pragma unroll 4
     for (int r = 0; r < R; ++r) {
       float xv[CPL], a[NX];
       sc2_lds(xcs + r * DS + co, xv);
@@ -341,6 +358,7 @@ backbone_step_cluster2_kernel(StepParams p) {
       if (wx_lane && o < nx) sc2_push_all(sc2_saddr(gx + (rank * R + r) * NXP + o), v, bar_x);
     }
     if (l + 1 < L) load_xp(l + 1);
+    if (l + 1 < L) load_in(l + 1);  // after the x_proj pushes: not queued ahead of them
     SC2_STAMP(6 + 18 * l);
     SC2_STAMP(7 + 18 * l);
     SC2_STAMP(8 + 18 * l);
@@ -398,7 +416,7 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(13 + 18 * l);
     // ---- out_proj over the block's 32 channels (outputs 16 warp + [0, 16)), pushed into every block's go
-#pragma unroll 1
+#pragma unroll 4
     for (int r = 0; r < R; ++r) {
       float yv[CPL], a[NO];
       sc2_lds(ys + r * DS + co, yv);
@@ -439,6 +457,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   // shared memory has landed (the rows' owners waited for the last one)
 #ifdef MRL_SC2_PROBE
   SC2_STAMP(63);
+  SC2_GSTAMP(62);
   __syncthreads();
   for (int i = tid; i < W * 64; i += SC2_THREADS) sc2_probe_buf[(int64_t)blockIdx.x * W * 64 + i] = stp[i];
 #endif

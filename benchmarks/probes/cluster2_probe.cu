@@ -7,7 +7,9 @@
 // (median of 7 rounds of 1000); the per-launch time in a 20-launch graph; one replay with events around it,
 // synchronised (bench.py's method without Python), beside an empty 8-block cluster kernel the same way.
 // Built with -DMRL_SC2_PROBE it prints instead the clock64() stamps of every warp at each phase end of cluster 0
-// (SC2_STAMP in the kernel): cycles since the block's first stamp, min..max over the 8 warps, per block.
+// (SC2_STAMP in the kernel): cycles since the block's first stamp, min..max over the 8 warps, per block; and per
+// cluster, from the global nanosecond timer, when its blocks started and ended (the waves). Either build first
+// prints how many of the kernel's clusters the device holds at once (cudaOccupancyMaxActiveClusters).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -103,6 +105,23 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&pb, (size_t)blocks * SC2_W * 64 * 8));
   CK(cudaMemcpyToSymbol(sc2_probe_buf, &pb, sizeof(pb)));
 #endif
+  {  // how many clusters of this kernel the device holds at once (one wave or more)
+    const size_t smem = stepc2_smem_bytes(p, R);
+    const void* kf = R == 1 ? (const void*)backbone_step_cluster2_kernel<float, 1, 16>
+                   : R == 2 ? (const void*)backbone_step_cluster2_kernel<float, 2, 16>
+                   : R == 4 ? (const void*)backbone_step_cluster2_kernel<float, 4, 16>
+                   : R == 8 ? (const void*)backbone_step_cluster2_kernel<float, 8, 16>
+                            : (const void*)backbone_step_cluster2_kernel<float, 16, 16>;
+    CK(cudaFuncSetAttribute(kf, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((B + R - 1) / R * SC2_CL);
+    cfg.blockDim = dim3(SC2_THREADS);
+    cfg.dynamicSmemBytes = smem;
+    int nc = 0;
+    CK(cudaOccupancyMaxActiveClusters(&nc, kf, &cfg));
+    printf("B=%d R=%d: %d clusters, at most %d active at once (%zu B of shared memory a block)\n", B, R,
+           (B + R - 1) / R, nc, smem);
+  }
   // the same 6 steps from the same states twice: the same bits
   std::vector<float> o[2];
   for (int v = 0; v < 2; ++v) {
@@ -127,7 +146,9 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(st.data(), pb, st.size() * 8, cudaMemcpyDeviceToHost));
   printf("stamps of cluster 0 (point: per block, cycles since the block's stamp 0, min..max over warps)\n");
   for (int k = 1; k < 64; ++k) {
-    if (k >= 2 + 18 * L && k != 63) continue;  // points 2 + 18 l + [0, 18) per layer l, 63 at exit
+    // points 2 + 18 l + [0, 18) per layer l; the prologue's 56 (layer 0's loads issued), 57 (input projection
+    // done), 58 (first norm done), 59 (block barrier passed; 1: cluster barrier passed); 63 at exit
+    if (k >= 2 + 18 * L && k != 63 && (k < 56 || k > 59)) continue;
     printf("pt %2d:", k);
     for (int bk = 0; bk < SC2_CL; ++bk) {
       const long long base = st[(size_t)bk * SC2_W * 64];
@@ -139,6 +160,18 @@ int main(int argc, char** argv) {
       printf(" %6lld..%-6lld", lo, hi);
     }
     printf("\n");
+  }
+  // the global timer of warp 0 at each block's start (61) and end (62), ns from the first start: the waves
+  long long g0 = 1LL << 62;
+  for (int bk = 0; bk < blocks; ++bk) g0 = std::min(g0, st[(size_t)bk * SC2_W * 64 + 61]);
+  printf("global timer, per cluster: first block start .. last block start / first end .. last end (ns)\n");
+  for (int c = 0; c < blocks / SC2_CL; ++c) {
+    long long s0 = 1LL << 62, s1 = 0, e0 = 1LL << 62, e1 = 0;
+    for (int bk = c * SC2_CL; bk < (c + 1) * SC2_CL; ++bk) {
+      const long long a = st[(size_t)bk * SC2_W * 64 + 61] - g0, z = st[(size_t)bk * SC2_W * 64 + 62] - g0;
+      s0 = std::min(s0, a); s1 = std::max(s1, a); e0 = std::min(e0, z); e1 = std::max(e1, z);
+    }
+    printf("  cluster %2d: start %6lld..%-6lld end %6lld..%-6lld\n", c, s0, s1, e0, e1);
   }
 #else
   auto capture = [&](LaunchFn f, int n) {
