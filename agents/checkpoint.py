@@ -104,10 +104,11 @@ def json_safe(x: Any) -> Any:
 
 
 def checkpoint_file(path: str | Path) -> Path:
-    """``path/agent.safetensors`` for a folder, ``path`` itself for a file.
+    """``path/agent.safetensors`` for a folder, ``path`` itself for a ``.safetensors`` file.
 
     Raises:
         FileNotFoundError: neither exists.
+        mamba_rl.CheckpointError: ``path`` is a file of another kind (e.g. the folder's ``envs.pkl``).
     """
     path = Path(path)
     _recover_swap(path)
@@ -115,6 +116,9 @@ def checkpoint_file(path: str | Path) -> Path:
     if not f.is_file():
         raise FileNotFoundError(f"no RecurrentPPO checkpoint at {path} (expected a folder holding "
                                 f"agent.safetensors, or that file)")
+    if f.suffix != ".safetensors":
+        raise CheckpointError(f"{path} is not a RecurrentPPO checkpoint: expected its folder or the folder's "
+                              f"agent.safetensors, got a {f.suffix or 'suffix-less'} file")
     return f
 
 

@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import sys
 import typing
 from typing import Any, Callable, Iterator, Sequence
@@ -88,7 +89,6 @@ def field_docs(cls: type) -> dict[str, str]:
     parentheticals are dropped (argparse adds the default), and reST's double backticks become single quotes.
     """
     import inspect
-    import re
 
     lines = (inspect.getdoc(cls) or "").splitlines()
     entries: dict[str, list[str]] = {}
@@ -175,6 +175,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         help_text = f"{docs.get(f.name, '')} (default: {default})".strip()
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         kw.update(next((dict(k) for t, k in _TYPE_KW if hint == t), dict(type=str, metavar="STR")))
+        if kw.get("metavar", "").endswith("|none"):  # the docstring's Python None is typed "none" on the command line
+            kw["help"] = re.sub(r"\bNone\b", "none", help_text)
         flags = [flag, "--env"] if f.name == "env_id" else [flag]
         groups[group].add_argument(*flags, **kw)
         if hint == bool | str:  # --prev-action [on|off|auto]; --no-prev-action as for the plain bool flags
@@ -209,8 +211,6 @@ def _user_input() -> Iterator[None]:
 def _flag_names(message: str) -> str:
     """Name a config field the way the user typed it: "PPOConfig.num_envs ..." -> "--num-envs (PPOConfig.num_envs)
     ...", so a refused value points at its flag."""
-    import re
-
     return re.sub(r"\b(PPOConfig|MambaConfig)\.(\w+)",
                   lambda m: f"--{m.group(2).replace('_', '-')} ({m.group(0)})", message, count=1)
 

@@ -18,8 +18,9 @@ __all__ = ["read_scalars", "plot_run"]
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]]:
-    """``{tag: (steps, values)}`` of every scalar in the event files under ``run_dir`` (a resumed run's
-    several event files are merged by step).
+    """``{tag: (steps, values)}`` of every scalar in the event files under ``run_dir``, as TensorBoard shows them:
+    a resumed run's several event files are read in order as one stream, so the steps that a resume from an
+    earlier checkpoint purged (the ``purge_step`` of its writer) are dropped from the files before it.
 
     Raises:
         FileNotFoundError: ``run_dir`` is not a folder or holds no TensorBoard event file.
@@ -32,12 +33,10 @@ def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]
     files = sorted(run_dir.glob("events.out.tfevents.*"))
     if not files:
         raise FileNotFoundError(f"no TensorBoard event files in {run_dir} (expected a folder like runs/<run name>)")
-    series: dict[str, list[tuple[int, float]]] = {}
-    for f in files:
-        acc = EventAccumulator(str(f), size_guidance={"scalars": 0})  # 0: keep every point
-        acc.Reload()
-        for tag in acc.Tags().get("scalars", []):
-            series.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    # one accumulator over the folder (0: keep every point): it purges across files as TensorBoard does
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    series = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags().get("scalars", [])}
     out = {}
     for tag, points in series.items():
         if tag != _RETURN:  # one value per step (a resumed run may log a step twice: keep the last)

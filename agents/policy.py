@@ -300,7 +300,8 @@ def _per_env(name: str, value, batch: int, dtype, who: str = "predict") -> np.nd
                          f"{raw.reshape(-1)[:4].tolist()}")
     if raw.dtype.kind not in "biuf":
         raise ValueError(f"{who}: {name} must be numbers, got dtype {raw.dtype}")
-    arr = raw.astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # out of float32's range -> inf: the caller names it
+        arr = raw.astype(dtype)
     if arr.size != batch:
         raise ValueError(f"{who}: {name} must hold one value per env, expected shape [{batch}], got "
                          f"{list(arr.shape)}")

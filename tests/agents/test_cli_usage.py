@@ -105,6 +105,14 @@ def test_bad_checkpoint_is_a_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("mamba-rl eval: error: ")
 
 
+def test_a_checkpoint_folders_other_file_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "envs.pkl").write_bytes(b"\x80\x04N.")  # the folder's envs pickle, not the checkpoint
+    assert main(["eval", "--checkpoint", str(tmp_path / "envs.pkl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mamba-rl eval: error: ") and "not a RecurrentPPO checkpoint" in err
+    assert "agent.safetensors" in err and ".pkl file" in err
+
+
 def test_a_bug_keeps_its_traceback(tmp_path, monkeypatch):
     from mamba_rl.agents import RecurrentPPO
 
@@ -268,6 +276,31 @@ def test_plot_a_tiny_run(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["plot", str(tmp_path / "nothing")]) == 2
     assert capsys.readouterr().err.strip().endswith("no run folder at " + str(tmp_path / "nothing"))
+
+
+def test_read_scalars_drops_the_steps_a_resume_purged(tmp_path):
+    """A run resumed from an earlier checkpoint writes a second event file whose purge_step hides what the first
+    file logged from that step on: the plot reads them as TensorBoard does (no step twice, no stale tail)."""
+    import time
+
+    from mamba_rl.agents.logger import TensorBoardLogger
+    from mamba_rl.agents.plot import read_scalars
+
+    first = TensorBoardLogger(str(tmp_path), purge_step=None)
+    first.scalars({"losses/value_loss": 1.0}, 10)
+    first.scalars({"losses/value_loss": 2.0}, 20)
+    first.scalars({"losses/value_loss": 3.0}, 30)
+    first.episodes([(20, 5.0, 7), (30, 6.0, 8)])
+    first.close()
+    time.sleep(1.1)  # event file names carry the second: the resumed run's file sorts after the first
+    resumed = TensorBoardLogger(str(tmp_path), purge_step=11)  # resumed from the checkpoint at step 10
+    resumed.scalars({"losses/value_loss": 4.0}, 20)
+    resumed.episodes([(20, 9.0, 3)])
+    resumed.close()
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    s = read_scalars(tmp_path)
+    assert s["losses/value_loss"] == ([10, 20], [1.0, 4.0])
+    assert s["charts/episodic_return"] == ([20], [9.0])
 
 
 def test_plot_out_paths(tmp_path, capsys):

@@ -130,7 +130,7 @@ def test_prev_action_takes_a_bool_or_auto(bad):
         PPOConfig(prev_action=bad)
 
 
-def test_prev_action_auto_follows_the_action_space_and_the_env_declaration():
+def test_prev_action_auto_follows_the_action_space_and_the_env_declaration(tmp_path):
     """'auto' turns the previous-action input on for discrete actions and for an env that declares it needs it
     (POPGym's ``obs_requires_prev_action``), off for Box actions otherwise; True / False override both."""
     import gymnasium as gym
@@ -151,7 +151,8 @@ def test_prev_action_auto_follows_the_action_space_and_the_env_declaration():
 
     gym.register("mamba_rl_test/NeedsPrevAgent-v0", entry_point=NeedsPrev, max_episode_steps=8)
     tiny = dict(d_model=16, n_layers=1, d_state=4, num_envs=2, num_steps=8, num_minibatches=1, update_epochs=1,
-                total_timesteps=16, device="cpu", track=False, checkpoint_every=0, prev_reward=False)
+                total_timesteps=16, device="cpu", track=False, checkpoint_every=0, prev_reward=False,
+                checkpoint_dir=str(tmp_path / "ckpt"))  # learn() saves a final checkpoint: not into the repo
     try:
         for env_id, prev, want in [("mamba_rl_test/NeedsPrevAgent-v0", "auto", True),
                                    ("mamba_rl_test/NeedsPrevAgent-v0", False, False),

@@ -1,6 +1,7 @@
 """RecurrentPPO end to end on CPU: TensorBoard tags, exact resume, evaluation memory resets, spaces."""
 
 import math
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -103,7 +104,8 @@ def test_predict_api_shapes_and_errors(tmp_path):
                      ([1e39, 0.0, 0.0], "reward must be finite"), ([None, 0.0, 0.0], "reward must be numbers"),
                      (["a", "b", "c"], "reward must be numbers"), ("1", "reward must be numbers"),
                      ([0.0, 1.0], r"one value per env, expected shape \[3\]")]:
-        with pytest.raises(ValueError, match=msg):
+        with pytest.raises(ValueError, match=msg), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # 1e39: no numpy overflow warning before the error
             agent.predict(obs, s, reward=bad)
     assert torch.isfinite(s.recurrent.ssm).all()
     # value(): the same reward rule (no stale reward from the state)
