@@ -30,8 +30,7 @@ def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run folder at {run_dir}")
-    files = sorted(run_dir.glob("events.out.tfevents.*"))
-    if not files:
+    if not any(run_dir.glob("events.out.tfevents.*")):
         raise FileNotFoundError(f"no TensorBoard event files in {run_dir} (expected a folder like runs/<run name>)")
     # one accumulator over the folder (0: keep every point): it purges across files as TensorBoard does
     acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})

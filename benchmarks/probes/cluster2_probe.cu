@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 #include "../../csrc/step_cluster2.cuh"
 using namespace mrl;
@@ -57,9 +58,12 @@ static const char* launch_empty(const StepParams& p, cudaStream_t s) {
 int main(int argc, char** argv) {
   const int B = argc > 1 ? atoi(argv[1]) : 1, R = argc > 2 ? atoi(argv[2]) : 1;
   const int L = 3, dm = 128, D = 256, N = 16, K = 4, rk = 8, in_dim = 32;
-  LaunchFn fn = R == 1 ? stepc2_launch_rn<float, 1, 16> : R == 2 ? stepc2_launch_rn<float, 2, 16>
-              : R == 4 ? stepc2_launch_rn<float, 4, 16> : R == 8 ? stepc2_launch_rn<float, 8, 16>
-              : R == 16 ? stepc2_launch_rn<float, 16, 16> : nullptr;
+  // the launcher and the kernel of each rows-per-cluster setting (f32, d_state 16)
+#define MRL_PROBE_R(RR) R == RR ? std::make_pair((LaunchFn)stepc2_launch_rn<float, RR, 16>, \
+                                               (const void*)backbone_step_cluster2_kernel<float, RR, 16>)
+  const auto [fn, kf] = MRL_PROBE_R(1) : MRL_PROBE_R(2) : MRL_PROBE_R(4) : MRL_PROBE_R(8) : MRL_PROBE_R(16)
+                      : std::make_pair((LaunchFn) nullptr, (const void*)nullptr);
+#undef MRL_PROBE_R
   if (B < 1 || !fn) { printf("usage: %s B R (B >= 1, R in 1 2 4 8 16), got %d %d\n", argv[0], B, R); return 2; }
   StepParams p;
   memset(&p, 0, sizeof(p));
@@ -107,11 +111,6 @@ int main(int argc, char** argv) {
 #endif
   {  // how many clusters of this kernel the device holds at once (one wave or more)
     const size_t smem = stepc2_smem_bytes(p, R);
-    const void* kf = R == 1 ? (const void*)backbone_step_cluster2_kernel<float, 1, 16>
-                   : R == 2 ? (const void*)backbone_step_cluster2_kernel<float, 2, 16>
-                   : R == 4 ? (const void*)backbone_step_cluster2_kernel<float, 4, 16>
-                   : R == 8 ? (const void*)backbone_step_cluster2_kernel<float, 8, 16>
-                            : (const void*)backbone_step_cluster2_kernel<float, 16, 16>;
     CK(cudaFuncSetAttribute(kf, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((B + R - 1) / R * SC2_CL);
