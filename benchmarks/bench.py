@@ -215,8 +215,8 @@ def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
     cs, ss = st.state.conv.clone(), st.state.ssm.clone()
     starts = torch.zeros(B, dtype=torch.bool, device="cuda")
     ext = net.kernels
-    for kernel in ("rows", "cluster", "cluster_normpass", "cluster2"):
-        for R in (1, 2, 4, 8, 16) if kernel == "cluster2" else (1, 2, 4, 8):
+    for kernel in ("rows", "cluster", "cluster_normpass", "cluster2", "cluster3"):
+        for R in {"cluster2": (1, 2, 4, 8, 16), "cluster3": (8, 16, 32)}.get(kernel, (1, 2, 4, 8)):
             gr = torch.cuda.CUDAGraph()
             backbone_step(ext, x, w, cs, ss, starts, net.cfg, kernel=kernel, rows_per_block=R)
             torch.cuda.synchronize()

@@ -13,6 +13,11 @@ const char* backbone_step_cluster2_bf16(const StepParams&, int, cudaStream_t);
 const char* backbone_step_cluster2_f16(const StepParams&, int, cudaStream_t);
 bool backbone_step_cluster2_ok(const StepParams& p);
 size_t backbone_step_cluster2_smem(const StepParams& p, int R);
+const char* backbone_step_cluster3_f32(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster3_bf16(const StepParams&, int, cudaStream_t);
+const char* backbone_step_cluster3_f16(const StepParams&, int, cudaStream_t);
+bool backbone_step_cluster3_ok(const StepParams& p);
+size_t backbone_step_cluster3_smem(const StepParams& p, int R);
 
 // Dynamic shared memory of the one-block kernel for R rows (mirrors step_smem_bytes in step.cuh and
 // mamba_rl/ops/capability.py step_smem_bytes).
@@ -21,11 +26,12 @@ static size_t rows_smem(const StepParams& p, int R) {
 }
 
 // rows_per_block R: > 0 the one-block-per-R-rows kernel; -8..-1 the cluster kernel with -R rows per cluster;
-// -48..-33 the second cluster kernel (step_cluster2.cuh) with -R - 32 rows;
+// -48..-33 the second cluster kernel (step_cluster2.cuh) with -R - 32 rows; -96..-65 the third (step_cluster3.cuh,
+// rows in parallel) with -R - 64 rows;
 // -24..-17 the cluster kernel with -R - 16 rows and its RMSNorm as a pass behind a block barrier (the variant
 // before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the second cluster
-// kernel up to B = 16, then the cluster kernel where it applies; else the measured R, halved until R rows fit the
-// device's opt-in shared memory per block).
+// kernel up to B = 16, then the cluster kernel up to 32, the third cluster kernel up to 128, where each applies;
+// else the measured R, halved until R rows fit the device's opt-in shared memory per block).
 int backbone_step_rows(const StepParams& p, int R, const char** err) {
   *err = nullptr;
   if (R != 0) return R;
@@ -47,6 +53,13 @@ int backbone_step_rows(const StepParams& p, int R, const char** err) {
   // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
   // 1-2 rows for large ones
   if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
+  // measured on H100 (benchmarks/NOTES.md, twenty-sixth session; f32 weights, kernel alone): the third cluster
+  // kernel at B = 64 with 8 rows a cluster 23.4 us against 41.2 for one block a row, at B = 128 with 16 rows
+  // 37.1 against 42.2; at B = 256 it loses (68.8 against 55.7 for one block per 2 rows)
+  if (p.B <= 128 && backbone_step_cluster3_ok(p)) {
+    const int rc = p.B <= 64 ? 8 : 16;
+    if (backbone_step_cluster3_smem(p, rc) <= (size_t)optin) return -rc - 64;
+  }
   R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
   while (R > 1 && rows_smem(p, R) > (size_t)optin) R /= 2;
   if (rows_smem(p, R) > (size_t)optin) {
@@ -62,6 +75,18 @@ const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s
     const char* err = nullptr;
     R = backbone_step_rows(p, 0, &err);
     if (err) return err;
+  }
+  if (R <= -65) {
+    if (!backbone_step_cluster3_ok(p))
+      return "backbone_step: the cluster3 kernel needs d_model 128, d_inner 256, d_conv 4, d_state 8/16, dt_rank <= 16 "
+             "and 16-byte aligned weights";
+    const int rows = -R - 64;
+    switch (wdtype) {
+      case kF32: return backbone_step_cluster3_f32(p, rows, s);
+      case kBF16: return backbone_step_cluster3_bf16(p, rows, s);
+      case kF16: return backbone_step_cluster3_f16(p, rows, s);
+    }
+    return "backbone_step: unsupported weight dtype";
   }
   if (R <= -33) {
     if (!backbone_step_cluster2_ok(p))

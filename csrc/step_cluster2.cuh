@@ -28,7 +28,7 @@ constexpr int SC2_NXP = 64;              // padded row of the x_proj outputs (ra
 // A thread's weights of one layer, as 16-byte words of CPL = 16 / sizeof(WT) elements, and the next RMSNorm
 // weight at columns lane + 32i. in_proj: warp w owns the rows of xi channels 4w..4w+3 (slots 0-3) and z channels
 // 4w..4w+3 (slots 4-7); LI = 128 / CPL lanes read one row (columns CPL (lane % LI) + [0, CPL)), so the thread holds
-// the slots k RI + lane / LI, k < NI. x_proj: warp w owns outputs w + 8j (j < 8; zero past rank + 2 d_state),
+// the slots k RI + lane / LI, k < NI. x_proj: warp w owns outputs 8w + j (j < 8; zero past rank + 2 d_state),
 // out_proj outputs 16w..16w+15; LO = 32 / CPL lanes read the block's 32 columns of one row.
 template <typename WT>
 struct Sc2Proj {
@@ -129,6 +129,137 @@ __device__ __forceinline__ void sc2_bar_wait(uint32_t bar, uint32_t parity) {
       "@P1 bra SC2_DONE;\n\tbra SC2_WAIT;\n\tSC2_DONE:\n\t}" :: "r"(bar), "r"(parity) : "memory");
 }
 
+// The per-channel phases shared by the cluster kernels (cluster2 and cluster3): the thread owns channel dch = d0 + lane
+// of its block and the rows warp + W i (i < RW) of the cluster's R; xcs / zs / ys rows are `S` floats apart.
+
+// channel dch's parameters of layer l and its rows' conv and SSM states (zero where the row starts an episode)
+template <typename WT, int N, int RW, int W, int R>
+__device__ __forceinline__ void sc2_load_chan(const StepParams& p, int l, int b0, int warp, int dch,
+                                              const bool (&rowact)[RW], const bool (&rowst)[RW],
+                                              Sc2Chan<WT, N, RW>& ch) {
+  if (warp >= R) return;  // no rows in the per-channel phases
+  const StepLayer& ly = p.layer[l];
+  const int rk = p.rank, B = p.B, D = p.D;
+  const float4 c4 = __ldg(reinterpret_cast<const float4*>(ly.conv_w) + dch);
+  ch.cw[0] = c4.x; ch.cw[1] = c4.y; ch.cw[2] = c4.z; ch.cw[3] = c4.w;
+  ch.cb = __ldg(ly.conv_b + dch); ch.dtb = __ldg(ly.dt_b + dch); ch.Dp = __ldg(ly.Dp + dch);
+#pragma unroll
+  for (int n = 0; n < N; n += 4) {
+    const float4 a4 = __ldg(reinterpret_cast<const float4*>(ly.A_log + (int64_t)dch * N + n));
+    ch.Al[n] = a4.x; ch.Al[n + 1] = a4.y; ch.Al[n + 2] = a4.z; ch.Al[n + 3] = a4.w;
+  }
+  const WT* wd = reinterpret_cast<const WT*>(ly.dt_w) + (int64_t)dch * rk;
+#pragma unroll
+  for (int k = 0; k < 16; ++k) ch.wdt[k] = k < rk ? wd[k] : from_f<WT>(0.f);
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    if (!rowact[i]) continue;
+    const int64_t row = (int64_t)l * B + b0 + warp + W * i;
+    const float* cs = p.conv_state + (row * D + dch) * 3;
+    const float* ss = p.ssm_state + (row * D + dch) * N;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) ch.cs[i][k] = rowst[i] ? 0.f : cs[k];
+#pragma unroll
+    for (int n = 0; n < N; n += 4) {
+      const float4 s4 = rowst[i] ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(ss + n);
+      ch.ss[i][n] = s4.x; ch.ss[i][n + 1] = s4.y; ch.ss[i][n + 2] = s4.z; ch.ss[i][n + 3] = s4.w;
+    }
+  }
+}
+
+// conv step of layer l: xcs goes from in_proj's xi to the conv output (zero on inactive rows, as zs), the conv
+// state shifts in global memory
+template <typename WT, int N, int RW, int W, int R, int S>
+__device__ __forceinline__ void sc2_conv_rows(const StepParams& p, int l, int b0, int warp, int lane, int dch,
+                                              const bool (&rowact)[RW], Sc2Chan<WT, N, RW>& ch, float* xcs,
+                                              float* zs) {
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    const int r = warp + W * i;
+    if (r >= R) continue;
+    float xc = 0.f, zv = 0.f;
+    if (rowact[i]) {
+      const float xi = xcs[r * S + lane];
+      zv = zs[r * S + lane];
+      float pre = ch.cb;
+#pragma unroll
+      for (int k = 0; k < 3; ++k) pre = fmaf(ch.cw[k], ch.cs[i][k], pre);
+      pre = fmaf(ch.cw[3], xi, pre);
+      float* cs = p.conv_state + (((int64_t)l * p.B + b0 + r) * p.D + dch) * 3;
+      cs[0] = ch.cs[i][1]; cs[1] = ch.cs[i][2]; cs[2] = xi;
+      xc = siluf_(pre);
+    }
+    xcs[r * S + lane] = xc;
+    zs[r * S + lane] = zv;
+  }
+}
+
+// dt_proj + softplus + state update + D skip + gate of layer l from the cluster's x_proj sums dbc (rows NXP apart):
+// ys = y * silu(z); the SSM state written back. ch.Al holds -exp(A_log) by now.
+template <typename WT, int N, int RW, int W, int R, int S, int NXP>
+__device__ __forceinline__ void sc2_state_rows(const StepParams& p, int l, int b0, int warp, int lane, int dch,
+                                               const bool (&rowact)[RW], Sc2Chan<WT, N, RW>& ch, const float* xcs,
+                                               const float* zs, const float* dbc, float* ys) {
+  const int rk = p.rank;
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    const int r = warp + W * i;
+    if (r >= R) continue;
+    float yv = 0.f;
+    if (rowact[i]) {
+      const float* dr_in = dbc + r * NXP;
+      float dr = ch.dtb;
+#pragma unroll
+      for (int k = 0; k < 16; ++k)
+        if (k < rk) dr = fmaf(to_f(ch.wdt[k]), dr_in[k], dr);
+      const float delta = softplusf_(dr);
+      const float xc = xcs[r * S + lane];
+      const float* Bv = dr_in + rk;
+      const float* Cv = Bv + N;
+      const float dx = delta * xc;
+      float acc = 0.f;
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        ch.ss[i][n] = fmaf(expf(ch.Al[n] * delta), ch.ss[i][n], dx * Bv[n]);
+        acc = fmaf(ch.ss[i][n], Cv[n], acc);
+      }
+      float* ss = p.ssm_state + (((int64_t)l * p.B + b0 + r) * p.D + dch) * N;
+#pragma unroll
+      for (int n = 0; n < N; n += 4)
+        *reinterpret_cast<float4*>(ss + n) = make_float4(ch.ss[i][n], ch.ss[i][n + 1], ch.ss[i][n + 2], ch.ss[i][n + 3]);
+      yv = fmaf(ch.Dp, xc, acc) * siluf_(zs[r * S + lane]);
+    }
+    ys[r * S + lane] = yv;
+  }
+}
+
+// u = RMSNorm(h) * nw for the rows warp + W i (a warp per row, columns lane + 32 q); after the last layer (`last`)
+// the block of rank q writes its 16 columns of the output instead
+template <int RW, int W, int R>
+__device__ __forceinline__ void sc2_norm_rows(const StepParams& p, const float* h, float* u, const float (&nw)[4],
+                                              int b0, int warp, int lane, int rank, bool last) {
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    const int r = warp + W * i;
+    if (r >= R) continue;
+    float hv[4], ssq = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) { hv[q] = h[r * SC2_DM + lane + 32 * q]; ssq = fmaf(hv[q], hv[q], ssq); }
+    ssq = group_sum<32>(ssq);
+    const float rs = rsqrtf(ssq / SC2_DM + p.eps);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int j = lane + 32 * q;
+      const float v = hv[q] * rs * nw[q];
+      if (!last) {
+        u[r * SC2_DM + j] = v;
+      } else if (j / (SC2_DM / SC2_CL) == rank && b0 + r < p.B) {  // block q writes its 16 columns
+        p.out[(int64_t)(b0 + r) * SC2_DM + j] = v;
+      }
+    }
+  }
+}
+
 #ifdef MRL_SC2_PROBE
 // timing probe (benchmarks only): lane 0 of every warp stamps clock64() at each phase end into shared memory,
 // copied to sc2_probe_buf[block][warp][64] at exit
@@ -206,7 +337,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   // what each lane of a projection reads and where its group's sum lands
   const int ci = CPL * (lane % LI), co = CPL * (lane % LO);  // first column read (in_proj; x_proj / out_proj)
   const int si = (lane % LI) / (LI / NI) * RI + lane / LI;   // in_proj slot whose sum this lane ends with
-  const int sx = (lane % LO) / (LO / NX) * RO + lane / LO;   // x_proj j (output warp + 8j)
+  const int sx = (lane % LO) / (LO / NX) * RO + lane / LO;   // x_proj j (output 8 warp + j)
   const int so = (lane % LO) / (LO / NO) * RO + lane / LO;   // out_proj output 16 warp + so
   const bool wi_lane = lane % (LI / NI) == 0, wx_lane = lane % (LO / NX) == 0, wo_lane = lane % (LO / NO) == 0;
 
@@ -225,7 +356,7 @@ backbone_step_cluster2_kernel(StepParams p) {
     const WT* w = reinterpret_cast<const WT*>(p.layer[l].x_w);
 #pragma unroll
     for (int k = 0; k < NX; ++k) {
-      const int o = warp + 8 * (k * RO + lane / LO);
+      const int o = 8 * warp + k * RO + lane / LO;
       pw.wx[k] = o < nx ? __ldg(reinterpret_cast<const uint4*>(w + (int64_t)o * D + d0 + co)) : make_uint4(0, 0, 0, 0);
     }
   };
@@ -242,35 +373,7 @@ backbone_step_cluster2_kernel(StepParams p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) pw.nw[i] = __ldg(nw + lane + 32 * i);
   };
-  auto load_chan = [&](int l) {
-    if (warp >= R) return;  // no rows in the per-channel phases
-    const StepLayer& ly = p.layer[l];
-    const float4 c4 = __ldg(reinterpret_cast<const float4*>(ly.conv_w) + dch);
-    ch.cw[0] = c4.x; ch.cw[1] = c4.y; ch.cw[2] = c4.z; ch.cw[3] = c4.w;
-    ch.cb = __ldg(ly.conv_b + dch); ch.dtb = __ldg(ly.dt_b + dch); ch.Dp = __ldg(ly.Dp + dch);
-#pragma unroll
-    for (int n = 0; n < N; n += 4) {
-      const float4 a4 = __ldg(reinterpret_cast<const float4*>(ly.A_log + (int64_t)dch * N + n));
-      ch.Al[n] = a4.x; ch.Al[n + 1] = a4.y; ch.Al[n + 2] = a4.z; ch.Al[n + 3] = a4.w;
-    }
-    const WT* wd = reinterpret_cast<const WT*>(ly.dt_w) + (int64_t)dch * rk;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) ch.wdt[k] = k < rk ? wd[k] : from_f<WT>(0.f);
-#pragma unroll
-    for (int i = 0; i < RW; ++i) {
-      if (!rowact[i]) continue;
-      const int64_t row = (int64_t)l * B + b0 + warp + W * i;
-      const float* cs = p.conv_state + (row * D + dch) * 3;
-      const float* ss = p.ssm_state + (row * D + dch) * N;
-#pragma unroll
-      for (int k = 0; k < 3; ++k) ch.cs[i][k] = rowst[i] ? 0.f : cs[k];
-#pragma unroll
-      for (int n = 0; n < N; n += 4) {
-        const float4 s4 = rowst[i] ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(ss + n);
-        ch.ss[i][n] = s4.x; ch.ss[i][n + 1] = s4.y; ch.ss[i][n + 2] = s4.z; ch.ss[i][n + 3] = s4.w;
-      }
-    }
-  };
+  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R>(p, l, b0, warp, dch, rowact, rowst, ch); };
   // every block the whole input projection (each needs whole rows), with every weight of layer 0 in flight
   // behind its first loads
   input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h, [&] {
@@ -279,28 +382,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   });
   SC2_STAMP(57);
   // u = RMSNorm(h) for layer 0: warp per row
-  auto norm_rows = [&](bool last) {
-#pragma unroll
-    for (int i = 0; i < RW; ++i) {
-      const int r = warp + W * i;
-      if (r >= R) continue;
-      float hv[4], ssq = 0.f;
-#pragma unroll
-      for (int q = 0; q < 4; ++q) { hv[q] = h[r * DM + lane + 32 * q]; ssq = fmaf(hv[q], hv[q], ssq); }
-      ssq = group_sum<32>(ssq);
-      const float rs = rsqrtf(ssq / DM + p.eps);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int j = lane + 32 * q;
-        const float v = hv[q] * rs * pw.nw[q];
-        if (!last) {
-          u[r * DM + j] = v;
-        } else if (j / (DM / SC2_CL) == rank && b0 + r < B) {  // block q writes its 16 columns
-          p.out[(int64_t)(b0 + r) * DM + j] = v;
-        }
-      }
-    }
-  };
+  auto norm_rows = [&](bool last) { sc2_norm_rows<RW, W, R>(p, h, u, pw.nw, b0, warp, lane, rank, last); };
   norm_rows(false);
   load_norm(1);
   SC2_STAMP(58);
@@ -324,29 +406,11 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(3 + 18 * l);
     // ---- conv step (the thread's channel, rows warp + 8i); xcs goes from xi to the conv output
-#pragma unroll
-    for (int i = 0; i < RW; ++i) {
-      const int r = warp + W * i;
-      if (r >= R) continue;
-      float xc = 0.f, zv = 0.f;
-      if (rowact[i]) {
-        const float xi = xcs[r * DS + lane];
-        zv = zs[r * DS + lane];
-        float pre = ch.cb;
-#pragma unroll
-        for (int k = 0; k < 3; ++k) pre = fmaf(ch.cw[k], ch.cs[i][k], pre);
-        pre = fmaf(ch.cw[3], xi, pre);
-        float* cs = p.conv_state + (((int64_t)l * B + b0 + r) * D + dch) * 3;
-        cs[0] = ch.cs[i][1]; cs[1] = ch.cs[i][2]; cs[2] = xi;
-        xc = siluf_(pre);
-      }
-      xcs[r * DS + lane] = xc;
-      zs[r * DS + lane] = zv;
-    }
+    sc2_conv_rows<WT, N, RW, W, R, DS>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs);
     SC2_STAMP(4 + 18 * l);
     __syncthreads();
     SC2_STAMP(5 + 18 * l);
-    // ---- x_proj over the block's 32 channels (outputs warp + 8j), pushed into slot `rank` of every block's gx
+    // ---- x_proj over the block's 32 channels (outputs 8 warp + j), pushed into slot `rank` of every block's gx
 #pragma unroll 4
     for (int r = 0; r < R; ++r) {
       float xv[CPL], a[NX];
@@ -354,7 +418,7 @@ backbone_step_cluster2_kernel(StepParams p) {
 #pragma unroll
       for (int k = 0; k < NX; ++k) a[k] = sc2_dot<WT>(pw.wx[k], xv);
       const float v = sc2_group_sums<NX, LO>(a, lane);
-      const int o = warp + 8 * sx;
+      const int o = 8 * warp + sx;
       if (wx_lane && o < nx) sc2_push_all(sc2_saddr(gx + (rank * R + r) * NXP + o), v, bar_x);
     }
     if (l + 1 < L) load_xp(l + 1);
@@ -381,36 +445,7 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(11 + 18 * l);
     // ---- dt_proj + softplus + state update + D skip + gate (the thread's channel and rows)
-#pragma unroll
-    for (int i = 0; i < RW; ++i) {
-      const int r = warp + W * i;
-      if (r >= R) continue;
-      float yv = 0.f;
-      if (rowact[i]) {
-        const float* dr_in = dbc + r * NXP;
-        float dr = ch.dtb;
-#pragma unroll
-        for (int k = 0; k < 16; ++k)
-          if (k < rk) dr = fmaf(to_f(ch.wdt[k]), dr_in[k], dr);
-        const float delta = softplusf_(dr);
-        const float xc = xcs[r * DS + lane];
-        const float* Bv = dr_in + rk;
-        const float* Cv = Bv + N;
-        const float dx = delta * xc;
-        float acc = 0.f;
-#pragma unroll
-        for (int n = 0; n < N; ++n) {
-          ch.ss[i][n] = fmaf(expf(ch.Al[n] * delta), ch.ss[i][n], dx * Bv[n]);
-          acc = fmaf(ch.ss[i][n], Cv[n], acc);
-        }
-        float* ss = p.ssm_state + (((int64_t)l * B + b0 + r) * D + dch) * N;
-#pragma unroll
-        for (int n = 0; n < N; n += 4)
-          *reinterpret_cast<float4*>(ss + n) = make_float4(ch.ss[i][n], ch.ss[i][n + 1], ch.ss[i][n + 2], ch.ss[i][n + 3]);
-        yv = fmaf(ch.Dp, xc, acc) * siluf_(zs[r * DS + lane]);
-      }
-      ys[r * DS + lane] = yv;
-    }
+    sc2_state_rows<WT, N, RW, W, R, DS, NXP>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs, dbc, ys);
     if (l + 1 < L) load_chan(l + 1);
     SC2_STAMP(12 + 18 * l);
     __syncthreads();

@@ -29,7 +29,7 @@ from .norm import rms_norm_ref
 __all__ = ["backbone_step", "backbone_step_packed", "pack_step_weights", "backbone_step_ref", "layer_step_ref",
            "LAYER_KEYS"]
 
-STEP_KERNELS = ("auto", "rows", "cluster", "cluster_normpass", "cluster2")
+STEP_KERNELS = ("auto", "rows", "cluster", "cluster_normpass", "cluster2", "cluster3")
 
 LAYER_KEYS = ("norm.weight", "mixer.in_proj.weight", "mixer.conv1d.weight", "mixer.conv1d.bias",
               "mixer.x_proj.weight", "mixer.dt_proj.weight", "mixer.dt_proj.bias", "mixer.A_log", "mixer.D",
@@ -115,9 +115,11 @@ def backbone_step_packed(ext, x_t, packed: tuple, conv_state, ssm_state, episode
         raise ValueError(f"backbone_step: rows_per_block must be an int >= 0, got {rows_per_block!r}")
     starts = None if episode_starts is None else episode_starts.reshape(-1).to(torch.bool).contiguous()
     # The binding's last argument: 0 = auto, R > 0 = one block per R rows, -R = cluster kernel with R rows,
-    # -R - 16 = the cluster kernel with its RMSNorm as a separate pass (the same bits), -R - 32 = cluster2.
+    # -R - 16 = the cluster kernel with its RMSNorm as a separate pass (the same bits), -R - 32 = cluster2,
+    # -R - 64 = cluster3.
     r = max(rows_per_block, 1)
-    code = {"auto": 0, "rows": r, "cluster": -r, "cluster_normpass": -r - 16, "cluster2": -r - 32}[kernel]
+    code = {"auto": 0, "rows": r, "cluster": -r, "cluster_normpass": -r - 16, "cluster2": -r - 32,
+            "cluster3": -r - 64}[kernel]
     inp_w, inp_b, normf, layers = packed
     return ext.backbone_step(_f32(x_t), inp_w, inp_b, normf, layers, conv_state, ssm_state, starts, float(eps),
                              int(code))
@@ -141,7 +143,11 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
             every block of the cluster (st.async into distributed shared memory, completing on the receiver's
             mbarrier: no cluster barrier per exchange) and added there in rank order; every weight prefetched into
             registers one layer ahead; "auto" picks it for B <= 16 with the fewest rows per cluster that keep <= 8
-            clusters, where its shared memory fits the device).
+            clusters, where its shared memory fits the device) or "cluster3" (cluster2's shapes; ``rows_per_block``
+            8, 16 or 32 rows per cluster, for large B: each projection a product over the rows with a thread per
+            output and slice of its reduction, out_proj's sums reduce-scattered to the block that owns 16 columns of
+            the residual, which adds them and sends its columns to every block; "auto" picks it for 32 < B <= 128,
+            8 rows a cluster up to B = 64, else 16).
     Raises:
         ValueError: an unknown ``kernel`` or a negative ``rows_per_block``.
         RuntimeError: a forced kernel that cannot take the shapes (e.g. "cluster2" at another d_model).

@@ -69,7 +69,8 @@ def test_step_equals_forward_T1024(ext, B, gdt, tol):
 
 @pytest.mark.parametrize("kernel,R", [("rows", 1), ("rows", 2), ("rows", 4), ("rows", 8), ("cluster", 1),
                                       ("cluster", 2), ("cluster", 4), ("cluster", 8), ("cluster2", 1),
-                                      ("cluster2", 2), ("cluster2", 4), ("cluster2", 8), ("cluster2", 16)])
+                                      ("cluster2", 2), ("cluster2", 4), ("cluster2", 8), ("cluster2", 16),
+                                      ("cluster3", 8), ("cluster3", 16), ("cluster3", 32)])
 def test_rows_per_block_agree_and_match_ref(ext, kernel, R):
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
     B, L, in_dim = 37, 3, 4
@@ -110,13 +111,17 @@ def test_cluster_fused_norm_is_the_norm_pass_bit_for_bit(ext, gemm_dtype, R):
 
 @pytest.mark.parametrize("gemm_dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)],
                          ids=["f32", "bf16", "f16"])
-@pytest.mark.parametrize("R,N,in_dim", [(1, 16, 16), (2, 16, 6), (4, 16, 32), (8, 16, 6), (16, 16, 16), (1, 8, 6),
-                                        (2, 8, 32), (4, 8, 16), (16, 8, 6)])
-def test_cluster2_steps_match_ref(ext, gemm_dtype, tol, R, N, in_dim):
-    """The second cluster kernel over 12 steps (resets on random rows, the first step of row 0 a reset, a batch
-    that does not fill the last cluster, finite states of every size) against the float64 one-token reference,
-    states carried by each: outputs and both states within ``tol``; the same launch twice gives the same bits.
-    in_dim 16 / 32 take the input projection's 16-byte weight reads (every dtype), 6 its element-wise loop."""
+@pytest.mark.parametrize("kernel,R,N,in_dim", [
+    ("cluster2", 1, 16, 16), ("cluster2", 2, 16, 6), ("cluster2", 4, 16, 32), ("cluster2", 8, 16, 6),
+    ("cluster2", 16, 16, 16), ("cluster2", 1, 8, 6), ("cluster2", 2, 8, 32), ("cluster2", 4, 8, 16),
+    ("cluster2", 16, 8, 6), ("cluster3", 8, 16, 16), ("cluster3", 16, 16, 6), ("cluster3", 32, 16, 32),
+    ("cluster3", 8, 8, 6), ("cluster3", 32, 8, 16)])
+def test_cluster_steps_match_ref(ext, gemm_dtype, tol, kernel, R, N, in_dim):
+    """The second and third cluster kernels over 12 steps (resets on random rows, the first step of row 0 a reset, a
+    batch that does not fill the last cluster, finite states of every size) against the float64 one-token
+    reference, states carried by each: outputs and both states within ``tol``; the same launch twice gives the same
+    bits. For cluster2, in_dim 16 / 32 take the input projection's 16-byte weight reads (every dtype), 6 its
+    element-wise loop."""
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
     B, L = 37, 3
     w = make_weights(in_dim, 128, L, N=N, seed=20 + R, gemm_dtype=gemm_dtype)
@@ -130,24 +135,27 @@ def test_cluster2_steps_match_ref(ext, gemm_dtype, tol, R, N, in_dim):
         st = torch.rand(B, device="cuda", generator=g) < 0.2
         st[0] = t == 0
         cs2, ss2 = cs.clone(), ss.clone()
-        out = backbone_step(ext, x, w, cs, ss, st, Cfg(), kernel="cluster2", rows_per_block=R)
-        again = backbone_step(ext, x, w, cs2, ss2, st, Cfg(), kernel="cluster2", rows_per_block=R)
+        out = backbone_step(ext, x, w, cs, ss, st, Cfg(), kernel=kernel, rows_per_block=R)
+        again = backbone_step(ext, x, w, cs2, ss2, st, Cfg(), kernel=kernel, rows_per_block=R)
         assert torch.equal(out, again) and torch.equal(cs, cs2) and torch.equal(ss, ss2), t
         ref = backbone_step_ref(x.double(), wref, rcs, rss, st, Cfg())
         assert rel(out, ref) <= tol, t
     assert rel(cs, rcs) <= tol and rel(ss, rss) <= tol
 
 
-def test_cluster2_rejects_what_it_cannot_take(ext):
-    """d_model 64 is outside the second cluster kernel: a clear error when forced, the automatic choice runs it."""
+@pytest.mark.parametrize("kernel", ["cluster2", "cluster3"])
+def test_cluster2_rejects_what_it_cannot_take(ext, kernel):
+    """d_model 64 is outside the second and third cluster kernels: a clear error when forced, the automatic choice
+    runs it."""
     from mamba_rl.ops.step import backbone_step, backbone_step_ref
     B, L, in_dim = 5, 2, 3
     w = make_weights(in_dim, 64, L, seed=4)
     x = torch.randn(B, in_dim, device="cuda")
     cs = torch.randn(L, B, 128, 3, device="cuda")
     ss = torch.randn(L, B, 128, 16, device="cuda")
-    with pytest.raises(RuntimeError, match="cluster2 kernel needs d_model 128"):
-        backbone_step(ext, x, w, cs.clone(), ss.clone(), None, Cfg(), kernel="cluster2", rows_per_block=1)
+    with pytest.raises(RuntimeError, match=f"{kernel} kernel needs d_model 128"):
+        backbone_step(ext, x, w, cs.clone(), ss.clone(), None, Cfg(), kernel=kernel,
+                      rows_per_block=1 if kernel == "cluster2" else 8)
     out = backbone_step(ext, x, w, cs.clone(), ss.clone(), None, Cfg())
     ref = backbone_step_ref(x.double(), {k: v.double() for k, v in w.items()}, cs.double(), ss.double(), None, Cfg())
     assert rel(out, ref) <= 1e-4

@@ -1,0 +1,9 @@
+// backbone_step cluster3-kernel instantiation for float GEMM weights.
+#include "step_cluster3.cuh"
+namespace mrl {
+const char* backbone_step_cluster3_f32(const StepParams& p, int R, cudaStream_t s) {
+  return stepc3_launch_t<float>(p, R, s);
+}
+bool backbone_step_cluster3_ok(const StepParams& p) { return stepc3_supported(p); }
+size_t backbone_step_cluster3_smem(const StepParams& p, int R) { return stepc3_smem_bytes(p, R); }
+}  // namespace mrl
