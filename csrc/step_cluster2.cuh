@@ -87,12 +87,13 @@ __device__ __forceinline__ void sc2_lds(const float* q, float (&x)[M]) {
   }
 }
 
-// A thread's channel (d0 + lane) parameters of one layer and its rows' states.
-template <typename WT, int N, int RW>
+// A thread's channel (d0 + lane) parameters of one layer and its rows' states: all N states of each row, or NS < N
+// of them where a row's state update is spread over several warps (sc2_state_spread).
+template <typename WT, int N, int RW, int NS = N>
 struct Sc2Chan {
-  float cw[4], cb, dtb, Dp, Al[N];  // Al: A_log as loaded, -exp(A_log) from the x_proj exchange on
+  float cw[4], cb, dtb, Dp, Al[NS];  // Al: A_log as loaded, -exp(A_log) from the x_proj exchange on
   WT wdt[16];
-  float cs[RW][3], ss[RW][N];
+  float cs[RW][3], ss[RW][NS];
 };
 
 // The cluster's two exchanges per layer are pushes: each block sends its partial sums into every block's shared memory
@@ -130,48 +131,71 @@ __device__ __forceinline__ void sc2_bar_wait(uint32_t bar, uint32_t parity) {
 }
 
 // The per-channel phases shared by the cluster kernels (cluster2 and cluster3): the thread owns channel dch = d0 + lane
-// of its block and the rows warp + W i (i < RW) of the cluster's R; xcs / zs / ys rows are `S` floats apart.
+// of its block and the rows warp + W i (i < RW) of the cluster's R; xcs / zs / ys rows are `S` floats apart. Spread
+// (NS < N, R < W, RW = 1): warp w owns states [(w / R) NS, (w / R) NS + NS) of row w % R instead, so the W / R warps
+// of a row share its state update; the conv stays with warp r < R.
+
+// n < M floats of `src` into dst (16-byte loads where M allows: src then 16-byte aligned)
+template <int M>
+__device__ __forceinline__ void sc2_ld(float (&dst)[M], const float* src, bool zero) {
+  if constexpr (M % 4 == 0) {
+#pragma unroll
+    for (int n = 0; n < M; n += 4) {
+      const float4 v = zero ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(src + n);
+      dst[n] = v.x; dst[n + 1] = v.y; dst[n + 2] = v.z; dst[n + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < M; ++n) dst[n] = zero ? 0.f : src[n];
+  }
+}
+template <int M>
+__device__ __forceinline__ void sc2_st(float* dst, const float (&src)[M]) {
+  if constexpr (M % 4 == 0) {
+#pragma unroll
+    for (int n = 0; n < M; n += 4)
+      *reinterpret_cast<float4*>(dst + n) = make_float4(src[n], src[n + 1], src[n + 2], src[n + 3]);
+  } else {
+#pragma unroll
+    for (int n = 0; n < M; ++n) dst[n] = src[n];
+  }
+}
 
 // channel dch's parameters of layer l and its rows' conv and SSM states (zero where the row starts an episode)
-template <typename WT, int N, int RW, int W, int R>
+template <typename WT, int N, int RW, int W, int R, int NS = N>
 __device__ __forceinline__ void sc2_load_chan(const StepParams& p, int l, int b0, int warp, int dch,
                                               const bool (&rowact)[RW], const bool (&rowst)[RW],
-                                              Sc2Chan<WT, N, RW>& ch) {
-  if (warp >= R) return;  // no rows in the per-channel phases
+                                              Sc2Chan<WT, N, RW, NS>& ch) {
+  constexpr bool spread = NS < N;
+  if (!spread && warp >= R) return;  // no rows in the per-channel phases
   const StepLayer& ly = p.layer[l];
-  const int rk = p.rank, B = p.B, D = p.D;
+  const int rk = p.rank, B = p.B, D = p.D, n0 = spread ? warp / R * NS : 0;
   const float4 c4 = __ldg(reinterpret_cast<const float4*>(ly.conv_w) + dch);
   ch.cw[0] = c4.x; ch.cw[1] = c4.y; ch.cw[2] = c4.z; ch.cw[3] = c4.w;
   ch.cb = __ldg(ly.conv_b + dch); ch.dtb = __ldg(ly.dt_b + dch); ch.Dp = __ldg(ly.Dp + dch);
-#pragma unroll
-  for (int n = 0; n < N; n += 4) {
-    const float4 a4 = __ldg(reinterpret_cast<const float4*>(ly.A_log + (int64_t)dch * N + n));
-    ch.Al[n] = a4.x; ch.Al[n + 1] = a4.y; ch.Al[n + 2] = a4.z; ch.Al[n + 3] = a4.w;
-  }
+  sc2_ld<NS>(ch.Al, ly.A_log + (int64_t)dch * N + n0, false);
   const WT* wd = reinterpret_cast<const WT*>(ly.dt_w) + (int64_t)dch * rk;
 #pragma unroll
   for (int k = 0; k < 16; ++k) ch.wdt[k] = k < rk ? wd[k] : from_f<WT>(0.f);
 #pragma unroll
   for (int i = 0; i < RW; ++i) {
     if (!rowact[i]) continue;
-    const int64_t row = (int64_t)l * B + b0 + warp + W * i;
-    const float* cs = p.conv_state + (row * D + dch) * 3;
-    const float* ss = p.ssm_state + (row * D + dch) * N;
+    const int r = spread ? warp % R : warp + W * i;
+    const int64_t row = (int64_t)l * B + b0 + r;
+    if (r == warp + W * i) {  // the conv's owner
+      const float* cs = p.conv_state + (row * D + dch) * 3;
 #pragma unroll
-    for (int k = 0; k < 3; ++k) ch.cs[i][k] = rowst[i] ? 0.f : cs[k];
-#pragma unroll
-    for (int n = 0; n < N; n += 4) {
-      const float4 s4 = rowst[i] ? make_float4(0.f, 0.f, 0.f, 0.f) : *reinterpret_cast<const float4*>(ss + n);
-      ch.ss[i][n] = s4.x; ch.ss[i][n + 1] = s4.y; ch.ss[i][n + 2] = s4.z; ch.ss[i][n + 3] = s4.w;
+      for (int k = 0; k < 3; ++k) ch.cs[i][k] = rowst[i] ? 0.f : cs[k];
     }
+    sc2_ld<NS>(ch.ss[i], p.ssm_state + (row * D + dch) * N + n0, rowst[i]);
   }
 }
 
 // conv step of layer l: xcs goes from in_proj's xi to the conv output (zero on inactive rows, as zs), the conv
 // state shifts in global memory
-template <typename WT, int N, int RW, int W, int R, int S>
+template <typename WT, int N, int RW, int W, int R, int S, int NS = N>
 __device__ __forceinline__ void sc2_conv_rows(const StepParams& p, int l, int b0, int warp, int lane, int dch,
-                                              const bool (&rowact)[RW], Sc2Chan<WT, N, RW>& ch, float* xcs,
+                                              const bool (&rowact)[RW], Sc2Chan<WT, N, RW, NS>& ch, float* xcs,
                                               float* zs) {
 #pragma unroll
   for (int i = 0; i < RW; ++i) {
@@ -233,6 +257,50 @@ __device__ __forceinline__ void sc2_state_rows(const StepParams& p, int l, int b
   }
 }
 
+// The state update spread over the W / R warps of each row (R < W): dt_proj + softplus (each warp of the row the
+// same), then this warp's NS states; its part of y (the sum over its states of C h) into ypart [W][32]. The SSM
+// state written back. sc2_state_finish adds the parts (after a block barrier).
+template <typename WT, int N, int NS, int W, int R, int S, int NXP>
+__device__ __forceinline__ void sc2_state_spread(const StepParams& p, int l, int b0, int warp, int lane, int dch,
+                                                 bool act, Sc2Chan<WT, N, 1, NS>& ch, const float* xcs,
+                                                 const float* dbc, float* ypart) {
+  const int r = warp % R, n0 = warp / R * NS, rk = p.rank;
+  float acc = 0.f;
+  if (act) {
+    const float* dr_in = dbc + r * NXP;
+    float dr = ch.dtb;
+#pragma unroll
+    for (int k = 0; k < 16; ++k)
+      if (k < rk) dr = fmaf(to_f(ch.wdt[k]), dr_in[k], dr);
+    const float delta = softplusf_(dr);
+    const float* Bv = dr_in + rk + n0;
+    const float* Cv = dr_in + rk + N + n0;
+    const float dx = delta * xcs[r * S + lane];
+#pragma unroll
+    for (int n = 0; n < NS; ++n) {
+      ch.ss[0][n] = fmaf(expf(ch.Al[n] * delta), ch.ss[0][n], dx * Bv[n]);
+      acc = fmaf(ch.ss[0][n], Cv[n], acc);
+    }
+    sc2_st<NS>(p.ssm_state + (((int64_t)l * p.B + b0 + r) * p.D + dch) * N + n0, ch.ss[0]);
+  }
+  ypart[warp * 32 + lane] = acc;
+}
+
+// y of row `warp` (< R): its W / R parts in warp order, then the D skip and gate: ys = (y + D x) * silu(z)
+template <int W, int R, int S>
+__device__ __forceinline__ void sc2_state_finish(int warp, int lane, bool act, float Dp, const float* xcs,
+                                                 const float* zs, const float* ypart, float* ys) {
+  if (warp >= R) return;
+  float yv = 0.f;
+  if (act) {
+    float y = 0.f;
+#pragma unroll
+    for (int j = 0; j < W / R; ++j) y += ypart[(warp + R * j) * 32 + lane];
+    yv = fmaf(Dp, xcs[warp * S + lane], y) * siluf_(zs[warp * S + lane]);
+  }
+  ys[warp * S + lane] = yv;
+}
+
 // u = RMSNorm(h) * nw for the rows warp + W i (a warp per row, columns lane + 32 q); after the last layer (`last`)
 // the block of rank q writes its 16 columns of the output instead
 template <int RW, int W, int R>
@@ -288,6 +356,8 @@ backbone_step_cluster2_kernel(StepParams p) {
   constexpr int DM = SC2_DM, DS = SC2_DS, NXP = SC2_NXP, W = SC2_W, CPL = PW::CPL;
   constexpr int LI = PW::LI, RI = PW::RI, NI = PW::NI, LO = PW::LO, RO = PW::RO, NX = PW::NX, NO = PW::NO;
   constexpr int RW = (R + W - 1) / W;  // rows per thread in the per-channel phases (rows warp, warp + 8, ...)
+  constexpr int G = R < W ? W / R : 1;  // warps sharing a row's state update (sc2_state_spread where > 1)
+  constexpr int NS = N / G;             // states a thread updates
   const int rank = (int)cg::this_cluster().block_rank();
   const int b0 = (int)(blockIdx.x / SC2_CL) * R;
   const int D = p.D, rk = p.rank, L = p.L, B = p.B;
@@ -304,7 +374,8 @@ backbone_step_cluster2_kernel(StepParams p) {
   float* dbc = ys + R * DS;                  // [R][NXP] x_proj outputs (summed over the cluster)
   float* gx = dbc + R * NXP;                 // [CL][R][NXP] every block's x_proj sums, pushed here
   float* go = gx + SC2_CL * R * NXP;         // [CL][R][DM] every block's out_proj sums, pushed here
-  uint64_t* bars = reinterpret_cast<uint64_t*>(go + SC2_CL * R * DM);  // the x and out exchanges' mbarriers
+  float* ypart = go + SC2_CL * R * DM;       // [W][32] the spread state update's parts of y
+  uint64_t* bars = reinterpret_cast<uint64_t*>(ypart + W * 32);  // the x and out exchanges' mbarriers
 #ifdef MRL_SC2_PROBE
   long long* stp = reinterpret_cast<long long*>(bars + 2);  // [W][64]
   float* xin = reinterpret_cast<float*>(stp + W * 64);
@@ -328,8 +399,8 @@ backbone_step_cluster2_kernel(StepParams p) {
 
   bool rowact[RW], rowst[RW];
 #pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    const int r = warp + W * i, b = b0 + r;
+  for (int i = 0; i < RW; ++i) {  // spread: every warp's row is warp % R
+    const int r = G > 1 ? warp % R : warp + W * i, b = b0 + r;
     rowact[i] = r < R && b < B;
     rowst[i] = rowact[i] && p.starts ? p.starts[b] : false;
   }
@@ -342,7 +413,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   const bool wi_lane = lane % (LI / NI) == 0, wx_lane = lane % (LO / NX) == 0, wo_lane = lane % (LO / NO) == 0;
 
   PW pw;
-  Sc2Chan<WT, N, RW> ch;
+  Sc2Chan<WT, N, RW, NS> ch;
   auto load_in = [&](int l) {
     const WT* w = reinterpret_cast<const WT*>(p.layer[l].in_w);
 #pragma unroll
@@ -373,7 +444,7 @@ backbone_step_cluster2_kernel(StepParams p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) pw.nw[i] = __ldg(nw + lane + 32 * i);
   };
-  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R>(p, l, b0, warp, dch, rowact, rowst, ch); };
+  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R, NS>(p, l, b0, warp, dch, rowact, rowst, ch); };
   // every block the whole input projection (each needs whole rows), with every weight of layer 0 in flight
   // behind its first loads
   input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h, [&] {
@@ -406,7 +477,7 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(3 + 18 * l);
     // ---- conv step (the thread's channel, rows warp + 8i); xcs goes from xi to the conv output
-    sc2_conv_rows<WT, N, RW, W, R, DS>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs);
+    sc2_conv_rows<WT, N, RW, W, R, DS, NS>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs);
     SC2_STAMP(4 + 18 * l);
     __syncthreads();
     SC2_STAMP(5 + 18 * l);
@@ -427,9 +498,9 @@ backbone_step_cluster2_kernel(StepParams p) {
     SC2_STAMP(7 + 18 * l);
     SC2_STAMP(8 + 18 * l);
     // while the cluster's sums are in flight: the state-update rates -exp(A_log) of this thread's channel
-    if (warp < R) {
+    if (G > 1 || warp < R) {
 #pragma unroll
-      for (int n = 0; n < N; ++n) ch.Al[n] = -expf(ch.Al[n]);
+      for (int n = 0; n < NS; ++n) ch.Al[n] = -expf(ch.Al[n]);
     }
     sc2_bar_wait(bar_x, l & 1);
     SC2_STAMP(9 + 18 * l);
@@ -445,7 +516,13 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(11 + 18 * l);
     // ---- dt_proj + softplus + state update + D skip + gate (the thread's channel and rows)
-    sc2_state_rows<WT, N, RW, W, R, DS, NXP>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs, dbc, ys);
+    if constexpr (G > 1) {
+      sc2_state_spread<WT, N, NS, W, R, DS, NXP>(p, l, b0, warp, lane, dch, rowact[0], ch, xcs, dbc, ypart);
+      __syncthreads();
+      sc2_state_finish<W, R, DS>(warp, lane, rowact[0], ch.Dp, xcs, zs, ypart, ys);
+    } else {
+      sc2_state_rows<WT, N, RW, W, R, DS, NXP>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs, dbc, ys);
+    }
     if (l + 1 < L) load_chan(l + 1);
     SC2_STAMP(12 + 18 * l);
     __syncthreads();
@@ -499,8 +576,9 @@ backbone_step_cluster2_kernel(StepParams p) {
 }
 
 inline size_t stepc2_smem_bytes(const StepParams& p, int R) {
-  // h, u, xcs / zs / ys, dbc, gx, go, the two mbarriers (4 floats), xin
-  size_t floats = (size_t)R * (2 * SC2_DM + 3 * SC2_DS + SC2_NXP + SC2_CL * (SC2_NXP + SC2_DM) + p.in_dim) + 4;
+  // h, u, xcs / zs / ys, dbc, gx, go, ypart, the two mbarriers (4 floats), xin
+  size_t floats = (size_t)R * (2 * SC2_DM + 3 * SC2_DS + SC2_NXP + SC2_CL * (SC2_NXP + SC2_DM) + p.in_dim) +
+                  SC2_W * 32 + 4;
 #ifdef MRL_SC2_PROBE
   floats += 2 * SC2_W * 64;
 #endif
@@ -522,14 +600,12 @@ inline bool stepc2_supported(const StepParams& p) {
   return true;
 }
 
-template <typename WT, int R, int N>
-const char* stepc2_launch_rn(const StepParams& p, cudaStream_t s) {
-  // the device's opt-in shared memory and the size this kernel was opened to, per device: asked once, not on
-  // every token (the launch is on the acting path)
-  static int optin[64] = {0};
-  static size_t opened[64] = {0};
-  const size_t smem = stepc2_smem_bytes(p, R);
-  auto kern = backbone_step_cluster2_kernel<WT, R, N>;
+// Launch `kern` (a cluster kernel of 8-block clusters, one per R rows) over B rows with `smem` bytes of dynamic
+// shared memory. The device's opt-in shared memory and the size the kernel was opened to are kept per device in
+// the caller's (per-kernel) arrays: asked once, not on every token (the launch is on the acting path).
+template <typename K>
+const char* sc2_launch(K kern, const StepParams& p, int R, size_t smem, int (&optin)[64], size_t (&opened)[64],
+                       const char* name, cudaStream_t s) {
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return cudaGetErrorString(e);
@@ -540,9 +616,7 @@ const char* stepc2_launch_rn(const StepParams& p, cudaStream_t s) {
     if (e != cudaSuccess) return cudaGetErrorString(e);
     optin[dev] = v;
   }
-  if (smem > (size_t)optin[dev])
-    return "backbone_step: cluster2 needs more shared memory per block than the device allows (fewer rows per "
-           "cluster or a smaller input_dim)";
+  if (smem > (size_t)optin[dev]) return name;
   if (smem > 48 * 1024 && smem > opened[dev]) {
     e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return cudaGetErrorString(e);
@@ -552,6 +626,15 @@ const char* stepc2_launch_rn(const StepParams& p, cudaStream_t s) {
   kern<<<clusters * SC2_CL, SC2_THREADS, smem, s>>>(p);
   MRL_LAUNCH_CHECK();
   return nullptr;
+}
+
+template <typename WT, int R, int N>
+const char* stepc2_launch_rn(const StepParams& p, cudaStream_t s) {
+  static int optin[64] = {0};
+  static size_t opened[64] = {0};
+  return sc2_launch(backbone_step_cluster2_kernel<WT, R, N>, p, R, stepc2_smem_bytes(p, R), optin, opened,
+                    "backbone_step: cluster2 needs more shared memory per block than the device allows (fewer rows "
+                    "per cluster or a smaller input_dim)", s);
 }
 
 template <typename WT>

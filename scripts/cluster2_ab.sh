@@ -4,7 +4,7 @@
 # probe source against each tree's csrc/, then run alternately, ROUNDS times per shape. Prints, per B / R, the
 # per-launch time in a 20-launch graph of each build (µs) and whether their outputs and SSM states have the same
 # FNV hash (same bits); with STAMPS="B R ..." it also writes this tree's phase stamps (-DMRL_SC2_PROBE).
-# Usage on the device: REV=<git rev> [SHAPES="1 1,8 1,16 2,64 4,256 16"] [ROUNDS=2] [STAMPS="256 16"] \
+# Usage on the device: REV=<git rev or csrc tarball> [SHAPES="1 1,8 1,16 2,64 4,256 16"] [ROUNDS=2] [STAMPS="256 16"] \
 #   scripts/cluster2_ab.sh ; the full probe output goes to $OUT/cluster2_ab.txt (and $OUT/cluster2_stamps.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,10 @@ OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 REV=${REV:?set REV to the git revision to compare with}
 W=$(mktemp -d)
 mkdir -p "$W/old/benchmarks/probes"
-git archive "$REV" csrc | tar x -C "$W/old" || { echo "cluster2_ab: cannot read csrc at $REV"; exit 2; }
+# REV: a git revision, or a tarball of csrc/ made here with `git archive -o old.tar <rev> csrc` (the device's copy
+# of the repository may not hold this machine's newest commits)
+if [ -f "$REV" ]; then tar xf "$REV" -C "$W/old"; else git archive "$REV" csrc | tar x -C "$W/old"; fi \
+  && [ -d "$W/old/csrc" ] || { echo "cluster2_ab: cannot read csrc at $REV"; exit 2; }
 cp benchmarks/probes/cluster2_probe.cu "$W/old/benchmarks/probes/"
 F="-arch=sm_90 -O3 -std=c++17"
 nvcc $F -o "$W/new" benchmarks/probes/cluster2_probe.cu &
