@@ -327,7 +327,7 @@ def test_stepper_direct_launch_equals_graph_replay(B):
         st.step(x[:1, 0] if B > 1 else x[:, 0, :3])
 
 
-@pytest.mark.parametrize("d_model", [64, 128])  # 128: cluster2 to B = 32, cluster3 to 256, then one block per rows
+@pytest.mark.parametrize("d_model", [64, 128])  # 128: cluster2 to B = 32, cluster3 to 128, then one block per rows
 @pytest.mark.parametrize("B", [1, 16, 64, 256])
 def test_stepper_step_none_equals_step_x(B, d_model):
     """The public step's two forms after capture: step(None) (the graph's replay on x_buf / starts_buf written in
