@@ -218,6 +218,16 @@ __device__ __forceinline__ void sc2_conv_rows(const StepParams& p, int l, int b0
   }
 }
 
+// delta = softplus(dt_proj(x_proj's dt part dr_in[0..rk)) + dt bias) of the thread's channel, in k order
+template <typename Chan>
+__device__ __forceinline__ float sc2_delta(const Chan& ch, const float* dr_in, int rk) {
+  float dr = ch.dtb;
+#pragma unroll
+  for (int k = 0; k < 16; ++k)
+    if (k < rk) dr = fmaf(to_f(ch.wdt[k]), dr_in[k], dr);
+  return softplusf_(dr);
+}
+
 // dt_proj + softplus + state update + D skip + gate of layer l from the cluster's x_proj sums dbc (rows NXP apart):
 // ys = y * silu(z); the SSM state written back. ch.Al holds -exp(A_log) by now.
 template <typename WT, int N, int RW, int W, int R, int S, int NXP>
@@ -232,11 +242,7 @@ __device__ __forceinline__ void sc2_state_rows(const StepParams& p, int l, int b
     float yv = 0.f;
     if (rowact[i]) {
       const float* dr_in = dbc + r * NXP;
-      float dr = ch.dtb;
-#pragma unroll
-      for (int k = 0; k < 16; ++k)
-        if (k < rk) dr = fmaf(to_f(ch.wdt[k]), dr_in[k], dr);
-      const float delta = softplusf_(dr);
+      const float delta = sc2_delta(ch, dr_in, rk);
       const float xc = xcs[r * S + lane];
       const float* Bv = dr_in + rk;
       const float* Cv = Bv + N;
@@ -268,11 +274,7 @@ __device__ __forceinline__ void sc2_state_spread(const StepParams& p, int l, int
   float acc = 0.f;
   if (act) {
     const float* dr_in = dbc + r * NXP;
-    float dr = ch.dtb;
-#pragma unroll
-    for (int k = 0; k < 16; ++k)
-      if (k < rk) dr = fmaf(to_f(ch.wdt[k]), dr_in[k], dr);
-    const float delta = softplusf_(dr);
+    const float delta = sc2_delta(ch, dr_in, rk);
     const float* Bv = dr_in + rk + n0;
     const float* Cv = dr_in + rk + N + n0;
     const float dx = delta * xcs[r * S + lane];
