@@ -119,7 +119,14 @@ backbone_step_cluster3_kernel(StepParams p) {
   float* gx = dbc + R * NXP;                 // [CL][RO][NXP] every block's x_proj sums of this block's rows
   float* go = gx + SC2_CL * RO * NXP;        // [CL][R][COLS] every block's out_proj sums of this block's columns
   uint64_t* bars = reinterpret_cast<uint64_t*>(go + SC2_CL * R * COLS);  // the 4 exchanges' mbarriers
+#ifdef MRL_SC2_PROBE
+  long long* stp = reinterpret_cast<long long*>(bars + 4);  // [W][64] phase stamps (cluster2's points, below)
+  float* xin = reinterpret_cast<float*>(stp + W * 64);
+  SC2_STAMP(0);
+  SC2_GSTAMP(61);
+#else
   float* xin = reinterpret_cast<float*>(bars + 4);  // [R][in_dim]
+#endif
   const uint32_t bar_x = sc2_saddr(bars), bar_d = sc2_saddr(bars + 1), bar_o = sc2_saddr(bars + 2),
                  bar_h = sc2_saddr(bars + 3);
   // the bytes each block receives per layer: x_proj sums (8 blocks x RO rows x nx), the gathered x_proj outputs
@@ -213,6 +220,7 @@ backbone_step_cluster3_kernel(StepParams p) {
   sc2_norm_rows<RW, W, R>(p, h, u, pw.nw, b0, warp, lane, rank, false);
   load_norm(1);
   __syncthreads();
+  SC2_STAMP(1);
 
   for (int l = 0; l < L; ++l) {
     // ---- in_proj: outputs 4 gi + j of every row, 4 rows at a time; a[4 j + i] is (output 4 gi + j, row c + i),
@@ -234,10 +242,14 @@ backbone_step_cluster3_kernel(StepParams p) {
       const float v = sc2_group_sums<16, 16>(a, lane);  // output 4 gi + si / 4, row c + si % 4
       (gi < 8 ? xcs : zs)[(c + (si & 3)) * S + 4 * (gi & 7) + (si >> 2)] = v;
     }
+    SC2_STAMP(2 + 18 * l);
     __syncthreads();
+    SC2_STAMP(3 + 18 * l);
     // ---- conv step (the thread's channel, rows warp + 8i); xcs goes from xi to the conv output
     sc2_conv_rows<WT, N, RW, W, R, S>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs);
+    SC2_STAMP(4 + 18 * l);
     __syncthreads();
+    SC2_STAMP(5 + 18 * l);
     // ---- x_proj over the block's 32 channels: (row r, output ox) pushed into slot `rank` of gx at r's owner
 #pragma unroll 1
     for (int c = 0; c < R; c += 4) {
@@ -260,6 +272,7 @@ backbone_step_cluster3_kernel(StepParams p) {
     }
     if (l + 1 < L) load_xp(l + 1);
     if (l + 1 < L) load_in(l + 1);
+    SC2_STAMP(6 + 18 * l);
     // while the cluster's sums are in flight: the state-update rates -exp(A_log) of this thread's channel
 #pragma unroll
     for (int n = 0; n < N; ++n) ch.Al[n] = -expf(ch.Al[n]);
@@ -274,12 +287,16 @@ backbone_step_cluster3_kernel(StepParams p) {
       for (int q = 0; q < SC2_CL; ++q) a = sc3_add4(a, *reinterpret_cast<const float4*>(gx + (q * RO + rl) * NXP + j4));
       sc3_push4_all(sc2_saddr(dbc + (rank * RO + rl) * NXP + j4), a, bar_d);
     }
+    SC2_STAMP(9 + 18 * l);
     sc2_bar_wait(bar_d, l & 1);
     if (tid == 0 && l + 1 < L) sc2_bar_arm(bar_d, bytes_d);
+    SC2_STAMP(11 + 18 * l);
     // ---- dt_proj + softplus + state update + D skip + gate (the thread's channel and rows)
     sc2_state_rows<WT, N, RW, W, R, S, NXP>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs, dbc, ys);
     if (l + 1 < L) load_chan(l + 1);
+    SC2_STAMP(12 + 18 * l);
     __syncthreads();
+    SC2_STAMP(13 + 18 * l);
     // ---- out_proj over the block's 32 channels, 4 rows at a time; a[j][i] is (output 16 warp + 4 go4 + j, row
     // c + i), one shuffle tree per output over the 8 slices; lane pairs end with the 4 outputs of row c + so / 2,
     // which the even lane pushes as one 16-byte word to block warp (reduce-scatter)
@@ -305,6 +322,7 @@ backbone_step_cluster3_kernel(StepParams p) {
       }
     }
     if (l + 1 < L) load_out(l + 1);
+    SC2_STAMP(14 + 18 * l);
     // ---- this block's columns of the residual: + the 8 blocks' sums in rank order, pushed to every block
     if (tid < R * 4) {
       sc2_bar_wait(bar_o, l & 1);
@@ -315,20 +333,34 @@ backbone_step_cluster3_kernel(StepParams p) {
       for (int q = 0; q < SC2_CL; ++q) a = sc3_add4(a, *reinterpret_cast<const float4*>(go + (q * R + r) * COLS + c4));
       push_cols(sc3_add4(*reinterpret_cast<const float4*>(h + r * DM + c0 + c4), a));
     }
+    SC2_STAMP(16 + 18 * l);
     sc2_bar_wait(bar_h, (l + 1) & 1);
     if (tid == 0 && l + 1 < L) sc2_bar_arm(bar_h, bytes_h);
+    SC2_STAMP(17 + 18 * l);
     // ---- the next RMSNorm (warp per row) from the whole residual, or the output after the last layer
     sc2_norm_rows<RW, W, R>(p, h, u, pw.nw, b0, warp, lane, rank, l + 1 == L);
     if (l + 2 <= L) load_norm(l + 2);
+    SC2_STAMP(18 + 18 * l);
     __syncthreads();
+    SC2_STAMP(19 + 18 * l);
   }
   // no cluster barrier before exit: no block reads another's shared memory, and every push into this block's
   // shared memory has landed (every thread waited for the last residual exchange, which follows the others)
+#ifdef MRL_SC2_PROBE
+  SC2_STAMP(63);
+  SC2_GSTAMP(62);
+  __syncthreads();
+  for (int i = tid; i < W * 64; i += SC2_THREADS) sc2_probe_buf[(int64_t)blockIdx.x * W * 64 + i] = stp[i];
+#endif
 }
 
 inline size_t stepc3_smem_bytes(const StepParams& p, int R) {
-  // h, u, xcs / zs / ys, dbc, gx (8 x R / 8 rows), go, the four mbarriers (8 floats), xin
-  return sizeof(float) * ((size_t)R * (2 * SC2_DM + 3 * SC3_DSP + 2 * SC2_NXP + SC2_CL * SC3_COLS + p.in_dim) + 8);
+  // h, u, xcs / zs / ys, dbc, gx (8 x R / 8 rows), go, the four mbarriers (8 floats), xin; the probe's stamps
+  size_t floats = (size_t)R * (2 * SC2_DM + 3 * SC3_DSP + 2 * SC2_NXP + SC2_CL * SC3_COLS + p.in_dim) + 8;
+#ifdef MRL_SC2_PROBE
+  floats += 2 * SC2_W * 64;
+#endif
+  return sizeof(float) * floats;
 }
 
 // what the kernel takes: cluster2's shapes (d_model 128, d_inner 256, d_conv 4, d_state 8 / 16, dt_rank <= 16,

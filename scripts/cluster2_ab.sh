@@ -4,6 +4,7 @@
 # probe source against each tree's csrc/, then run alternately, ROUNDS times per shape. Prints, per B / R, the
 # per-launch time in a 20-launch graph of each build (µs) and whether their outputs and SSM states have the same
 # FNV hash (same bits); with STAMPS="B R ..." it also writes this tree's phase stamps (-DMRL_SC2_PROBE).
+# A shape is "B R" (cluster2) or "B R 3" (cluster3: the old tree must have it).
 # Usage on the device: REV=<git rev or csrc tarball> [SHAPES="1 1,8 1,16 2,64 4,256 16"] [ROUNDS=2] [STAMPS="256 16"] \
 #   scripts/cluster2_ab.sh ; the full probe output goes to $OUT/cluster2_ab.txt (and $OUT/cluster2_stamps.txt).
 set -uo pipefail
@@ -26,12 +27,12 @@ wait
 IFS=, read -ra SH <<< "${SHAPES:-1 1,8 1,16 2,64 4,256 16}"
 : > "$OUT/cluster2_ab.txt"
 for s in "${SH[@]}"; do
-  read -r B R <<< "$s"
+  read -r B R KER <<< "$s"
   for ((i = 0; i < ${ROUNDS:-2}; ++i)); do
     for v in old new; do
       bin="$W/new"; [ $v = old ] && bin="$W/old.bin"
-      echo "== $v $B $R" >> "$OUT/cluster2_ab.txt"
-      "$bin" "$B" "$R" >> "$OUT/cluster2_ab.txt" 2>&1
+      echo "== $v $B $R ${KER:-2}" >> "$OUT/cluster2_ab.txt"
+      "$bin" "$B" "$R" "${KER:-2}" >> "$OUT/cluster2_ab.txt" 2>&1
     done
   done
 done
@@ -39,9 +40,9 @@ python3 - "$OUT/cluster2_ab.txt" "$REV" <<'EOF'
 import re, sys
 per, fnv, who = {}, {}, None
 for line in open(sys.argv[1]):
-    m = re.match(r"== (old|new) (\d+) (\d+)", line)
+    m = re.match(r"== (old|new) (\d+) (\d+) (\d+)", line)
     if m:
-        who = (m.group(1), int(m.group(2)), int(m.group(3)))
+        who = (m.group(1), int(m.group(2)), int(m.group(3)), int(m.group(4)))
         continue
     if line.startswith("== "):
         who = None
@@ -52,15 +53,15 @@ for line in open(sys.argv[1]):
     m = re.search(r"fnv ([0-9a-f]+)", line)
     if m and who:
         fnv.setdefault(who, set()).add(m.group(1))
-print(f"| B (R) | {sys.argv[2]} µs | this tree µs | change | same bits |")
+print(f"| B (R, kernel) | {sys.argv[2]} µs | this tree µs | change | same bits |")
 print("|---|---|---|---|---|")
-for (v, B, R) in sorted({k for k in per if k[0] == "old"}, key=lambda k: (k[1], k[2])):
-    o, n = per.get(("old", B, R), []), per.get(("new", B, R), [])
+for (v, B, R, K) in sorted({k for k in per if k[0] == "old"}, key=lambda k: (k[3], k[1], k[2])):
+    o, n = per.get(("old", B, R, K), []), per.get(("new", B, R, K), [])
     if not o or not n:
         continue
     ch = 100 * (min(n) / min(o) - 1)
-    same = fnv.get(("old", B, R)) == fnv.get(("new", B, R))
-    print(f"| {B} ({R}) | {', '.join(f'{x:.2f}' for x in o)} | {', '.join(f'{x:.2f}' for x in n)} | {ch:+.1f} % | {same} |")
+    same = fnv.get(("old", B, R, K)) == fnv.get(("new", B, R, K))
+    print(f"| {B} ({R}, cluster{K}) | {', '.join(f'{x:.2f}' for x in o)} | {', '.join(f'{x:.2f}' for x in n)} | {ch:+.1f} % | {same} |")
 EOF
 if [ -n "${STAMPS:-}" ]; then
   : > "$OUT/cluster2_stamps.txt"

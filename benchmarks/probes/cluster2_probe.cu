@@ -1,8 +1,9 @@
-// Standalone probe of the one-token cluster2 kernel (csrc/step_cluster2.cuh), no Python or torch: random f32
-// weights and states at the default model (d_model 128, 3 layers, d_state 16, dt_rank 8, input_dim 32), the
-// kernel captured alone in CUDA graphs.
+// Standalone probe of the one-token cluster kernels (csrc/step_cluster2.cuh, csrc/step_cluster3.cuh), no Python or
+// torch: random f32 weights and states at the default model (d_model 128, 3 layers, d_state 16, dt_rank 8,
+// input_dim 32), the kernel captured alone in CUDA graphs.
 //   nvcc -arch=sm_90 -O3 -std=c++17 -o cluster2_probe benchmarks/probes/cluster2_probe.cu
-//   ./cluster2_probe B R        (R = rows per cluster: 1, 2, 4, 8 or 16)
+//   ./cluster2_probe B R [kernel]   (2: cluster2, R = rows per cluster 1, 2, 4, 8 or 16; 3: cluster3, R = 8, 16
+//                                    or 32; default 2)
 // prints: whether two launches from the same state give the same bits (and a hash of them, to compare builds); a 1-launch graph replayed back to back
 // (median of 7 rounds of 1000); the per-launch time in a 20-launch graph; one replay with events around it,
 // synchronised (bench.py's method without Python), beside an empty 8-block cluster kernel the same way.
@@ -18,7 +19,7 @@
 #include <random>
 #include <utility>
 #include <vector>
-#include "../../csrc/step_cluster2.cuh"
+#include "../../csrc/step_cluster3.cuh"
 using namespace mrl;
 
 #define CK(x)                                                                                   \
@@ -57,14 +58,21 @@ static const char* launch_empty(const StepParams& p, cudaStream_t s) {
 
 int main(int argc, char** argv) {
   const int B = argc > 1 ? atoi(argv[1]) : 1, R = argc > 2 ? atoi(argv[2]) : 1;
+  const int KER = argc > 3 ? atoi(argv[3]) : 2;  // which cluster kernel
   const int L = 3, dm = 128, D = 256, N = 16, K = 4, rk = 8, in_dim = 32;
-  // the launcher and the kernel of each rows-per-cluster setting (f32, d_state 16)
-#define MRL_PROBE_R(RR) R == RR ? std::make_pair((LaunchFn)stepc2_launch_rn<float, RR, 16>, \
-                                               (const void*)backbone_step_cluster2_kernel<float, RR, 16>)
-  const auto [fn, kf] = MRL_PROBE_R(1) : MRL_PROBE_R(2) : MRL_PROBE_R(4) : MRL_PROBE_R(8) : MRL_PROBE_R(16)
+  // the launcher and the kernel of each kernel and rows-per-cluster setting (f32, d_state 16)
+#define MRL_PROBE_R(KK, RR) KER == KK && R == RR                                                         \
+      ? std::make_pair((LaunchFn)stepc##KK##_launch_rn<float, RR, 16>,                                \
+                       (const void*)backbone_step_cluster##KK##_kernel<float, RR, 16>)
+  const auto [fn, kf] = MRL_PROBE_R(2, 1) : MRL_PROBE_R(2, 2) : MRL_PROBE_R(2, 4) : MRL_PROBE_R(2, 8)
+                      : MRL_PROBE_R(2, 16) : MRL_PROBE_R(3, 8) : MRL_PROBE_R(3, 16) : MRL_PROBE_R(3, 32)
                       : std::make_pair((LaunchFn) nullptr, (const void*)nullptr);
 #undef MRL_PROBE_R
-  if (B < 1 || !fn) { printf("usage: %s B R (B >= 1, R in 1 2 4 8 16), got %d %d\n", argv[0], B, R); return 2; }
+  if (B < 1 || !fn) {
+    printf("usage: %s B R [kernel] (B >= 1; kernel 2: R in 1 2 4 8 16, 3: R in 8 16 32), got %d %d %d\n", argv[0], B, R,
+           KER);
+    return 2;
+  }
   StepParams p;
   memset(&p, 0, sizeof(p));
   p.B = B; p.in_dim = in_dim; p.dm = dm; p.D = D; p.N = N; p.K = K; p.rank = rk; p.L = L; p.eps = 1e-5f;
@@ -110,7 +118,7 @@ int main(int argc, char** argv) {
   CK(cudaMemcpyToSymbol(sc2_probe_buf, &pb, sizeof(pb)));
 #endif
   {  // how many clusters of this kernel the device holds at once (one wave or more)
-    const size_t smem = stepc2_smem_bytes(p, R);
+    const size_t smem = KER == 3 ? stepc3_smem_bytes(p, R) : stepc2_smem_bytes(p, R);
     CK(cudaFuncSetAttribute(kf, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((B + R - 1) / R * SC2_CL);
