@@ -11,7 +11,9 @@
 // the three projections are unrolled by 4, so independent rows' shuffle chains can overlap; the arithmetic per
 // row is the same, so the same bits (both measured 1-2.5 % faster: benchmarks/NOTES.md, twenty-fifth session).
 // Each layer's RMSNorm is folded into the previous layer's residual update (the warp that owns a row has all of
-// it). Deterministic: the result depends on the shape only.
+// it). Below 8 rows a cluster a row's state update is spread over the 8 / R warps, each its share of the states
+// (sc2_state_spread; 0.8-3.5 % faster at B = 1-32, benchmarks/NOTES.md, twenty-sixth session). Deterministic: the
+// result depends on the shape only.
 #pragma once
 #include <cooperative_groups.h>
 #include "step.cuh"
@@ -135,7 +137,7 @@ __device__ __forceinline__ void sc2_bar_wait(uint32_t bar, uint32_t parity) {
 // (NS < N, R < W, RW = 1): warp w owns states [(w / R) NS, (w / R) NS + NS) of row w % R instead, so the W / R warps
 // of a row share its state update; the conv stays with warp r < R.
 
-// n < M floats of `src` into dst (16-byte loads where M allows: src then 16-byte aligned)
+// M floats of `src` into dst, or zeros where `zero` (16-byte loads where M allows: src then 16-byte aligned)
 template <int M>
 __device__ __forceinline__ void sc2_ld(float (&dst)[M], const float* src, bool zero) {
   if constexpr (M % 4 == 0) {
