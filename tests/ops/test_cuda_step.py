@@ -161,6 +161,22 @@ def test_cluster2_rejects_what_it_cannot_take(ext, kernel):
     assert rel(out, ref) <= 1e-4
 
 
+@pytest.mark.parametrize("kernel,R,allowed", [("cluster2", 3, "1, 2, 4, 8 or 16"), ("cluster3", 4, "8, 16 or 32")])
+def test_cluster_rows_per_cluster_outside_the_kernel(ext, kernel, R, allowed):
+    """A rows-per-cluster count a cluster kernel was not built for is a clear error naming the counts it takes,
+    with nothing launched: the states are left as they were."""
+    from mamba_rl.ops.step import backbone_step
+    B, L, in_dim = 9, 3, 4
+    w = make_weights(in_dim, 128, L, seed=6)
+    x = torch.randn(B, in_dim, device="cuda")
+    cs = torch.randn(L, B, 256, 3, device="cuda")
+    ss = torch.randn(L, B, 256, 16, device="cuda")
+    cs0, ss0 = cs.clone(), ss.clone()
+    with pytest.raises(RuntimeError, match=f"{kernel} rows_per_cluster must be {allowed}"):
+        backbone_step(ext, x, w, cs, ss, None, Cfg(), kernel=kernel, rows_per_block=R)
+    assert torch.equal(cs, cs0) and torch.equal(ss, ss0)
+
+
 def test_step_graph_capture(ext):
     from mamba_rl.ops.step import backbone_step
     B, L, in_dim = 16, 3, 4
