@@ -347,9 +347,18 @@ __device__ long long* sc2_probe_buf;
       stp[warp * 64 + (k)] = (long long)g_;                                        \
     }                                                                              \
   } while (0)
+// at the kernel's end: the last stamps, and the block's stamps copied out
+#define SC2_PROBE_END()                                                                                       \
+  do {                                                                                                        \
+    SC2_STAMP(63);                                                                                            \
+    SC2_GSTAMP(62);                                                                                           \
+    __syncthreads();                                                                                          \
+    for (int i = tid; i < W * 64; i += SC2_THREADS) sc2_probe_buf[(int64_t)blockIdx.x * W * 64 + i] = stp[i]; \
+  } while (0)
 #else
 #define SC2_STAMP(k) do {} while (0)
 #define SC2_GSTAMP(k) do {} while (0)
+#define SC2_PROBE_END() do {} while (0)
 #endif
 
 template <typename WT, int R, int N>
@@ -571,12 +580,7 @@ backbone_step_cluster2_kernel(StepParams p) {
   }
   // no cluster barrier before exit: no block reads another's shared memory, and every push into this block's
   // shared memory has landed (the rows' owners waited for the last one)
-#ifdef MRL_SC2_PROBE
-  SC2_STAMP(63);
-  SC2_GSTAMP(62);
-  __syncthreads();
-  for (int i = tid; i < W * 64; i += SC2_THREADS) sc2_probe_buf[(int64_t)blockIdx.x * W * 64 + i] = stp[i];
-#endif
+  SC2_PROBE_END();
 }
 
 inline size_t stepc2_smem_bytes(const StepParams& p, int R) {

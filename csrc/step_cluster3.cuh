@@ -346,12 +346,7 @@ backbone_step_cluster3_kernel(StepParams p) {
   }
   // no cluster barrier before exit: no block reads another's shared memory, and every push into this block's
   // shared memory has landed (every thread waited for the last residual exchange, which follows the others)
-#ifdef MRL_SC2_PROBE
-  SC2_STAMP(63);
-  SC2_GSTAMP(62);
-  __syncthreads();
-  for (int i = tid; i < W * 64; i += SC2_THREADS) sc2_probe_buf[(int64_t)blockIdx.x * W * 64 + i] = stp[i];
-#endif
+  SC2_PROBE_END();
 }
 
 inline size_t stepc3_smem_bytes(const StepParams& p, int R) {
