@@ -14,6 +14,8 @@ Methods:
   ``--set obs_norm_discrete=True`` normalises all-discrete (one-hot) observations too, the rule before
   :func:`mamba_rl.envs.make_vec_env` went continuous-only.
   ``--set gae_lambda_value=L`` computes the value targets with GAE lambda L, the advantages keeping ``gae_lambda``.
+  ``--set head_hidden=W`` makes the actor and critic heads MLPs with two hidden tanh layers of W units (sb3's
+  ``MlpLstmPolicy`` heads) instead of one linear layer (CPU runs).
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -225,6 +227,60 @@ def _value_lambda(value_lambda: float) -> None:
     R.compute_gae = split
 
 
+def _mlp_heads(width: int) -> None:
+    """``--set head_hidden=W`` (harness only, CPU rollout): the actor and critic heads (the aux critic too) as MLPs
+    with two hidden tanh layers of W units on the backbone's features, as sb3's ``MlpLstmPolicy`` has after its
+    LSTM (net_arch pi=[64, 64], vf=[64, 64]), instead of one linear layer; CleanRL's init (hidden gain sqrt(2),
+    output gain 0.01 / 1). The rollout's fused head GEMM becomes an identity (it hands back the features, exactly)
+    and the heads run after it; the update takes autograd's head gradients (the hand-written ones assume linear
+    heads). It patches this process's heads, ``Policy.fused_heads`` / ``fused_linears`` and the rollout's
+    ``_heads`` (one process per run, so nothing else sees it)."""
+    import torch
+    from torch import nn
+
+    from mamba_rl.agents import heads as H
+    from mamba_rl.agents import policy as P
+    from mamba_rl.agents import rollout as R
+
+    class MLP(nn.Sequential):
+        def __init__(self, d_in: int, out: int, gain: float, generator):
+            layers = []
+            for i in range(2):
+                layers += [H._layer_init(nn.Linear(d_in if i == 0 else width, width), math.sqrt(2), generator),
+                           nn.Tanh()]
+            super().__init__(*layers, H._layer_init(nn.Linear(width, out), gain, generator))
+            self.out_features = out
+
+    actor_init, critic_init = H.ActorHead.__init__, H.CriticHead.__init__
+
+    def actor(self, d_model, action_space, generator=None):
+        actor_init(self, d_model, action_space, generator)
+        self.linear = MLP(d_model, self.linear.out_features, 0.01, generator)
+
+    def critic(self, d_model, generator=None):
+        critic_init(self, d_model, generator)
+        self.linear = MLP(d_model, 1, 1.0, generator)
+
+    def fused_heads(self):
+        d = self.net.cfg.d_model
+        return torch.eye(d), torch.zeros(d)
+
+    heads = R.EagerActor._heads
+
+    @torch.no_grad()
+    def _heads(self, rows, stepper):
+        feat = heads(self, rows, stepper)  # the identity GEMM: the features themselves
+        p = self.policy
+        cols = [p.actor.linear(feat), p.critic.linear(feat)]
+        if p.aux_critic is not None:
+            cols.append(p.aux_critic.linear(feat))
+        return torch.cat(cols, -1)
+
+    H.ActorHead.__init__, H.CriticHead.__init__ = actor, critic
+    P.Policy.fused_heads, P.Policy.fused_linears = fused_heads, lambda self: []
+    R.EagerActor._heads = _heads
+
+
 def _joint_action_env(base: str) -> str:
     """``--set joint_action=True`` (harness only): the task with its MultiDiscrete action (Battleship's row and
     column) as one Discrete over every combination (a gymnasium ``ActionWrapper``), so the policy's categorical
@@ -286,6 +342,8 @@ def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _
         _value_lambda(float(sets.pop("gae_lambda_value")))
     if "obs_norm_clip" in sets:
         _obs_norm_clip(float(sets.pop("obs_norm_clip")))
+    if "head_hidden" in sets:
+        _mlp_heads(int(sets.pop("head_hidden")))
     task_id = _joint_action_env(env_id(task)) if sets.pop("joint_action", False) else env_id(task)
     kw.update(sets)
     agent = RecurrentPPO(task_id, **kw)
@@ -574,7 +632,7 @@ def plot(runs: dict, path: str) -> None:
 
 # --set names the harness itself takes (see the module docstring), not PPOConfig fields
 HARNESS_SETS = ("adv_norm_batch", "obs_norm_discrete", "gae_lambda_value", "obs_norm_clip", "joint_action",
-                "obs_norm_freeze_step") + tuple(f + "_end" for f in SCHEDULED)
+                "head_hidden", "obs_norm_freeze_step") + tuple(f + "_end" for f in SCHEDULED)
 
 
 def _check_runs(ap: argparse.ArgumentParser, a: argparse.Namespace, sets: dict) -> None:

@@ -97,6 +97,8 @@ def test_bars_mean_row_and_columns(pg, tmp_path):
 
 @pytest.mark.parametrize("method,extra,folder", [
     ("mamba", ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"], "mamba__tiny"),
+    ("mamba", ["--variant", "mlp", "--set", "d_model=16", "--set", "n_layers=1", "--set", "head_hidden=8"],
+     "mamba__mlp"),  # the harness's MLP heads
     ("sb3", [], "sb3"),
     ("sb3", ["--sb3-prev-action"], "sb3__prev"),
     ("sb3", ["--variant", "g09", "--set", "gamma=0.9"], "sb3__g09"),  # the LSTM given a --set, in its own folder
@@ -115,6 +117,8 @@ def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
     assert math.isfinite(r["mmer"]) and r["versions"]["torch"]
     if "gamma=0.9" in extra:
         assert r["config"]["gamma"] == "0.9"
+    if "head_hidden=8" in extra:
+        assert r["config"]["head_hidden"] == 8
     # a finished run of the same budget is not run again
     mtime = os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json")
     assert pg.main(argv) == 0
