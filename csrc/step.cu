@@ -73,6 +73,18 @@ int backbone_step_rows(const StepParams& p, int R, const char** err) {
   return R;
 }
 
+// the launcher of weight dtype `wdtype` among one kernel's three instantiations, with R rows
+using StepLaunch = const char* (*)(const StepParams&, int, cudaStream_t);
+static const char* by_dtype(int wdtype, StepLaunch f32, StepLaunch bf16, StepLaunch f16, const StepParams& p, int R,
+                            cudaStream_t s) {
+  switch (wdtype) {
+    case kF32: return f32(p, R, s);
+    case kBF16: return bf16(p, R, s);
+    case kF16: return f16(p, R, s);
+  }
+  return "backbone_step: unsupported weight dtype";
+}
+
 const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s) {
   if (p.L < 1 || p.L > STEP_MAX_LAYERS) return "backbone_step: n_layers must be in [1, 16]";
   if (R == 0) {
@@ -84,25 +96,15 @@ const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s
     if (!backbone_step_cluster3_ok(p))
       return "backbone_step: the cluster3 kernel needs d_model 128, d_inner 256, d_conv 4, d_state 8/16, dt_rank <= 16 "
              "and 16-byte aligned weights";
-    const int rows = -R - 64;
-    switch (wdtype) {
-      case kF32: return backbone_step_cluster3_f32(p, rows, s);
-      case kBF16: return backbone_step_cluster3_bf16(p, rows, s);
-      case kF16: return backbone_step_cluster3_f16(p, rows, s);
-    }
-    return "backbone_step: unsupported weight dtype";
+    return by_dtype(wdtype, backbone_step_cluster3_f32, backbone_step_cluster3_bf16, backbone_step_cluster3_f16, p,
+                    -R - 64, s);
   }
   if (R <= -33) {
     if (!backbone_step_cluster2_ok(p))
       return "backbone_step: the cluster2 kernel needs d_model 128, d_inner 256, d_conv 4, d_state 8/16, dt_rank <= 16 "
              "and 16-byte aligned weights";
-    const int rows = -R - 32;
-    switch (wdtype) {
-      case kF32: return backbone_step_cluster2_f32(p, rows, s);
-      case kBF16: return backbone_step_cluster2_bf16(p, rows, s);
-      case kF16: return backbone_step_cluster2_f16(p, rows, s);
-    }
-    return "backbone_step: unsupported weight dtype";
+    return by_dtype(wdtype, backbone_step_cluster2_f32, backbone_step_cluster2_bf16, backbone_step_cluster2_f16, p,
+                    -R - 32, s);
   }
   if (R < 0) {
     if (!backbone_step_cluster_ok(p)) return "backbone_step: the cluster kernel needs d_inner 256, d_conv 4, d_state 8/16";
@@ -115,11 +117,6 @@ const char* backbone_step(int wdtype, const StepParams& p, int R, cudaStream_t s
     }
     return "backbone_step: unsupported weight dtype";
   }
-  switch (wdtype) {
-    case kF32: return backbone_step_f32(p, R, s);
-    case kBF16: return backbone_step_bf16(p, R, s);
-    case kF16: return backbone_step_f16(p, R, s);
-  }
-  return "backbone_step: unsupported weight dtype";
+  return by_dtype(wdtype, backbone_step_f32, backbone_step_bf16, backbone_step_f16, p, R, s);
 }
 }  // namespace mrl
