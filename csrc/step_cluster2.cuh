@@ -125,10 +125,16 @@ __device__ __forceinline__ void sc2_bar_init(uint32_t bar) {
 __device__ __forceinline__ void sc2_bar_arm(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
 }
+// The wait acquires at CTA scope, as CUTLASS's cluster transaction barriers do for the TMA multicast writes that
+// other blocks make into a block's shared memory: the exchanged data lives in this block's shared memory (no cache
+// to make coherent), and no block reads global memory that another block of the launch wrote. A cluster-scope
+// acquire compiles to an L1 invalidation (CCTL.IVALL) that first waits for every global load the block has in
+// flight, the next layer's weight prefetches among them: ~7 % of the stall samples at 32 rows a cluster (ncu,
+// benchmarks/NOTES.md, twenty-seventh session).
 __device__ __forceinline__ void sc2_bar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n\t.reg .pred P1;\n\tSC2_WAIT:\n\t"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 P1, [%0], %1;\n\t"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 P1, [%0], %1;\n\t"
       "@P1 bra SC2_DONE;\n\tbra SC2_WAIT;\n\tSC2_DONE:\n\t}" :: "r"(bar), "r"(parity) : "memory");
 }
 
@@ -163,11 +169,12 @@ __device__ __forceinline__ void sc2_st(float* dst, const float (&src)[M]) {
   }
 }
 
-// channel dch's parameters of layer l and its rows' conv and SSM states (zero where the row starts an episode)
+// channel dch's parameters of layer l and its rows' conv and SSM states as stored (sc2_zero_started zeroes a
+// row's where it starts an episode, at the conv step: a zero chosen here would make the warp wait for the episode
+// flags' load before issuing these, one memory round trip more in the prologue)
 template <typename WT, int N, int RW, int W, int R, int NS = N>
 __device__ __forceinline__ void sc2_load_chan(const StepParams& p, int l, int b0, int warp, int dch,
-                                              const bool (&rowact)[RW], const bool (&rowst)[RW],
-                                              Sc2Chan<WT, N, RW, NS>& ch) {
+                                              const bool (&rowact)[RW], Sc2Chan<WT, N, RW, NS>& ch) {
   constexpr bool spread = NS < N;
   if (!spread && warp >= R) return;  // no rows in the per-channel phases
   const StepLayer& ly = p.layer[l];
@@ -187,9 +194,22 @@ __device__ __forceinline__ void sc2_load_chan(const StepParams& p, int l, int b0
     if (r == warp + W * i) {  // the conv's owner
       const float* cs = p.conv_state + (row * D + dch) * 3;
 #pragma unroll
-      for (int k = 0; k < 3; ++k) ch.cs[i][k] = rowst[i] ? 0.f : cs[k];
+      for (int k = 0; k < 3; ++k) ch.cs[i][k] = cs[k];
     }
-    sc2_ld<NS>(ch.ss[i], p.ssm_state + (row * D + dch) * N + n0, rowst[i]);
+    sc2_ld<NS>(ch.ss[i], p.ssm_state + (row * D + dch) * N + n0, false);
+  }
+}
+
+// the conv and SSM states of the rows that start an episode set to zero (before the layer's conv step)
+template <typename WT, int N, int RW, int NS>
+__device__ __forceinline__ void sc2_zero_started(const bool (&rowst)[RW], Sc2Chan<WT, N, RW, NS>& ch) {
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    if (!rowst[i]) continue;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) ch.cs[i][k] = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n) ch.ss[i][n] = 0.f;
   }
 }
 
@@ -399,8 +419,7 @@ backbone_step_cluster2_kernel(StepParams p) {
 #endif
   const uint32_t bar_x = sc2_saddr(bars), bar_o = sc2_saddr(bars + 1);
   const uint32_t bytes_x = SC2_CL * R * nx * 4, bytes_o = SC2_CL * R * DM * 4;
-  // the mbarriers, armed for layer 0's exchanges and visible to the cluster before any block pushes; done before
-  // any load is in flight, so the barrier's release waits for nothing else
+  // the mbarriers, armed for layer 0's exchanges and visible to the cluster before any block pushes
   if (tid == 0) {
     sc2_bar_init(bar_x);
     sc2_bar_init(bar_o);
@@ -408,7 +427,9 @@ backbone_step_cluster2_kernel(StepParams p) {
     sc2_bar_arm(bar_x, bytes_x);
     sc2_bar_arm(bar_o, bytes_o);
   }
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // waited on before the first push
+  // relaxed: fence.mbarrier_init orders the inits (as CUTLASS's fence_barrier_init + cluster_arrive_relaxed); a
+  // release arrive adds a GPU-scope MEMBAR at the kernel's start
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");  // waited on before the first push
 
   bool rowact[RW], rowst[RW];
 #pragma unroll
@@ -457,7 +478,7 @@ backbone_step_cluster2_kernel(StepParams p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) pw.nw[i] = __ldg(nw + lane + 32 * i);
   };
-  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R, NS>(p, l, b0, warp, dch, rowact, rowst, ch); };
+  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R, NS>(p, l, b0, warp, dch, rowact, ch); };
   // every block the whole input projection (each needs whole rows), with every weight of layer 0 in flight
   // behind its first loads
   input_proj_rows<WT, R, SC2_THREADS>(p, b0, B, DM, xin, h, [&] {
@@ -490,6 +511,7 @@ backbone_step_cluster2_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(3 + 18 * l);
     // ---- conv step (the thread's channel, rows warp + 8i); xcs goes from xi to the conv output
+    sc2_zero_started(rowst, ch);
     sc2_conv_rows<WT, N, RW, W, R, DS, NS>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs);
     SC2_STAMP(4 + 18 * l);
     __syncthreads();

@@ -80,9 +80,10 @@ __device__ __forceinline__ float4 sc3_add4(float4 a, float4 b) {
 
 // The exchanges (st.async into the receivers' shared memory, each completing its bytes on the receiver's
 // mbarrier of that buffer) and their buffers' reuse across layers. Each mbarrier is armed for layer l + 1 by tid 0
-// right after its wait of layer l. In the chains below, a st.async (complete_tx releases at cluster scope) and the
-// receiver's mbarrier wait (acquire) link the blocks, so a push of layer l + 1 into block q comes after q's reads
-// of that buffer in layer l and after q's arm for layer l + 1 (no byte counted in the wrong phase):
+// right after its wait of layer l. In the chains below, a st.async and the receiver's mbarrier wait link the
+// blocks causally (the receiver pushes only what it waited for, or after a block barrier behind that wait), so a
+// push of layer l + 1 into block q comes after q's reads of that buffer in layer l and after q's arm for layer
+// l + 1 (no byte counted in the wrong phase):
 // - gx (x_proj sums, at the rows' owner q): q's summing threads, tid 0 among them, wait, (tid 0) arm, read gx and
 //   push the rows into every block's dbc; a block pushes its layer l + 1 sums only after its dbc wait of layer l;
 // - dbc (the gathered x_proj outputs, in every block p): p's tid 0 arms after its wait, p reads dbc in the state
@@ -146,7 +147,7 @@ backbone_step_cluster3_kernel(StepParams p) {
     sc2_bar_arm(bar_o, bytes_o);
     sc2_bar_arm(bar_h, bytes_h);
   }
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");  // waited on before the first push
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");  // as cluster2's; waited on before the first push
 
   bool rowact[RW], rowst[RW];
 #pragma unroll
@@ -186,31 +187,75 @@ backbone_step_cluster3_kernel(StepParams p) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) pw.nw[i] = __ldg(nw + lane + 32 * i);
   };
-  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R>(p, l, b0, warp, dch, rowact, rowst, ch); };
+  auto load_chan = [&](int l) { sc2_load_chan<WT, N, RW, W, R>(p, l, b0, warp, dch, rowact, ch); };
   // this block's columns of the residual into every block (rows tid / 4, columns c0 + 4 (tid % 4) + [0, 4))
   auto push_cols = [&](float4 v) {
     sc3_push4_all(sc2_saddr(h + (tid >> 2) * DM + c0 + 4 * (tid & 3)), v, bar_h);
   };
 
-  // ---- prologue: the rows' inputs staged, layer 0's weights in flight, this block's 16 columns of the input
-  // projection (bias + x W^T, in input order) pushed to every block
+  // ---- prologue: the rows' inputs and this block's 16 rows of the input projection's weight staged in shared
+  // memory (the weight in go, free until layer 0's out_proj exchange: no block pushes there before it has every
+  // block's columns of the residual, which this block sends after reading go), layer 0's weights in flight; then
+  // this block's 16 columns of the input projection (bias + x W^T, in input order) pushed to every block. The
+  // weight goes in chunks of kc < 8 R inputs (rows kc + 1 apart: no bank conflicts); the first chunk's loads (2 a thread for in_dim <= 32) are in flight
+  // with layer 0's, so the prologue waits about one memory round trip, not one per input.
+  constexpr int PE = 2;                                 // first-chunk elements a thread loads early
+  const int KC = min(in_dim, SC2_CL * R - 1);           // inputs a chunk (go holds 8 R x 16 floats)
+  const WT* iw = reinterpret_cast<const WT*>(p.inp_w) + (int64_t)c0 * in_dim;  // rows c0 .. c0 + 15, contiguous
+  float* wsm = go;                                      // [COLS][kc + 1]
+  auto stage_at = [&](int e, int k0, int kc) {          // element e of the chunk [k0, k0 + kc): row e / kc
+    const int j = e / kc;
+    return to_f(iw[(int64_t)j * in_dim + k0 + (e - j * kc)]);
+  };
+  auto stage_slot = [&](int e, int kc) { return e + e / kc; };  // where element e goes in wsm
+  float wv[PE];
+#pragma unroll
+  for (int m = 0; m < PE; ++m) {
+    const int e = tid + SC2_THREADS * m;
+    wv[m] = e < COLS * KC ? stage_at(e, 0, KC) : 0.f;
+  }
   for (int i = tid; i < R * in_dim; i += SC2_THREADS) {
     const int r = i / in_dim, b = b0 + r;
     xin[i] = b < B ? p.x[(int64_t)b * in_dim + (i - r * in_dim)] : 0.f;
   }
+  constexpr int PO = (R * COLS + SC2_THREADS - 1) / SC2_THREADS;  // outputs a thread (row i / COLS, column i % COLS)
+  float acc[PO];
+#pragma unroll
+  for (int m = 0; m < PO; ++m) {
+    const int i = tid + SC2_THREADS * m;
+    acc[m] = i < R * COLS ? to_f(reinterpret_cast<const WT*>(p.inp_b)[c0 + i % COLS]) : 0.f;
+  }
   load_in(0); load_chan(0); load_xp(0); load_out(0); load_norm(0);
-  __syncthreads();
-  {
-    const WT* iw = reinterpret_cast<const WT*>(p.inp_w);
-    const WT* ib = reinterpret_cast<const WT*>(p.inp_b);
-    for (int i = tid; i < R * COLS; i += SC2_THREADS) {
-      const int r = i / COLS, j = c0 + (i - r * COLS);
-      const WT* wr = iw + (int64_t)j * in_dim;
-      const float* xr = xin + r * in_dim;
-      float acc = to_f(ib[j]);
-      for (int k = 0; k < in_dim; ++k) acc = fmaf(to_f(wr[k]), xr[k], acc);
-      h[r * DM + j] = acc;
+#pragma unroll
+  for (int m = 0; m < PE; ++m) {
+    const int e = tid + SC2_THREADS * m;
+    if (e < COLS * KC) wsm[stage_slot(e, KC)] = wv[m];
+  }
+  for (int k0 = 0; k0 < in_dim; k0 += KC) {
+    const int kc = min(KC, in_dim - k0);
+    if (k0 > 0) {
+      __syncthreads();  // the previous chunk read
+      for (int e = tid; e < COLS * kc; e += SC2_THREADS) wsm[stage_slot(e, kc)] = stage_at(e, k0, kc);
+    } else {
+      for (int e = tid + SC2_THREADS * PE; e < COLS * kc; e += SC2_THREADS) wsm[stage_slot(e, kc)] = stage_at(e, 0, kc);
     }
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < PO; ++m) {
+      const int i = tid + SC2_THREADS * m;
+      if (i >= R * COLS) continue;
+      const int r = i / COLS, j = i - r * COLS;
+      const float* wr = wsm + j * (kc + 1);
+      const float* xr = xin + r * in_dim + k0;
+      float a = acc[m];
+      for (int k = 0; k < kc; ++k) a = fmaf(wr[k], xr[k], a);
+      acc[m] = a;
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < PO; ++m) {
+    const int i = tid + SC2_THREADS * m;
+    if (i < R * COLS) h[(i / COLS) * DM + c0 + i % COLS] = acc[m];
   }
   __syncthreads();
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
@@ -246,6 +291,7 @@ backbone_step_cluster3_kernel(StepParams p) {
     __syncthreads();
     SC2_STAMP(3 + 18 * l);
     // ---- conv step (the thread's channel, rows warp + 8i); xcs goes from xi to the conv output
+    sc2_zero_started(rowst, ch);
     sc2_conv_rows<WT, N, RW, W, R, S>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs);
     SC2_STAMP(4 + 18 * l);
     __syncthreads();
