@@ -55,13 +55,13 @@ int backbone_step_rows(const StepParams& p, int R, const char** err) {
   // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
   // 1-2 rows for large ones
   if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
-  // measured on H100 (benchmarks/NOTES.md, twenty-sixth session; kernel alone, f32 / bf16 weights): the third
-  // cluster kernel at B = 64 with 8 rows a cluster 21.2 / 20.8 us against 30.7 / 26.7 for cluster2 (8 rows) and
-  // 41.3 / 56.8 for one block a row; at B = 128 with 16 rows 32.8 / 32.4 against 42.3 / 57.0; at B = 256 with 32
-  // rows 55.6 / 56.5 against 55.8 / 59.2 for one block per 2 rows: a tie in f32, so B = 256 stays with the latter
-  // until the rule is measured through the public step (not run on a GPU yet)
-  if (p.B <= 128 && backbone_step_cluster3_ok(p)) {
-    const int rc = p.B <= 64 ? 8 : 16;
+  // measured on H100 (benchmarks/NOTES.md, twenty-sixth and twenty-seventh sessions; kernel alone, f32 / bf16
+  // weights): the third cluster kernel at B = 64 with 8 rows a cluster 19.6 / 20.0 us against 30.7 / 26.7 for
+  // cluster2 (8 rows) and 41.3 / 56.8 for one block a row; at B = 128 with 16 rows 31.5 / 32.0 against 42.3 /
+  // 57.0; at B = 256 with 32 rows 51.9 / 54.7 against 55.8 / 59.1 for one block per 2 rows; at B = 512 with 16
+  // rows 93.5 / 95.6 against 98.6 / 107.8 for 4 rows a block (32 rows: 103.4 / 109.1)
+  if (p.B <= 512 && backbone_step_cluster3_ok(p)) {
+    const int rc = p.B <= 64 ? 8 : (p.B <= 128 ? 16 : (p.B <= 256 ? 32 : 16));
     if (backbone_step_cluster3_smem(p, rc) <= (size_t)optin) return -rc - 64;
   }
   R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);

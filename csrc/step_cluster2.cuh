@@ -310,17 +310,32 @@ __device__ __forceinline__ void sc2_state_spread(const StepParams& p, int l, int
   ypart[warp * 32 + lane] = acc;
 }
 
+// The gate silu(z) and the input x of row `warp` (< R) for sc2_state_finish, read and formed before the block
+// barrier that precedes it (off the phase's critical path; the same operations as before)
+struct Sc2Gate {
+  float xc, gz;
+};
+template <int R, int S>
+__device__ __forceinline__ Sc2Gate sc2_state_gate(int warp, int lane, bool act, const float* xcs, const float* zs) {
+  Sc2Gate g{0.f, 0.f};
+  if (warp < R && act) {
+    g.xc = xcs[warp * S + lane];
+    g.gz = siluf_(zs[warp * S + lane]);
+  }
+  return g;
+}
+
 // y of row `warp` (< R): its W / R parts in warp order, then the D skip and gate: ys = (y + D x) * silu(z)
 template <int W, int R, int S>
-__device__ __forceinline__ void sc2_state_finish(int warp, int lane, bool act, float Dp, const float* xcs,
-                                                 const float* zs, const float* ypart, float* ys) {
+__device__ __forceinline__ void sc2_state_finish(int warp, int lane, bool act, float Dp, Sc2Gate g,
+                                                 const float* ypart, float* ys) {
   if (warp >= R) return;
   float yv = 0.f;
   if (act) {
     float y = 0.f;
 #pragma unroll
     for (int j = 0; j < W / R; ++j) y += ypart[(warp + R * j) * 32 + lane];
-    yv = fmaf(Dp, xcs[warp * S + lane], y) * siluf_(zs[warp * S + lane]);
+    yv = fmaf(Dp, g.xc, y) * g.gz;
   }
   ys[warp * S + lane] = yv;
 }
@@ -552,9 +567,10 @@ backbone_step_cluster2_kernel(StepParams p) {
     SC2_STAMP(11 + 18 * l);
     // ---- dt_proj + softplus + state update + D skip + gate (the thread's channel and rows)
     if constexpr (G > 1) {
+      const Sc2Gate gate = sc2_state_gate<R, DS>(warp, lane, rowact[0], xcs, zs);
       sc2_state_spread<WT, N, NS, W, R, DS, NXP>(p, l, b0, warp, lane, dch, rowact[0], ch, xcs, dbc, ypart);
       __syncthreads();
-      sc2_state_finish<W, R, DS>(warp, lane, rowact[0], ch.Dp, xcs, zs, ypart, ys);
+      sc2_state_finish<W, R, DS>(warp, lane, rowact[0], ch.Dp, gate, ypart, ys);
     } else {
       sc2_state_rows<WT, N, RW, W, R, DS, NXP>(p, l, b0, warp, lane, dch, rowact, ch, xcs, zs, dbc, ys);
     }
