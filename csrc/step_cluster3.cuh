@@ -1,5 +1,5 @@
-// One-token backbone step on thread-block clusters for many rows ("cluster3": R = 8, 16 or 32 rows a cluster of 8
-// blocks, for 32 < B <= 256). Block q owns channels [32q, 32q + 32) of d_inner (= 256) as in cluster2, the d_model
+// One-token backbone step on thread-block clusters for many rows ("cluster3": R = 8, 16, 24 or 32 rows a cluster of
+// 8 blocks, for 32 < B <= 512). Block q owns channels [32q, 32q + 32) of d_inner (= 256) as in cluster2, the d_model
 // columns [16q, 16q + 16) of the residual stream and the cluster's rows [q R / 8, (q + 1) R / 8) of the x_proj
 // outputs. What differs from cluster2 (step_cluster2.cuh), which walks its rows in turn through shuffle trees and
 // gives every block every row's x_proj and out_proj sums:
@@ -102,7 +102,7 @@ backbone_step_cluster3_kernel(StepParams p) {
   constexpr int KI = PW::KI, KX = PW::KX;
   constexpr int RW = R / W;       // rows per thread in the per-channel phases (rows warp, warp + 8, ...)
   constexpr int RO = R / SC2_CL;  // x_proj rows a block owns
-  static_assert(R % 4 == 0 && R % W == 0 && R * 4 <= SC2_THREADS, "cluster3: R must be 8, 16 or 32");
+  static_assert(R % 4 == 0 && R % W == 0 && R * 4 <= SC2_THREADS, "cluster3: R must be 8, 16, 24 or 32");
   const int rank = (int)cg::this_cluster().block_rank();
   const int b0 = (int)(blockIdx.x / SC2_CL) * R;
   const int D = p.D, rk = p.rank, L = p.L, B = p.B, in_dim = p.in_dim;
@@ -421,9 +421,9 @@ template <typename WT>
 const char* stepc3_launch_t(const StepParams& p, int R, cudaStream_t s) {
 #define MRL_STEPC3_CASE(RR)                                                                 \
   if (R == RR) return p.N == 16 ? stepc3_launch_rn<WT, RR, 16>(p, s) : stepc3_launch_rn<WT, RR, 8>(p, s);
-  MRL_STEPC3_CASE(8) MRL_STEPC3_CASE(16) MRL_STEPC3_CASE(32)
+  MRL_STEPC3_CASE(8) MRL_STEPC3_CASE(16) MRL_STEPC3_CASE(24) MRL_STEPC3_CASE(32)
 #undef MRL_STEPC3_CASE
-  return "backbone_step: cluster3 rows_per_cluster must be 8, 16 or 32";
+  return "backbone_step: cluster3 rows_per_cluster must be 8, 16, 24 or 32";
 }
 
 }  // namespace mrl

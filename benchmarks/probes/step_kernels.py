@@ -18,7 +18,7 @@ from mamba_rl.ops.step import backbone_step_packed, pack_step_weights  # noqa: E
 from tests.ops.test_cuda_step import make_weights  # noqa: E402
 
 KERNELS = (("auto", (0,)), ("rows", (1, 2)), ("cluster", (1, 2)), ("cluster2", (1, 2, 4, 8, 16)),
-           ("cluster3", (8, 16, 32)))
+           ("cluster3", (8, 16, 24, 32)))
 
 
 def per_launch_us(f) -> float:

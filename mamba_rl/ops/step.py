@@ -144,7 +144,7 @@ def backbone_step(ext, x_t, weights, conv_state, ssm_state, episode_starts, cfg,
             mbarrier: no cluster barrier per exchange) and added there in rank order; every weight prefetched into
             registers one layer ahead; "auto" picks it for B <= 32 with the fewest rows per cluster that keep <= 8
             clusters, where its shared memory fits the device) or "cluster3" (cluster2's shapes; ``rows_per_block``
-            8, 16 or 32 rows per cluster, for large B: each projection a product over the rows with a thread per
+            8, 16, 24 or 32 rows per cluster, for large B: each projection a product over the rows with a thread per
             output and slice of its reduction, out_proj's sums reduce-scattered to the block that owns 16 columns of
             the residual, which adds them and sends its columns to every block; "auto" picks it for 32 < B <= 512:
             8 rows a cluster up to B = 64, 16 up to 128, 32 up to 256, 16 above).
