@@ -147,7 +147,8 @@ backbone_step_cluster3_kernel(StepParams p) {
     sc2_bar_arm(bar_o, bytes_o);
     sc2_bar_arm(bar_h, bytes_h);
   }
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");  // as cluster2's; waited on before the first push
+  // relaxed, as cluster2's; waited on before the first push
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 
   bool rowact[RW], rowst[RW];
 #pragma unroll
@@ -197,8 +198,9 @@ backbone_step_cluster3_kernel(StepParams p) {
   // memory (the weight in go, free until layer 0's out_proj exchange: no block pushes there before it has every
   // block's columns of the residual, which this block sends after reading go), layer 0's weights in flight; then
   // this block's 16 columns of the input projection (bias + x W^T, in input order) pushed to every block. The
-  // weight goes in chunks of kc < 8 R inputs (rows kc + 1 apart: no bank conflicts); the first chunk's loads (2 a thread for in_dim <= 32) are in flight
-  // with layer 0's, so the prologue waits about one memory round trip, not one per input.
+  // weight goes in chunks of kc < 8 R inputs (rows kc + 1 apart: no bank conflicts); the first chunk's loads (2 a
+  // thread for in_dim <= 32) are in flight with layer 0's, so the prologue waits about one memory round trip, not
+  // one per input.
   constexpr int PE = 2;                                 // first-chunk elements a thread loads early
   const int KC = min(in_dim, SC2_CL * R - 1);           // inputs a chunk (go holds 8 R x 16 floats)
   const WT* iw = reinterpret_cast<const WT*>(p.inp_w) + (int64_t)c0 * in_dim;  // rows c0 .. c0 + 15, contiguous
@@ -237,7 +239,8 @@ backbone_step_cluster3_kernel(StepParams p) {
       __syncthreads();  // the previous chunk read
       for (int e = tid; e < COLS * kc; e += SC2_THREADS) wsm[stage_slot(e, kc)] = stage_at(e, k0, kc);
     } else {
-      for (int e = tid + SC2_THREADS * PE; e < COLS * kc; e += SC2_THREADS) wsm[stage_slot(e, kc)] = stage_at(e, 0, kc);
+      for (int e = tid + SC2_THREADS * PE; e < COLS * kc; e += SC2_THREADS)
+        wsm[stage_slot(e, kc)] = stage_at(e, 0, kc);
     }
     __syncthreads();
 #pragma unroll
