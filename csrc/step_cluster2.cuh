@@ -275,10 +275,7 @@ __device__ __forceinline__ void sc2_state_rows(const StepParams& p, int l, int b
         ch.ss[i][n] = fmaf(expf(ch.Al[n] * delta), ch.ss[i][n], dx * Bv[n]);
         acc = fmaf(ch.ss[i][n], Cv[n], acc);
       }
-      float* ss = p.ssm_state + (((int64_t)l * p.B + b0 + r) * p.D + dch) * N;
-#pragma unroll
-      for (int n = 0; n < N; n += 4)
-        *reinterpret_cast<float4*>(ss + n) = make_float4(ch.ss[i][n], ch.ss[i][n + 1], ch.ss[i][n + 2], ch.ss[i][n + 3]);
+      sc2_st<N>(p.ssm_state + (((int64_t)l * p.B + b0 + r) * p.D + dch) * N, ch.ss[i]);
       yv = fmaf(ch.Dp, xc, acc) * siluf_(zs[r * S + lane]);
     }
     ys[r * S + lane] = yv;
@@ -621,14 +618,18 @@ backbone_step_cluster2_kernel(StepParams p) {
   SC2_PROBE_END();
 }
 
-inline size_t stepc2_smem_bytes(const StepParams& p, int R) {
-  // h, u, xcs / zs / ys, dbc, gx, go, ypart, the two mbarriers (4 floats), xin
-  size_t floats = (size_t)R * (2 * SC2_DM + 3 * SC2_DS + SC2_NXP + SC2_CL * (SC2_NXP + SC2_DM) + p.in_dim) +
-                  SC2_W * 32 + 4;
+// bytes of a cluster kernel's dynamic shared memory of `floats` floats, plus the probe build's phase stamps
+inline size_t sc2_smem_bytes_of(size_t floats) {
 #ifdef MRL_SC2_PROBE
   floats += 2 * SC2_W * 64;
 #endif
   return sizeof(float) * floats;
+}
+
+inline size_t stepc2_smem_bytes(const StepParams& p, int R) {
+  // h, u, xcs / zs / ys, dbc, gx, go, ypart, the two mbarriers (4 floats), xin
+  return sc2_smem_bytes_of((size_t)R * (2 * SC2_DM + 3 * SC2_DS + SC2_NXP + SC2_CL * (SC2_NXP + SC2_DM) +
+                                        p.in_dim) + SC2_W * 32 + 4);
 }
 
 // what the kernel takes: d_model 128, d_inner 256, d_conv 4, d_state 8 / 16, dt_rank <= 16, and every weight and

@@ -235,13 +235,10 @@ backbone_step_cluster3_kernel(StepParams p) {
   }
   for (int k0 = 0; k0 < in_dim; k0 += KC) {
     const int kc = min(KC, in_dim - k0);
-    if (k0 > 0) {
-      __syncthreads();  // the previous chunk read
-      for (int e = tid; e < COLS * kc; e += SC2_THREADS) wsm[stage_slot(e, kc)] = stage_at(e, k0, kc);
-    } else {
-      for (int e = tid + SC2_THREADS * PE; e < COLS * kc; e += SC2_THREADS)
-        wsm[stage_slot(e, kc)] = stage_at(e, 0, kc);
-    }
+    if (k0 > 0) __syncthreads();  // the previous chunk read
+    // the chunk's elements not yet staged (the first chunk's first PE a thread are, above)
+    for (int e = tid + (k0 == 0 ? SC2_THREADS * PE : 0); e < COLS * kc; e += SC2_THREADS)
+      wsm[stage_slot(e, kc)] = stage_at(e, k0, kc);
     __syncthreads();
 #pragma unroll
     for (int m = 0; m < PO; ++m) {
@@ -400,11 +397,8 @@ backbone_step_cluster3_kernel(StepParams p) {
 
 inline size_t stepc3_smem_bytes(const StepParams& p, int R) {
   // h, u, xcs / zs / ys, dbc, gx (8 x R / 8 rows), go, the four mbarriers (8 floats), xin; the probe's stamps
-  size_t floats = (size_t)R * (2 * SC2_DM + 3 * SC3_DSP + 2 * SC2_NXP + SC2_CL * SC3_COLS + p.in_dim) + 8;
-#ifdef MRL_SC2_PROBE
-  floats += 2 * SC2_W * 64;
-#endif
-  return sizeof(float) * floats;
+  return sc2_smem_bytes_of((size_t)R * (2 * SC2_DM + 3 * SC3_DSP + 2 * SC2_NXP + SC2_CL * SC3_COLS + p.in_dim) +
+                           8);
 }
 
 // what the kernel takes: cluster2's shapes (d_model 128, d_inner 256, d_conv 4, d_state 8 / 16, dt_rank <= 16,
