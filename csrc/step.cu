@@ -18,6 +18,7 @@ const char* backbone_step_cluster3_bf16(const StepParams&, int, cudaStream_t);
 const char* backbone_step_cluster3_f16(const StepParams&, int, cudaStream_t);
 bool backbone_step_cluster3_ok(const StepParams& p);
 size_t backbone_step_cluster3_smem(const StepParams& p, int R);
+int backbone_step_cluster3_max_clusters(const StepParams& p, int R);
 
 // Dynamic shared memory of the one-block kernel for R rows (mirrors step_smem_bytes in step.cuh and
 // mamba_rl/ops/capability.py step_smem_bytes).
@@ -30,7 +31,7 @@ static size_t rows_smem(const StepParams& p, int R) {
 // rows in parallel) with -R - 64 rows;
 // -24..-17 the cluster kernel with -R - 16 rows and its RMSNorm as a pass behind a block barrier (the variant
 // before the fused norm: the same bits, kept for the comparison in one process); 0 = automatic (the second cluster
-// kernel up to B = 32, else the cluster kernel up to 32, the third cluster kernel up to 128, where each applies;
+// kernel up to B = 32, else the cluster kernel up to 32, the third cluster kernel up to 512, where each applies;
 // else the measured R, halved until R rows fit the device's opt-in shared memory per block).
 int backbone_step_rows(const StepParams& p, int R, const char** err) {
   *err = nullptr;
@@ -55,14 +56,26 @@ int backbone_step_rows(const StepParams& p, int R, const char** err) {
   // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
   // 1-2 rows for large ones
   if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
-  // measured on H100 (benchmarks/NOTES.md, twenty-sixth and twenty-seventh sessions; kernel alone, f32 / bf16
-  // weights): the third cluster kernel at B = 64 with 8 rows a cluster 19.6 / 20.0 us against 30.7 / 26.7 for
-  // cluster2 (8 rows) and 41.3 / 56.8 for one block a row; at B = 128 with 16 rows 31.5 / 32.0 against 42.3 /
-  // 57.0; at B = 256 with 32 rows 51.9 / 54.7 against 55.8 / 59.1 for one block per 2 rows; at B = 512 with 16
-  // rows 93.5 / 95.6 against 98.6 / 107.8 for 4 rows a block (32 rows: 103.4 / 109.1)
-  if (p.B <= 512 && backbone_step_cluster3_ok(p)) {
-    const int rc = p.B <= 64 ? 8 : (p.B <= 128 ? 16 : (p.B <= 256 ? 32 : 16));
-    if (backbone_step_cluster3_smem(p, rc) <= (size_t)optin) return -rc - 64;
+  // the third cluster kernel from B = 33 to 512: the rows a cluster that give the fewest waves x the time of one
+  // wave, waves = ceil(clusters / the clusters the device runs at once). One wave's time per rows a cluster,
+  // kernel alone, f32 weights (H200, benchmarks/NOTES.md, twenty-eighth session; bf16 within 4 %): 8 rows 19.6 us,
+  // 16 31.5, 24 43.6, 32 51.7. So B = 64 takes 8 rows, 128 16, 256 24 (11 clusters: 43.6 us against 51.7 with 32
+  // and 57.0 with 8 in two waves), 384 32 (12 clusters; 24 rows need 16, two waves: 83 us), 512 24 (22 clusters,
+  // two waves: 86.3 us against 93.4 with 16 and 102.5 with 32); one block per 1-4 rows: 61-121 us there.
+  if (p.B > 32 && p.B <= 512 && backbone_step_cluster3_ok(p)) {
+    static const int rows[4] = {8, 16, 24, 32};
+    static const float wave_us[4] = {19.6f, 31.5f, 43.6f, 51.7f};
+    int best = 0;
+    float best_us = 0.f;
+    for (int i = 0; i < 4; ++i) {
+      if (backbone_step_cluster3_smem(p, rows[i]) > (size_t)optin) continue;
+      const int at_once = backbone_step_cluster3_max_clusters(p, rows[i]);
+      if (at_once < 1) continue;
+      const int clusters = (p.B + rows[i] - 1) / rows[i];
+      const float us = (float)((clusters + at_once - 1) / at_once) * wave_us[i];
+      if (best == 0 || us < best_us) best = rows[i], best_us = us;
+    }
+    if (best) return -best - 64;
   }
   R = p.B <= 132 ? 1 : (p.B <= 264 ? 2 : 4);
   while (R > 1 && rows_smem(p, R) > (size_t)optin) R /= 2;

@@ -65,11 +65,12 @@ int main(int argc, char** argv) {
       ? std::make_pair((LaunchFn)stepc##KK##_launch_rn<float, RR, 16>,                                \
                        (const void*)backbone_step_cluster##KK##_kernel<float, RR, 16>)
   const auto [fn, kf] = MRL_PROBE_R(2, 1) : MRL_PROBE_R(2, 2) : MRL_PROBE_R(2, 4) : MRL_PROBE_R(2, 8)
-                      : MRL_PROBE_R(2, 16) : MRL_PROBE_R(3, 8) : MRL_PROBE_R(3, 16) : MRL_PROBE_R(3, 32)
+                      : MRL_PROBE_R(2, 16) : MRL_PROBE_R(3, 8) : MRL_PROBE_R(3, 16) : MRL_PROBE_R(3, 24)
+                      : MRL_PROBE_R(3, 32)
                       : std::make_pair((LaunchFn) nullptr, (const void*)nullptr);
 #undef MRL_PROBE_R
   if (B < 1 || !fn) {
-    printf("usage: %s B R [kernel] (B >= 1; kernel 2: R in 1 2 4 8 16, 3: R in 8 16 32), got %d %d %d\n", argv[0], B, R,
+    printf("usage: %s B R [kernel] (B >= 1; kernel 2: R in 1 2 4 8 16, 3: R in 8 16 24 32), got %d %d %d\n", argv[0], B, R,
            KER);
     return 2;
   }

@@ -204,3 +204,18 @@ def test_step_graph_capture(ext):
         gr.replay()
         assert torch.equal(out, eager[t])
     assert torch.equal(cs, cs_e) and torch.equal(ss, ss_e)
+
+
+@pytest.mark.parametrize("B,R", [(33, 8), (64, 8), (128, 16), (256, 24), (384, 32), (512, 24)])
+def test_automatic_cluster3_rows_by_waves(B, R):
+    """From B = 33 to 512 the automatic choice is the third cluster kernel with the rows a cluster that give the
+    fewest waves x one wave's measured time (csrc/step.cu): on an H100 / H200 SXM (132 SMs, 15 clusters of 8 at
+    once) B = 256 takes 24 rows (11 clusters), 384 takes 32 (12), 512 takes 24 (22 clusters in two waves)."""
+    props = torch.cuda.get_device_properties(0)
+    if (props.major, props.minor) != (9, 0) or props.multi_processor_count != 132:
+        pytest.skip(f"the rule's expected choices are for 132-SM sm_90 devices, this is {props.name}")
+    from mamba_rl import MambaBackbone, MambaConfig
+    net = MambaBackbone(MambaConfig(d_model=128, n_layers=3), 32, device="cuda", seed=0, backend="cuda")
+    st = net.stepper(batch=B).capture_graph()
+    assert st._fast is not None
+    assert st._fast.rows_per_block == -R - 64, (B, st._fast.rows_per_block)
