@@ -342,12 +342,13 @@ def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progr
     return path, err
 
 
-def _check_aux_head(ckpt: Path, policy: Policy) -> None:
+def _check_layout(ckpt: Path, policy: Policy) -> None:
     """Refuse a checkpoint whose aux critic head (``PPOConfig.aux_gamma``) is present where ``policy`` has none,
-    or absent where it has one, before anything is loaded (read from the file's metadata: the saved config).
+    or absent where it has one, or whose ``time_encoding`` (input width) differs from the policy's, before
+    anything is loaded (read from the file's metadata: the saved config).
 
     Raises:
-        mamba_rl.CheckpointError: naming the saved and the current aux_gamma and the flag to pass.
+        mamba_rl.CheckpointError: naming the saved and the current setting and the flag to pass.
     """
     import json
 
@@ -367,6 +368,11 @@ def _check_aux_head(ckpt: Path, policy: Policy) -> None:
             why = ("was saved without the two-horizon critic (aux_gamma None: no aux critic head), but the config to "
                    "load it into has an aux_gamma; resume without it (--aux-gamma none), or start a new run with it")
         raise CheckpointError(f"checkpoint {ckpt} {why}")
+    saved_k = meta.get("extra", {}).get("ppo_config", {}).get("time_encoding", 0)
+    if saved_k != policy.time_encoding:
+        raise CheckpointError(f"checkpoint {ckpt} was saved with time_encoding {saved_k} (an input of "
+                              f"{2 * saved_k} time columns), but the config to load it into has time_encoding "
+                              f"{policy.time_encoding}; resume with --time-encoding {saved_k}")
 
 
 def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, trainer: MambaTrainer,
@@ -380,9 +386,10 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
 
     Raises:
         mamba_rl.CheckpointError: a checkpoint that does not fit the agent, e.g. one saved with the two-horizon
-            critic's aux head into an agent without one, or the other way round (nothing is loaded then).
+            critic's aux head into an agent without one, or the other way round, or with another time encoding
+            (nothing is loaded then).
     """
-    _check_aux_head(ckpt, policy)
+    _check_layout(ckpt, policy)
     # the trainer was built from the checkpoint's config plus the user's overrides (--adam-eps, --max-grad-norm,
     # --dtype, ...): it keeps its own settings (the agent sets the lr every update)
     meta = load_checkpoint(ckpt, trainer, settings="trainer")
@@ -415,7 +422,10 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
         stepper.state.conv.copy_(t["carry/stepper_conv"])
         stepper.state.ssm.copy_(t["carry/stepper_ssm"])
         for name in RolloutCarry.TENSORS:
-            setattr(carry, name, t[f"carry/{name}"].cpu().clone())  # host-side, like the rollout
+            if f"carry/{name}" in t:  # host-side, like the rollout
+                setattr(carry, name, t[f"carry/{name}"].cpu().clone())
+            elif name != "episode_step":  # from before the time encoding (no input reads it there): zeros
+                raise KeyError(f"carry/{name}")
         carry.started = bool(extra["env_started"])
         return
     for key, wrapper, attr in _NORMS:

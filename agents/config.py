@@ -40,8 +40,9 @@ _BACKENDS = ("auto", "cuda", "cpu", "reference")
 _NONFINITE = ("raise", "zero")
 _ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
 _ENV_OVERLAP = ("auto", "on", "off")
+MAX_TIME_ENCODING = 16  # PPOConfig.time_encoding: periods up to 2^17 steps
 _BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_reward",
-                "normalize_obs", "normalize_reward", "memoryless", "capture_video", "track")
+                "normalize_obs", "obs_norm_discrete", "normalize_reward", "memoryless", "capture_video", "track")
 # (field, lo, hi, lo open, None allowed)
 _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0, True, False),
                 ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
@@ -98,7 +99,9 @@ class _PPOFields:
     backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool | str = "auto"
     prev_reward: bool = True
+    time_encoding: int = 0
     normalize_obs: bool = True
+    obs_norm_discrete: bool = False
     obs_norm_freeze_steps: int = 20_000
     normalize_reward: bool = True
     memoryless: bool = False
@@ -121,6 +124,7 @@ class _PPOFields:
         check_int(name("seed"), self.seed, lo=0, hi=2**32 - 1 - 2**20)
         check_int(name("checkpoint_every"), self.checkpoint_every, lo=0)
         check_int(name("obs_norm_freeze_steps"), self.obs_norm_freeze_steps, lo=0)
+        check_int(name("time_encoding"), self.time_encoding, lo=0, hi=MAX_TIME_ENCODING)
         check_int(name("threads"), self.threads, lo=0, hi=MAX_THREADS)
         for f in ("total_timesteps", "num_envs", "num_steps", "num_minibatches", "update_epochs"):
             check_int(name(f), getattr(self, f), lo=1)
@@ -306,7 +310,14 @@ class PPOConfig(_PPOFields):
             to 0.460 and PositionOnlyPendulum from 0.870 to 0.887, and left every other POPGym task and
             CartPoleNoVel at or above its earlier figures (benchmarks/learning/README.md, 2026-12-06). ``predict``
             then needs the last reward (``reward=``).
+        time_encoding: K >= 1 appends the in-episode step t of the observation (0 at an episode's first) to the
+            input as K sinusoid pairs, sin / cos(2 pi t / P) for the periods P = 4, 8, ..., 2^(K + 1) steps (the
+            positional encoding of Vaswani et al. 2017, "Attention is all you need", section 3.5, of the agent's
+            own step count, reset with the memory at every episode start; :func:`mamba_rl.agents.policy.time_features`).
+            0 (off) or 1..16.
         normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation) of observation spaces with a continuous part; all-discrete ones (one-hot codes) are left as they are (:func:`mamba_rl.envs.make_vec_env`).
+        obs_norm_discrete: with normalize_obs (ignored without it), normalise all-discrete observation spaces
+            too (their flattened one-hot codes), as sb3's VecNormalize does with every observation.
         obs_norm_freeze_steps: with normalize_obs (ignored without it), the env step [all ranks] after which the normaliser's mean / std stop updating (0: never); a frozen normaliser removed the late collapses of CartPoleNoVel runs (benchmarks/learning/README.md).
         normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
             On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,
@@ -351,8 +362,9 @@ class PPOConfig(_PPOFields):
     def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
         """Inverse of :meth:`to_dict`. Also reads the flat backbone fields of older checkpoints
         (``d_model``, ``n_layers``, ...), a dict without ``aux_gamma`` (a checkpoint from before the
-        two-horizon critic, which had no aux head) as ``aux_gamma=None``, and one without ``aux_adv_add`` (from
-        before the additive form) as ``aux_adv_add=None``. Raises ValueError on unknown keys."""
+        two-horizon critic, which had no aux head) as ``aux_gamma=None``, one without ``aux_adv_add`` (from
+        before the additive form) as ``aux_adv_add=None``, one without ``time_encoding`` as 0 (none) and one without
+        ``obs_norm_discrete`` as False. Raises ValueError on unknown keys."""
         known = {f.name for f in dataclasses.fields(cls)} | set(BACKBONE_FIELDS)
         extra = set(d) - known
         if extra:
@@ -360,6 +372,8 @@ class PPOConfig(_PPOFields):
         d = dict(d)
         d.setdefault("aux_gamma", None)
         d.setdefault("aux_adv_add", None)  # before the additive form: the rescaled mix
+        d.setdefault("time_encoding", 0)  # before the time encoding: none
+        d.setdefault("obs_norm_discrete", False)  # before the flag: the continuous-only rule
         if isinstance(d.get("backbone"), dict):
             d["backbone"] = MambaConfig.from_dict(d["backbone"])
         return cls(**d)

@@ -30,7 +30,7 @@ from mamba_rl.envs import requires_prev_action
 from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim
 from .validation import check_bool_or_auto
 
-__all__ = ["Policy", "PolicyState", "HostStager", "prev_action_input"]
+__all__ = ["Policy", "PolicyState", "HostStager", "prev_action_input", "time_features"]
 
 
 @dataclass
@@ -41,11 +41,15 @@ class PolicyState:
         recurrent: backbone RecurrentState (conv [L,B,d_inner,d_conv-1], ssm [L,B,d_inner,d_state]).
         prev_action: [B, action_dim] last action returned (int64 or float32).
         prev_reward: [B] float32 last reward passed in.
+        episode_step: [B] int64 in-episode step of the observation last acted on (0: an episode's first), the
+            time encoding's input (:func:`time_features`); the next call acts on step + 1, or 0 where a row
+            starts an episode.
     """
 
     recurrent: RecurrentState
     prev_action: torch.Tensor
     prev_reward: torch.Tensor
+    episode_step: torch.Tensor
 
 
 class Policy:
@@ -59,6 +63,7 @@ class Policy:
         seed: seeds the backbone init and the heads' orthogonal init.
         backend: backbone backend, "auto" | "cuda" | "cpu" | "reference".
         prev_action, prev_reward: append the previous action / reward to the input.
+        time_encoding: K > 0 appends :func:`time_features` of the in-episode step (2K columns) to the input.
         memoryless: treat every step as an episode start (ablation baseline).
         aux_critic: add the two-horizon critic's second value head ``heads["aux_critic"]``
             (:attr:`PPOConfig.aux_gamma`), initialised after the actor and critic from the same generator, so
@@ -70,7 +75,7 @@ class Policy:
 
     def __init__(self, backbone: MambaConfig, obs_dim: int, action_space: spaces.Space, device: torch.device,
                  seed: int, backend: str = "auto", prev_action: bool = False, prev_reward: bool = False,
-                 memoryless: bool = False, aux_critic: bool = False):
+                 memoryless: bool = False, aux_critic: bool = False, time_encoding: int = 0):
         self.obs_dim = int(obs_dim)
         self.action_space = action_space
         self.action_dim = action_dim(action_space)
@@ -81,6 +86,8 @@ class Policy:
             self.input_dim += action_input_dim(action_space)
         if prev_reward:
             self.input_dim += 1
+        self.time_encoding = int(time_encoding)
+        self.input_dim += 2 * self.time_encoding
         self.device = device
         init_gen = torch.Generator().manual_seed(seed)
         self.net = MambaBackbone(backbone, self.input_dim, device=device, seed=seed, backend=backend)
@@ -147,11 +154,11 @@ class Policy:
 
     # ---------------------------------------------------------------- acting
     def initial_state(self, batch: int) -> PolicyState:
-        """Zero recurrent state and previous action/reward for ``batch`` envs."""
+        """Zero recurrent state, previous action / reward and in-episode step for ``batch`` envs."""
         return PolicyState(self.net.initial_state(batch),
                            torch.zeros(batch, self.action_dim,
                                        dtype=torch.int64 if self.discrete_actions else torch.float32),
-                           torch.zeros(batch))
+                           torch.zeros(batch), torch.zeros(batch, dtype=torch.int64))
 
     def _stepper(self, batch: int) -> Stepper:
         stepper = self._steppers.get(batch)
@@ -178,13 +185,13 @@ class Policy:
                              f"(expected finite observations: a non-finite one would make those envs' memory NaN)")
         return x, single
 
-    def _features(self, x: torch.Tensor, state: PolicyState, starts: torch.Tensor,
-                  prev_reward: torch.Tensor) -> tuple[torch.Tensor, RecurrentState]:
+    def _features(self, x: torch.Tensor, state: PolicyState, starts: torch.Tensor, prev_reward: torch.Tensor,
+                  episode_step: torch.Tensor) -> tuple[torch.Tensor, RecurrentState]:
         """One backbone step from ``state``: (features [B, d_model], the new recurrent state)."""
         b = x.shape[0]
         stepper, stager = self._stepper(b), self.stager(b)
         stepper.load_state(state.recurrent)
-        stager.build(x.numpy(), state.prev_action.numpy(), prev_reward.numpy(), starts.numpy())
+        stager.build(x.numpy(), state.prev_action.numpy(), prev_reward.numpy(), starts.numpy(), episode_step.numpy())
         inp = torch.from_numpy(stager.stage[:, :-1]).to(self.device).contiguous()
         feat = stepper.step(inp, episode_starts=starts.to(self.device))
         return feat, stepper.get_state()
@@ -226,14 +233,15 @@ class Policy:
             raise ValueError(f"predict: deterministic must be a bool, got {deterministic!r}")
         if episode_start is not None:
             starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool))
+        steps = _next_steps(state, starts)  # the episode's own clock, also under memoryless (as in the rollout)
         if self.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = self._prev_reward(reward, state.prev_reward, starts, "predict")
-        feat, recurrent = self._features(x, state, starts, prev_reward)
+        feat, recurrent = self._features(x, state, starts, prev_reward, steps)
         dist: ActionDist = self.actor.dist(self.actor.linear(feat).cpu(), self.host_log_std())  # sampled on the host
         value = self.critic(feat).cpu().numpy()
         action = dist.mode() if deterministic else dist.sample(generator)
-        new_state = PolicyState(recurrent, action.clone(), prev_reward.clone())
+        new_state = PolicyState(recurrent, action.clone(), prev_reward.clone(), steps)
         env_action = self.stager(b).to_env(action.numpy())
         return (env_action[0] if single else env_action), new_state, value
 
@@ -284,11 +292,48 @@ class Policy:
         if episode_start is None:
             raise ValueError(f"value: episode_start must be [{b}] bools, got None")
         starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool, "value"))
+        steps = _next_steps(state, starts)
         if self.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = self._prev_reward(reward, state.prev_reward, starts, "value")
-        feat, _ = self._features(x, state, starts, prev_reward)
+        feat, _ = self._features(x, state, starts, prev_reward, steps)
         return self.critic(feat).cpu().numpy()
+
+
+def _next_steps(state: PolicyState, starts: torch.Tensor) -> torch.Tensor:
+    """The in-episode step [B] int64 of the observation acted on now: 0 where a row starts an episode, else one
+    past the state's. ValueError for a state's ``episode_step`` that is not [B]."""
+    held = state.episode_step
+    if not isinstance(held, torch.Tensor) or tuple(held.shape) != tuple(starts.shape):
+        raise ValueError(f"predict: state.episode_step must be a [{starts.shape[0]}] tensor (the PolicyState a "
+                         f"previous call returned for these envs), got "
+                         f"{tuple(held.shape) if isinstance(held, torch.Tensor) else type(held).__name__}")
+    return torch.where(starts, 0, held.to(torch.int64) + 1)
+
+
+def time_features(episode_step: np.ndarray, k: int, out: np.ndarray | None = None) -> np.ndarray:
+    """The time encoding of :attr:`PPOConfig.time_encoding` = ``k``: [N, 2k] float32, columns
+    ``sin(2 pi t / P_j)`` for j < k, then ``cos(2 pi t / P_j)``, with periods P_j = 2^(j + 2) steps (4, 8, ...)
+    and t = ``episode_step`` [N] (int, 0 at an episode's first observation). The sinusoidal positional encoding
+    of Vaswani et al. (2017), "Attention is all you need", section 3.5, with periods doubling from 4 steps: a
+    memory can address "the observation d steps ago" as a fixed rotation of these features. Written into
+    ``out`` ([N, 2k] float32 view) when given, and returned.
+
+    Raises:
+        ValueError: ``k`` < 1, or an ``episode_step`` that is not [N] non-negative integers.
+    """
+    t = np.asarray(episode_step)
+    if k < 1:
+        raise ValueError(f"time_features: k must be >= 1, got {k}")
+    if t.ndim != 1 or t.dtype.kind not in "iu" or (t.size and t.min() < 0):
+        raise ValueError(f"time_features: episode_step must be [N] non-negative integers, got dtype {t.dtype} "
+                         f"shape {t.shape}")
+    phase = t[:, None].astype(np.float64) * (2 * np.pi / 2.0 ** np.arange(2, k + 2))
+    if out is None:
+        out = np.empty((t.shape[0], 2 * k), np.float32)
+    np.sin(phase, out=out[:, :k], casting="same_kind")
+    np.cos(phase, out=out[:, k:], casting="same_kind")
+    return out
 
 
 def _per_env(name: str, value, batch: int, dtype, who: str = "predict") -> np.ndarray:
@@ -334,7 +379,8 @@ class HostStager:
 
     ``stage`` [N, input_dim + 1] float32 (pinned on CUDA) receives per step the backbone input of
     the policy's input layout (obs, previous action encoding: one-hot when discrete, clipped for Box;
-    previous reward; both zero at an episode start) and, in its last column, the episode-start flag (1.0 / 0.0).
+    previous reward; both zero at an episode start; the time encoding of the in-episode step,
+    :func:`time_features`) and, in its last column, the episode-start flag (1.0 / 0.0).
 
     Args:
         policy: the :class:`~mamba_rl.agents.policy.Policy` (input layout, action space).
@@ -358,6 +404,9 @@ class HostStager:
             col += action_input_dim(space)
         if policy.use_prev_reward:
             self.reward_col = col
+            col += 1
+        self.time_k = policy.time_encoding
+        self.time_cols = slice(col, col + 2 * self.time_k) if self.time_k else None
         self.start = 0
         if isinstance(space, spaces.Discrete):
             self.start = int(space.start)
@@ -368,9 +417,14 @@ class HostStager:
             self.low = np.asarray(space.low, np.float32).reshape(1, -1)
             self.high = np.asarray(space.high, np.float32).reshape(1, -1)
 
-    def build(self, obs: np.ndarray, prev_action: np.ndarray, prev_reward: np.ndarray, start: np.ndarray) -> None:
-        """Write the input of obs [N, ...], prev_action [N, action_dim] (stored form), prev_reward [N]
-        and start [N] bool into ``stage``."""
+    def build(self, obs: np.ndarray, prev_action: np.ndarray, prev_reward: np.ndarray, start: np.ndarray,
+              episode_step: np.ndarray | None = None) -> None:
+        """Write the input of obs [N, ...], prev_action [N, action_dim] (stored form), prev_reward [N],
+        start [N] bool and episode_step [N] int (the in-episode step of ``obs``; needed with a time encoding)
+        into ``stage``.
+
+        Raises:
+            ValueError: a time-encoding policy and no ``episode_step``."""
         x, n = self.stage, self.n
         x[:, : self.obs_dim] = np.reshape(obs, (n, self.obs_dim))
         keep = ~start
@@ -387,6 +441,11 @@ class HostStager:
                 blk[start] = 0.0  # a select, not a multiply: a NaN / inf of the old episode never leaks
         if self.reward_col is not None:
             x[:, self.reward_col] = np.where(keep, prev_reward, 0.0)
+        if self.time_cols is not None:
+            if episode_step is None:
+                raise ValueError(f"HostStager.build: this policy's input has a time encoding (time_encoding="
+                                 f"{self.time_k}); pass episode_step ([{n}] ints)")
+            time_features(episode_step, self.time_k, out=x[:, self.time_cols])
         x[:, -1] = start
 
     def to_env(self, action: np.ndarray) -> np.ndarray:

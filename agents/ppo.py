@@ -121,7 +121,8 @@ class RecurrentPPO:
         self.policy = p = Policy(config.backbone, int(np.prod(self.envs.single_observation_space.shape)),
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                                  prev_action=use_prev_action, prev_reward=config.prev_reward,
-                                 memoryless=config.memoryless, aux_critic=config.aux_gamma is not None)
+                                 memoryless=config.memoryless, aux_critic=config.aux_gamma is not None,
+                                 time_encoding=config.time_encoding)
         # the heads' Adam over one flat arena: on CUDA a device step inside the update graph (no sync per step),
         # on the CPU one host-side step of torch.optim.Adam's arithmetic over the whole arena (bit for bit)
         self.head_optimizer = FlatHeadAdam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
@@ -233,7 +234,8 @@ class RecurrentPPO:
         return make_vec_env(c.env_id, c.num_envs, seed=self.env_seed, async_=c.async_envs,
                             capture_video=c.capture_video,
                             video_dir=os.path.join(c.runs_dir, self.run_name, "videos"),
-                            normalize_obs=c.normalize_obs, normalize_reward=c.normalize_reward, gamma=c.gamma,
+                            normalize_obs=c.normalize_obs, obs_norm_discrete=c.obs_norm_discrete,
+                            normalize_reward=c.normalize_reward, gamma=c.gamma,
                             start_method=c.async_start_method, nonfinite=c.nonfinite, backend=c.env_backend,
                             env_parts=2 if halves else 1)
 

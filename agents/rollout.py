@@ -112,6 +112,8 @@ class RolloutCarry:
         next_done: [N] bool, the last step ended an episode (the next step is the NextStep reset step).
         prev_action: [N, action_dim] int64 (discrete) / float32 (Box), stored form.
         prev_reward: [N] float32.
+        episode_step: [N] int64, the in-episode step of ``next_obs`` (0: an episode's first observation), the
+            time encoding's input (:func:`mamba_rl.agents.policy.time_features`).
         started: the envs have been reset (False: the next rollout resets them first).
     """
 
@@ -120,10 +122,11 @@ class RolloutCarry:
     next_done: torch.Tensor
     prev_action: torch.Tensor
     prev_reward: torch.Tensor
+    episode_step: torch.Tensor
     started: bool = False
 
     # the tensor fields, in the order and under the names checkpoints store them (carry/<name>)
-    TENSORS = ("next_obs", "next_start", "next_done", "prev_action", "prev_reward")
+    TENSORS = ("next_obs", "next_start", "next_done", "prev_action", "prev_reward", "episode_step")
 
     @classmethod
     def zeros(cls, num_envs: int, obs_dim: int, action_dim: int, discrete_actions: bool) -> RolloutCarry:
@@ -132,16 +135,18 @@ class RolloutCarry:
 
     def restart(self, next_obs: torch.Tensor, action_dim: int, discrete_actions: bool) -> None:
         """Every env at the start of an episode whose first observation is ``next_obs`` [N, obs_dim]."""
-        (self.next_obs, self.next_start, self.next_done, self.prev_action,
-         self.prev_reward) = _episode_start(next_obs, action_dim, discrete_actions)
+        (self.next_obs, self.next_start, self.next_done, self.prev_action, self.prev_reward,
+         self.episode_step) = _episode_start(next_obs, action_dim, discrete_actions)
         self.started = True
 
 
 def _episode_start(next_obs: torch.Tensor, action_dim: int, discrete_actions: bool) -> tuple[torch.Tensor, ...]:
-    """The carry's tensors with every env at an episode start: (next_obs, starts, dones, prev action, reward)."""
+    """The carry's tensors with every env at an episode start: (next_obs, starts, dones, prev action, reward,
+    in-episode step)."""
     n = next_obs.shape[0]
     return (next_obs, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
-            torch.zeros(n, action_dim, dtype=torch.int64 if discrete_actions else torch.float32), torch.zeros(n))
+            torch.zeros(n, action_dim, dtype=torch.int64 if discrete_actions else torch.float32), torch.zeros(n),
+            torch.zeros(n, dtype=torch.int64))
 
 
 @dataclass
@@ -407,6 +412,7 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     next_done = carry.next_done.numpy().copy()
     prev_action = carry.prev_action.numpy().copy()
     prev_reward = carry.prev_reward.numpy().copy()
+    episode_step = carry.episode_step.numpy().astype(np.int64)  # a copy
     out = actor.env_arrays  # [N, T] rewards, terminations, truncations, valid (batch-first)
     # written per step into time-major scratch [T, N] of the same dtypes (a contiguous row per step: a column
     # of an [N, T] array touches N cache lines) and copied into the actor's arrays once, after the loop
@@ -424,6 +430,7 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
         truncs[t, rows] = trunc
         # the obs after a reset step is the first obs of the next episode
         next_start[rows] = next_done[rows]
+        episode_step[rows] = np.where(next_start[rows], 0, episode_step[rows] + 1)
         next_done[rows] = np.logical_or(term, trunc)
         prev_reward[rows] = reward
         next_obs[rows] = np.reshape(obs, next_obs[rows].shape)
@@ -437,7 +444,7 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
     if parts is None or len(parts) == 1:
         everything = slice(None)
         for t in range(num_steps):
-            stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
+            stager.build(next_obs, prev_action, prev_reward, next_start | memoryless, episode_step)
             valid[t] = ~next_done
             np.copyto(prev_action, actor.act(t))
             e0 = time.perf_counter()
@@ -462,7 +469,7 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
                     if t == num_steps:
                         continue
                     stagers[h].build(next_obs[rows], prev_action[rows], prev_reward[rows],
-                                     next_start[rows] | memoryless)
+                                     next_start[rows] | memoryless, episode_step[rows])
                     valid[t, rows] = ~next_done[rows]
                     prev_action[rows] = actor.act(t, h)
                     e0 = time.perf_counter()
@@ -485,12 +492,13 @@ def collect_rollout(envs: gym.vector.VectorEnv, actor: Actor, carry: RolloutCarr
         result.episodes = list(zip(np.concatenate(ep_steps).tolist(),
                                    np.concatenate([r for r, _ in ep_parts]).tolist(),
                                    np.concatenate([x for _, x in ep_parts]).tolist()))
-    stager.build(next_obs, prev_action, prev_reward, next_start | memoryless)
+    stager.build(next_obs, prev_action, prev_reward, next_start | memoryless, episode_step)
     actor.finish()
     carry.next_obs = torch.from_numpy(np.asarray(next_obs, dtype=np.float32).reshape(n, -1).copy())
     carry.next_start = torch.from_numpy(np.asarray(next_start, dtype=bool).copy())
     carry.next_done = torch.from_numpy(next_done.copy())
     carry.prev_action = torch.from_numpy(prev_action)
     carry.prev_reward = torch.from_numpy(prev_reward)
+    carry.episode_step = torch.from_numpy(episode_step)
     result.rollout_ms, result.env_ms = (time.perf_counter() - t0) * 1e3, env_s * 1e3
     return result

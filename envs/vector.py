@@ -121,6 +121,7 @@ def make_vec_env(
     capture_video: bool = False,
     video_dir: str = "videos",
     normalize_obs: bool = False,
+    obs_norm_discrete: bool = False,
     flatten_obs: bool = True,
     env_kwargs: dict[str, Any] | None = None,
     normalize_reward: bool = False,
@@ -159,6 +160,7 @@ def make_vec_env(
             rl-baselines3-zoo normalises only continuous observations (measured: the frozen normaliser cost
             POPGym's RepeatPreviousEasy 0.11 MMER on 2 of 6 runs and changed the other discrete tasks within
             their seed noise, ``benchmarks/learning/README.md``).
+        obs_norm_discrete: with ``normalize_obs``, normalise an all-discrete observation space too.
         normalize_reward: scale rewards by the running std of the discounted return
             (gymnasium's vector ``NormalizeReward``, NextStep-aware). gamma: its discount.
         start_method: with ``async_``, the multiprocessing start method of the workers
@@ -200,7 +202,7 @@ def make_vec_env(
                                   start_method)
     envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = VecEpisodeStatistics(envs)
-    if normalize_obs and has_continuous_part(raw_observation_space(envs, env_id, env_kwargs)):
+    if normalize_obs and (obs_norm_discrete or has_continuous_part(raw_observation_space(envs, env_id, env_kwargs))):
         envs = VecNormalizeObservation(envs)
     if normalize_reward:
         envs = VecNormalizeReward(envs, gamma=gamma)

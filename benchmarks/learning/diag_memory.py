@@ -72,11 +72,12 @@ class Player:
         done = np.zeros(n, dtype=bool)
         for _ in range(steps):
             x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
-            feat, rec = p._features(x, state, starts, state.prev_reward)
+            step_t = torch.where(starts, 0, state.episode_step + 1)
+            feat, rec = p._features(x, state, starts, state.prev_reward, step_t)
             raw = p.actor.linear(feat).cpu()
             dist = p.actor.dist(raw, p.host_log_std())
             act = dist.mode() if greedy else dist.sample(gen)
-            state = PolicyState(rec, act.clone(), state.prev_reward.clone())
+            state = PolicyState(rec, act.clone(), state.prev_reward.clone(), step_t)
             env_act = p.stager(n).to_env(act.numpy())
             O.append(np.asarray(obs).copy())
             L.append([lp.numpy().copy() for lp in dist._logps()])
@@ -84,7 +85,8 @@ class Player:
             D.append(done.copy())  # done before this step: the step is not part of the first episode
             obs, r, term, trunc, _ = self.envs.step(env_act)
             state = PolicyState(state.recurrent, state.prev_action,
-                                torch.as_tensor((np.asarray(r, np.float64) * self.reward_scale).astype(np.float32)))
+                                torch.as_tensor((np.asarray(r, np.float64) * self.reward_scale).astype(np.float32)),
+                                state.episode_step)
             R.append(np.asarray(r, dtype=np.float64))
             done = done | np.asarray(term) | np.asarray(trunc)
             starts = torch.zeros(n, dtype=torch.bool)

@@ -11,8 +11,8 @@ Methods:
   ``--set obs_norm_clip=V`` clips the normalised observations to [-V, V] (sb3's ``clip_obs``).
   ``--set joint_action=True`` turns a MultiDiscrete action (Battleship's row and column) into one Discrete over
   every combination (a gymnasium ``ActionWrapper``; its envs cannot be pickled into a checkpoint).
-  ``--set obs_norm_discrete=True`` normalises all-discrete (one-hot) observations too, the rule before
-  :func:`mamba_rl.envs.make_vec_env` went continuous-only.
+  ``--set time_obs=K`` appends K sinusoid pairs of the in-episode step to the observation (an env wrapper, so the
+  observation normaliser sees them; the agent's own form is ``PPOConfig.time_encoding``).
   ``--set gae_lambda_value=L`` computes the value targets with GAE lambda L, the advantages keeping ``gae_lambda``.
   ``--set head_hidden=W`` makes the actor and critic heads MLPs with two hidden tanh layers of W units (sb3's
   ``MlpLstmPolicy`` heads) instead of one linear layer (CPU runs).
@@ -187,16 +187,6 @@ def _adv_norm_over_rollout() -> None:
     U.PPOUpdate._load_rollout, U.categorical_ppo_grads, U.ppo_loss = _load_rollout, _grads, _loss
 
 
-def _obs_norm_discrete() -> None:
-    """``--set obs_norm_discrete=True`` (harness only, no agent change; with ``normalize_obs``): the observation
-    normaliser also runs on all-discrete observation spaces (their one-hot codes), as it did before the
-    continuous-only rule of :func:`mamba_rl.envs.make_vec_env`. It patches this process's
-    ``has_continuous_part`` (one process per run, so nothing else sees it)."""
-    from mamba_rl.envs import vector as V
-
-    V.has_continuous_part = lambda space: True
-
-
 def _obs_norm_clip(bound: float) -> None:
     """``--set obs_norm_clip=V`` (harness only, no agent change; with ``normalize_obs``): the observation normaliser's
     output clipped to [-V, V], as sb3's ``VecNormalize(clip_obs=V)`` does. It patches this process's
@@ -308,6 +298,45 @@ def _joint_action_env(base: str) -> str:
     return new
 
 
+def _time_obs_env(base: str, n_freq: int) -> str:
+    """``--set time_obs=K`` (harness only): the task with the in-episode step t (0 at reset) appended to its
+    observation as K sinusoid pairs, sin / cos(2 pi t / P) for periods P = 4, 8, ..., 2^(K+1) steps (the
+    positional encoding of Vaswani et al. 2017, here of the agent's own step count, which a memory can only count
+    for itself otherwise). Registers ``<base>-time<K>`` in this process's gymnasium registry and returns that id."""
+    import gymnasium as gym
+    import numpy as np
+
+    if base.startswith("popgym-"):
+        import popgym  # noqa: F401  (registers the popgym-* ids)
+    if n_freq < 1:
+        raise ValueError(f"time_obs: expected a number of frequencies >= 1, got {n_freq}")
+    new = f"mamba_rl_harness/{base}-time{n_freq}-v0"
+    if new not in gym.registry:
+        omega = (2 * np.pi / 2.0 ** np.arange(2, n_freq + 2)).astype(np.float64)
+
+        class TimeObs(gym.ObservationWrapper):
+            def __init__(self, env):
+                super().__init__(env)
+                self.t = 0
+                self.observation_space = gym.spaces.Tuple(
+                    (env.observation_space, gym.spaces.Box(-1.0, 1.0, (2 * n_freq,), np.float32)))
+
+            def reset(self, **kw):
+                self.t = 0
+                return super().reset(**kw)
+
+            def step(self, action):
+                self.t += 1
+                return super().step(action)
+
+            def observation(self, obs):
+                ph = omega * self.t
+                return obs, np.concatenate([np.sin(ph), np.cos(ph)]).astype(np.float32)
+
+        gym.register(new, entry_point=lambda **kw: TimeObs(gym.make(base, **kw)))
+    return new
+
+
 def run_mamba(task: str, seed: int, total: int, sets: dict, out: _CurveWriter, eval_episodes: int) -> dict:
     """Train mamba_rl's RecurrentPPO; returns ``{"eval": deterministic mean return or NaN}``."""
     import tempfile
@@ -336,8 +365,6 @@ def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _
         sets["obs_norm_freeze_steps"] = sets.pop("obs_norm_freeze_step")
     if sets.pop("adv_norm_batch", False):
         _adv_norm_over_rollout()
-    if sets.pop("obs_norm_discrete", False):
-        _obs_norm_discrete()
     if "gae_lambda_value" in sets:
         _value_lambda(float(sets.pop("gae_lambda_value")))
     if "obs_norm_clip" in sets:
@@ -345,6 +372,8 @@ def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _
     if "head_hidden" in sets:
         _mlp_heads(int(sets.pop("head_hidden")))
     task_id = _joint_action_env(env_id(task)) if sets.pop("joint_action", False) else env_id(task)
+    if "time_obs" in sets:
+        task_id = _time_obs_env(task_id, int(sets.pop("time_obs")))
     kw.update(sets)
     agent = RecurrentPPO(task_id, **kw)
     start = {f: getattr(agent.config, f) for f in sched}
@@ -631,8 +660,8 @@ def plot(runs: dict, path: str) -> None:
 
 
 # --set names the harness itself takes (see the module docstring), not PPOConfig fields
-HARNESS_SETS = ("adv_norm_batch", "obs_norm_discrete", "gae_lambda_value", "obs_norm_clip", "joint_action",
-                "head_hidden", "obs_norm_freeze_step") + tuple(f + "_end" for f in SCHEDULED)
+HARNESS_SETS = ("adv_norm_batch", "gae_lambda_value", "obs_norm_clip", "joint_action",
+                "head_hidden", "time_obs", "obs_norm_freeze_step") + tuple(f + "_end" for f in SCHEDULED)
 
 
 def _check_runs(ap: argparse.ArgumentParser, a: argparse.Namespace, sets: dict) -> None:

@@ -193,3 +193,33 @@ def test_unknown_fields_are_named_with_the_known_ones(tmp_path):
     agent.close()
     with pytest.raises(ValueError, match=r"unknown fields \['foo'\]"):  # RecurrentPPO.load(path, **overrides)
         RecurrentPPO.load(folder, foo=1)
+
+
+@pytest.mark.parametrize("bad", [-1, 17, True, 2.0, "6"])
+def test_time_encoding_takes_an_int_in_range_and_old_dicts_read_none(bad):
+    with pytest.raises(ValueError, match="PPOConfig.time_encoding must be an int"):
+        PPOConfig(time_encoding=bad)
+    assert PPOConfig(time_encoding=16).time_encoding == 16
+    d = PPOConfig(backbone=BACKBONE, **TINY, time_encoding=4).to_dict()
+    assert PPOConfig.from_dict(d).time_encoding == 4
+    del d["time_encoding"]  # a checkpoint from before the time encoding had none
+    assert PPOConfig.from_dict(d).time_encoding == 0
+
+
+def test_obs_norm_discrete_is_a_bool_reaching_the_envs_and_old_dicts_read_false(tmp_path):
+    from mamba_rl.envs import find_vector_wrapper
+    import gymnasium as gym
+    with pytest.raises(ValueError, match="PPOConfig.obs_norm_discrete must be a bool"):
+        PPOConfig(obs_norm_discrete="yes")
+    d = PPOConfig(backbone=BACKBONE, **TINY, obs_norm_discrete=True).to_dict()
+    assert PPOConfig.from_dict(d).obs_norm_discrete is True
+    del d["obs_norm_discrete"]  # a checkpoint from before the flag: the continuous-only rule
+    assert PPOConfig.from_dict(d).obs_norm_discrete is False
+    agent = RecurrentPPO(config=PPOConfig(env_id="FrozenLake-v1", num_envs=2, num_steps=8, num_minibatches=1,
+                                          d_model=16, n_layers=1, d_state=4, device="cpu", track=False,
+                                          checkpoint_every=0, obs_norm_discrete=True,
+                                          runs_dir=str(tmp_path / "runs")))
+    try:
+        assert find_vector_wrapper(agent.envs, gym.wrappers.vector.NormalizeObservation) is not None
+    finally:
+        agent.close()

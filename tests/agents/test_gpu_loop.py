@@ -83,6 +83,47 @@ def test_host_staging_writes_the_input_layout(space):
         HostStager(pol, np.zeros((n, 2), np.float32))
 
 
+def test_host_staging_writes_the_time_encoding_before_the_start_flag():
+    """[obs | previous action | previous reward | time_features(episode_step) | start]; a time-encoding policy's
+    stage refuses a build without the in-episode step."""
+    from mamba_rl import MambaConfig
+    from mamba_rl.agents.policy import Policy, time_features
+
+    pol = Policy(MambaConfig(d_model=16, n_layers=1, d_state=4), 3, spaces.Discrete(2), torch.device("cpu"), 0,
+                 backend="reference", prev_action=True, prev_reward=True, time_encoding=3)
+    assert pol.input_dim == 3 + 2 + 1 + 6
+    n = 4
+    obs = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    act, rew = np.array([[0], [1], [1], [0]]), np.ones(n, np.float32)
+    start, steps = np.array([True, False, False, False]), np.array([0, 1, 7, 1000])
+    stage = np.full((n, pol.input_dim + 1), np.nan, np.float32)
+    st = HostStager(pol, stage)
+    st.build(obs, act, rew, start, steps)
+    np.testing.assert_array_equal(stage[:, 6:12], time_features(steps, 3))
+    np.testing.assert_array_equal(stage[:, -1], start.astype(np.float32))
+    np.testing.assert_array_equal(stage[:, 5], [0, 1, 1, 1])
+    with pytest.raises(ValueError, match=r"time_encoding=3\); pass episode_step \(\[4\] ints\)"):
+        st.build(obs, act, rew, start)
+
+
+def test_time_features_are_the_sinusoids_of_doubling_periods():
+    from mamba_rl.agents.policy import time_features
+
+    t = np.array([0, 1, 3, 5, 64, 123_457])
+    got = time_features(t, 4)
+    assert got.dtype == np.float32 and got.shape == (6, 8)
+    for j, period in enumerate((4, 8, 16, 32)):
+        np.testing.assert_allclose(got[:, j], np.sin(2 * np.pi * t / period), atol=1e-6)
+        np.testing.assert_allclose(got[:, 4 + j], np.cos(2 * np.pi * t / period), atol=1e-6)
+    np.testing.assert_array_equal(got[0], [0, 0, 0, 0, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match="k must be >= 1, got 0"):
+        time_features(t, 0)
+    with pytest.raises(ValueError, match="non-negative integers, got dtype float64"):
+        time_features(t.astype(np.float64), 2)
+    with pytest.raises(ValueError, match="non-negative integers"):
+        time_features(np.array([3, -1]), 2)
+
+
 def _chi2(counts, probs):
     exp = probs * counts.sum()
     return float(((counts - exp) ** 2 / exp).sum())

@@ -30,7 +30,7 @@ def test_nan_action_of_the_old_episode_does_not_leak_past_a_start(agent):
     _, old = agent.predict(obs, agent.initial_policy_state(2), starts, deterministic=True, reward=np.zeros(2))
     bad_state = PolicyState(RecurrentState(torch.full_like(old.recurrent.conv, float("nan")),
                                            torch.full_like(old.recurrent.ssm, float("nan"))),
-                            torch.full_like(old.prev_action, float("nan")), old.prev_reward)
+                            torch.full_like(old.prev_action, float("nan")), old.prev_reward, old.episode_step)
     after, state = agent.predict(obs, bad_state, starts, deterministic=True, reward=np.zeros(2))
     np.testing.assert_array_equal(after, fresh)
     assert bool(state.recurrent.ssm.isfinite().all())

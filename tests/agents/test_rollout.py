@@ -168,3 +168,60 @@ def test_rollout_reports_every_finished_episode_in_order(tmp_path, toy_envs):
     assert {length for _, _, length in episodes} == {3, 4, 5, 6}  # env i's episodes last 3 + i steps
     assert all(isinstance(s, int) and isinstance(r, float) and isinstance(n, int) for s, r, n in episodes)
     assert all(length <= ret <= 2 * length for _, ret, length in episodes)  # reward 1 + action per step
+
+
+def test_time_encoding_follows_each_envs_episode_clock_across_rollouts(tmp_path, toy_envs):
+    """With ``time_encoding`` K the last 2K input columns hold time_features of the in-episode step: the toy env's
+    own step counter (obs[0] * 10), 0 at every episode start, counted on through the reset step and across
+    rollouts (the carry), never by the rollout's column."""
+    from mamba_rl.agents.policy import time_features
+    k = 3
+    agent = small_agent(toy_envs(terminate=True), tmp_path, time_encoding=k, num_steps=10)
+    assert agent.policy.input_dim == 2 + 2 + 1 + 2 * k  # obs, previous action one-hot, previous reward, time
+    for _ in range(3):  # 30 steps: episodes of 3-6 steps cross the rollouts' boundaries
+        agent.collect_rollout()
+        b = agent.buffer
+        env_t = torch.round(b.obs[..., 0] * 10).to(torch.int64)  # [N, T]
+        assert bool((env_t[b.episode_starts] == 0).all())
+        want = time_features(env_t.reshape(-1).numpy(), k).reshape(b.num_envs, b.num_steps, 2 * k)
+        np.testing.assert_array_equal(b.inputs[..., -2 * k:].numpy(), want)
+    assert agent.carry.episode_step.dtype == torch.int64
+
+
+def test_predict_counts_the_episode_step_and_restarts_it(tmp_path, toy_envs):
+    """``predict``'s PolicyState carries the in-episode step: 0 on a fresh state or a start, +1 per call."""
+    agent = small_agent(toy_envs(), tmp_path, time_encoding=2)
+    obs = np.zeros((2, 2), np.float32)
+    _, st = agent.predict(obs, None)
+    assert st.episode_step.tolist() == [0, 0]
+    for t in range(1, 4):
+        _, st = agent.predict(obs, st, np.array([False, t == 2]), reward=np.zeros(2))
+        assert st.episode_step.tolist() == [t, 0 if t == 2 else (t - 2 if t > 2 else t)]
+    with pytest.raises(ValueError, match=r"state.episode_step must be a \[3\] tensor"):
+        agent.predict(np.zeros((3, 2), np.float32), st, np.zeros(3, bool), reward=np.zeros(3))
+
+
+def test_resume_with_a_time_encoding_is_exact_and_another_one_is_a_clear_error(tmp_path):
+    """The carry's in-episode steps are saved with the checkpoint: a resumed run takes the same updates, bit for
+    bit; loading into another time encoding (another input width) is refused before anything is loaded."""
+    from mamba_rl import CheckpointError
+    cfg = dict(env_id="CartPole-v1", num_envs=2, num_steps=32, num_minibatches=1, update_epochs=1, d_model=16,
+               n_layers=1, d_state=4, device="cpu", track=False, seed=0, total_timesteps=4 * 64, checkpoint_every=1,
+               runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt"), time_encoding=3)
+    straight = RecurrentPPO(config=PPOConfig(**cfg))
+    straight.learn()
+    straight.close()
+    ckpt = tmp_path / "ckpt" / straight.run_name / "update_000002"
+    resumed = RecurrentPPO.load(ckpt, restore_envs=True)
+    assert resumed.config.time_encoding == 3 and int(resumed.carry.episode_step.max()) > 0
+    resumed.learn()
+    resumed.close()
+    assert len(resumed.history) == 2
+    for a, b in zip(straight.history[2:], resumed.history):
+        assert {k: v for k, v in a.items() if k.startswith("losses/")} == \
+            {k: v for k, v in b.items() if k.startswith("losses/")}
+    assert torch.equal(resumed.policy.net.arena, straight.policy.net.arena)
+    with pytest.raises(CheckpointError, match=r"saved with time_encoding 3 \(an input of 6 time columns\), but the "
+                                              r"config to load it into has time_encoding 0; resume with "
+                                              r"--time-encoding 3"):
+        RecurrentPPO.load(ckpt, time_encoding=0)

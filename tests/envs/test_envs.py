@@ -187,6 +187,17 @@ def test_normalize_obs_skips_all_discrete_observations(async_):
             envs.step(np.zeros(2, dtype=np.int64))
         finally:
             envs.close()
+    # obs_norm_discrete: the one-hot codes are normalised too (and nothing without normalize_obs)
+    both = make_vec_env("FrozenLake-v1", 2, seed=0, normalize_obs=True, obs_norm_discrete=True, async_=async_)
+    off = make_vec_env("FrozenLake-v1", 2, seed=0, normalize_obs=False, obs_norm_discrete=True, async_=async_)
+    try:
+        assert find_vector_wrapper(both, norm) is not None and find_vector_wrapper(off, norm) is None
+        both.reset(seed=0)
+        obs, *_ = both.step(np.ones(2, dtype=np.int64))
+        assert not set(np.unique(obs)) <= {0.0, 1.0}  # no longer one-hot
+    finally:
+        both.close()
+        off.close()
 
 
 class _NeedsPrevActionEnv(gym.Env):
