@@ -294,6 +294,29 @@ def test_graph_rollout_keeps_the_rollout_semantics(tmp_path, terminate, toy_envs
     agent.close()
 
 
+@cuda
+@pytest.mark.cuda
+def test_graph_rollout_writes_the_time_encoding_of_each_envs_clock(tmp_path, toy_envs):
+    """On the graph-captured rollout the stored inputs end with time_features of the toy env's own step counter
+    (obs[0] * 10), across two rollouts, and the update's recomputation agrees with the rollout."""
+    from mamba_rl.agents.device_actor import GraphActor
+    from mamba_rl.agents.policy import time_features
+
+    agent = RecurrentPPO(toy_envs(terminate=True), config=PPOConfig(
+        env_id="toy", num_envs=4, num_steps=24, num_minibatches=2, update_epochs=2, total_timesteps=10_000,
+        d_model=16, n_layers=2, d_state=16, device="cuda", track=False, checkpoint_every=0, seed=3,
+        time_encoding=3, runs_dir=str(tmp_path / "runs"), checkpoint_dir=str(tmp_path / "ckpt")))
+    assert isinstance(agent.actor, GraphActor)
+    for _ in range(2):
+        agent.collect_rollout()
+        b = agent.buffer
+        env_t = torch.round(b.obs[..., 0].cpu() * 10).to(torch.int64)
+        want = time_features(env_t.reshape(-1).numpy(), 3).reshape(4, 24, 6)
+        np.testing.assert_array_equal(b.inputs[..., -6:].cpu().numpy(), want)
+    assert agent.update_policy()["debug/rollout_parity"] < 1e-4
+    agent.close()
+
+
 def _copy_rollout(src, dst):
     for k in ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "episode_starts",
               "valid", "advantages", "returns", "aux_values", "aux_advantages", "aux_returns"):
