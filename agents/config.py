@@ -101,7 +101,7 @@ class _PPOFields:
     prev_reward: bool = True
     time_encoding: int = 0
     normalize_obs: bool = True
-    obs_norm_discrete: bool = False
+    obs_norm_discrete: bool = True
     obs_norm_freeze_steps: int = 20_000
     normalize_reward: bool = True
     memoryless: bool = False
@@ -315,9 +315,13 @@ class PPOConfig(_PPOFields):
             positional encoding of Vaswani et al. 2017, "Attention is all you need", section 3.5, of the agent's
             own step count, reset with the memory at every episode start; :func:`mamba_rl.agents.policy.time_features`).
             0 (off) or 1..16.
-        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation) of observation spaces with a continuous part; all-discrete ones (one-hot codes) are left as they are (:func:`mamba_rl.envs.make_vec_env`).
+        normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation) of the flattened observations: of every observation space with ``obs_norm_discrete`` (the default), else only of spaces with a continuous part (:func:`mamba_rl.envs.make_vec_env`).
         obs_norm_discrete: with normalize_obs (ignored without it), normalise all-discrete observation spaces
-            too (their flattened one-hot codes), as sb3's VecNormalize does with every observation.
+            too (their flattened one-hot codes), as sb3's VecNormalize does with every observation. On by default:
+            at 200k steps it lifted AutoencodeEasy from -0.418 (24 seeds) to -0.405 (12) and ConcentrationEasy
+            from 0.134 to 0.153, cost MultiarmedBanditEasy 0.035 (still +0.2 over the LSTM) and left
+            RepeatPrevious and Battleship as they were; observations with a continuous part are normalised
+            either way (benchmarks/learning/README.md, 2026-12-06). False is the continuous-only rule.
         obs_norm_freeze_steps: with normalize_obs (ignored without it), the env step [all ranks] after which the normaliser's mean / std stop updating (0: never); a frozen normaliser removed the late collapses of CartPoleNoVel runs (benchmarks/learning/README.md).
         normalize_reward: scale rewards by the running std of the discounted return (gymnasium NormalizeReward).
             On by default, unlike CleanRL's discrete PPO: actor and critic share the backbone,

@@ -67,14 +67,15 @@ def test_the_freeze_step_is_ignored_without_normalize_obs():
 
 
 def test_a_run_that_normalised_discrete_observations_resumes_with_its_normaliser(tmp_path):
-    """Before 2026-12-04 normalize_obs normalised all-discrete (one-hot) observations too; make_vec_env now leaves
-    them as they are, so a checkpoint holding their statistics gets its normaliser back on resume (its policy was
-    trained on normalised inputs), with the saved statistics."""
+    """Before 2026-12-04 normalize_obs normalised all-discrete (one-hot) observations too; with obs_norm_discrete off
+    (the continuous-only rule) make_vec_env leaves them as they are, so a checkpoint holding their statistics gets
+    its normaliser back on resume (its policy was trained on normalised inputs), with the saved statistics."""
     from mamba_rl.envs import make_vec_env
 
-    cfg = PPOConfig(**TINY, env_id="FrozenLake-v1", total_timesteps=64, checkpoint_dir=str(tmp_path / "ck"))
+    cfg = PPOConfig(**TINY, env_id="FrozenLake-v1", total_timesteps=64, checkpoint_dir=str(tmp_path / "ck"),
+                    obs_norm_discrete=False)
     fresh = RecurrentPPO(config=cfg)
-    assert find_vector_wrapper(fresh.envs, gym.wrappers.vector.NormalizeObservation) is None  # the new rule
+    assert find_vector_wrapper(fresh.envs, gym.wrappers.vector.NormalizeObservation) is None  # that rule
     fresh.close()
     # the old stack: the normaliser over the one-hot codes
     old_envs = gym.wrappers.vector.NormalizeObservation(make_vec_env("FrozenLake-v1", 2, seed=5))
