@@ -233,7 +233,7 @@ class Policy:
             raise ValueError(f"predict: deterministic must be a bool, got {deterministic!r}")
         if episode_start is not None:
             starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool))
-        steps = _next_steps(state, starts)  # the episode's own clock, also under memoryless (as in the rollout)
+        steps = _next_steps(state, starts, "predict")  # the episode's own clock, also under memoryless (as in the rollout)
         if self.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = self._prev_reward(reward, state.prev_reward, starts, "predict")
@@ -292,7 +292,7 @@ class Policy:
         if episode_start is None:
             raise ValueError(f"value: episode_start must be [{b}] bools, got None")
         starts = torch.as_tensor(_per_env("episode_start", episode_start, b, bool, "value"))
-        steps = _next_steps(state, starts)
+        steps = _next_steps(state, starts, "value")
         if self.memoryless:
             starts = torch.ones_like(starts)
         prev_reward = self._prev_reward(reward, state.prev_reward, starts, "value")
@@ -300,12 +300,12 @@ class Policy:
         return self.critic(feat).cpu().numpy()
 
 
-def _next_steps(state: PolicyState, starts: torch.Tensor) -> torch.Tensor:
+def _next_steps(state: PolicyState, starts: torch.Tensor, who: str) -> torch.Tensor:
     """The in-episode step [B] int64 of the observation acted on now: 0 where a row starts an episode, else one
     past the state's. ValueError for a state's ``episode_step`` that is not [B]."""
     held = state.episode_step
     if not isinstance(held, torch.Tensor) or tuple(held.shape) != tuple(starts.shape):
-        raise ValueError(f"predict: state.episode_step must be a [{starts.shape[0]}] tensor (the PolicyState a "
+        raise ValueError(f"{who}: state.episode_step must be a [{starts.shape[0]}] tensor (the PolicyState a "
                          f"previous call returned for these envs), got "
                          f"{tuple(held.shape) if isinstance(held, torch.Tensor) else type(held).__name__}")
     return torch.where(starts, 0, held.to(torch.int64) + 1)

@@ -56,13 +56,13 @@ int backbone_step_rows(const StepParams& p, int R, const char** err) {
   // measured on H200 (benchmarks/NOTES.md): the cluster kernel wins for small batches, one block per
   // 1-2 rows for large ones
   if (backbone_step_cluster_ok(p) && p.B <= 32) return p.B <= 16 ? -1 : -2;
-  // the third cluster kernel from B = 33 to 512: the rows a cluster that give the fewest waves x the time of one
+  // the third cluster kernel up to B = 512: the rows a cluster that give the fewest waves x the time of one
   // wave, waves = ceil(clusters / the clusters the device runs at once). One wave's time per rows a cluster,
   // kernel alone, f32 weights (H200, benchmarks/NOTES.md, twenty-eighth session; bf16 within 4 %): 8 rows 19.6 us,
   // 16 31.5, 24 43.6, 32 51.7. So B = 64 takes 8 rows, 128 16, 256 24 (11 clusters: 43.6 us against 51.7 with 32
   // and 57.0 with 8 in two waves), 384 32 (12 clusters; 24 rows need 16, two waves: 83 us), 512 24 (22 clusters,
   // two waves: 86.3 us against 93.4 with 16 and 102.5 with 32); one block per 1-4 rows: 61-121 us there.
-  if (p.B > 32 && p.B <= 512 && backbone_step_cluster3_ok(p)) {
+  if (p.B <= 512 && backbone_step_cluster3_ok(p)) {
     static const int rows[4] = {8, 16, 24, 32};
     static const float wave_us[4] = {19.6f, 31.5f, 43.6f, 51.7f};
     int best = 0;

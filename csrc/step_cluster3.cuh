@@ -436,7 +436,7 @@ int stepc3_max_clusters_rn(const StepParams& p) {
   cfg.dynamicSmemBytes = smem;
   int n = 0;
   if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the sticky-free error the failed query left
+    (void)cudaGetLastError();  // clear the (not sticky) error the failed query left
     return 0;
   }
   return cached[dev] = n;
