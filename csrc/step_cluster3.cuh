@@ -415,30 +415,29 @@ const char* stepc3_launch_rn(const StepParams& p, cudaStream_t s) {
 }
 
 // How many clusters of R rows the device runs at once (cudaOccupancyMaxActiveClusters for this kernel, its
-// 8-block clusters and its shared memory; a GPC holds whole clusters, so an H100 / H200 runs ~15 of 8 blocks),
-// cached per device; 0 where the query fails or the shared memory does not fit.
+// 8-block clusters and its shared memory; a GPC holds whole clusters, so an H100 / H200 runs 15 of 8 blocks),
+// cached per device and shared-memory size (input_dim changes it); 0 where the query fails (e.g. the shared memory
+// does not fit).
 template <typename WT, int R, int N>
 int stepc3_max_clusters_rn(const StepParams& p) {
   static int cached[64] = {0};
+  static size_t cached_smem[64] = {0};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 0;
-  if (cached[dev] > 0) return cached[dev];
   const size_t smem = stepc3_smem_bytes(p, R);
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
-      smem > (size_t)optin)
-    return 0;
+  if (cached[dev] > 0 && cached_smem[dev] == smem) return cached[dev];
   auto kern = backbone_step_cluster3_kernel<WT, R, N>;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return 0;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(SC2_CL * 64);
   cfg.blockDim = dim3(SC2_THREADS);
   cfg.dynamicSmemBytes = smem;
   int n = 0;
-  if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the (not sticky) error the failed query left
+  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the (not sticky) error the failed call left
     return 0;
   }
+  cached_smem[dev] = smem;
   return cached[dev] = n;
 }
 

@@ -312,7 +312,7 @@ def _time_obs_env(base: str, n_freq: int) -> str:
         raise ValueError(f"time_obs: expected a number of frequencies >= 1, got {n_freq}")
     new = f"mamba_rl_harness/{base}-time{n_freq}-v0"
     if new not in gym.registry:
-        omega = (2 * np.pi / 2.0 ** np.arange(2, n_freq + 2)).astype(np.float64)
+        from mamba_rl.agents.policy import time_features
 
         class TimeObs(gym.ObservationWrapper):
             def __init__(self, env):
@@ -330,8 +330,7 @@ def _time_obs_env(base: str, n_freq: int) -> str:
                 return super().step(action)
 
             def observation(self, obs):
-                ph = omega * self.t
-                return obs, np.concatenate([np.sin(ph), np.cos(ph)]).astype(np.float32)
+                return obs, time_features(np.array([self.t]), n_freq)[0]
 
         gym.register(new, entry_point=lambda **kw: TimeObs(gym.make(base, **kw)))
     return new
