@@ -68,10 +68,13 @@ class ArenaModule(nn.Module):
         """Point every Parameter (and .grad) at views of ``arena`` and a fresh zero grad arena."""
         self.arena = arena
         self.grad_arena = torch.zeros_like(arena)
+        views = []
         for name, _ in self._layout:
             p = self.get_parameter(name)
             p.data = self.arena_view(arena, name)
             p.grad = self.arena_view(self.grad_arena, name)
+            views.append((p, p.grad))
+        self._grad_views = tuple(views)  # (Parameter, its grad-arena view), for attach_grads' identity checks
         if self.compute_arena is not None:
             self.compute_arena = arena.to(self.compute_arena.dtype)
 
@@ -118,14 +121,23 @@ class ArenaModule(nn.Module):
         return True
 
     def attach_grads(self):
-        """Re-point every ``.grad`` at the grad arena (after a ``zero_grad(set_to_none=True)`` elsewhere)."""
-        for name, _ in self._layout:
-            p = self.get_parameter(name)
-            v = self.arena_view(self.grad_arena, name)
-            if p.grad is None or p.grad.data_ptr() != v.data_ptr():
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+        """Re-point every ``.grad`` at its view of the grad arena, with torch's accumulation rule: a ``.grad``
+        set to None since (``torch.optim.Optimizer.zero_grad()`` and ``nn.Module.zero_grad()`` do so by
+        default, ``set_to_none=True``) starts again from zero; one replaced by another tensor is copied in.
+
+        The kernel backends add their gradients to the arena only, so every backward that accumulates into
+        the parameters calls this first (the fused node's pre-hook, the trainer); without it a backbone
+        trained by a torch optimizer would keep ``.grad`` None after the first ``zero_grad()`` and silently
+        stop learning. One identity check per parameter when every ``.grad`` is still attached."""
+        for p, v in self._grad_views:
+            g = p.grad
+            if g is v:
+                continue
+            if g is None:
+                v.zero_()
+            elif g.data_ptr() != v.data_ptr():
+                v.copy_(g)
+            p.grad = v
 
     def zero_grad(self, set_to_none: bool = False):
         """Zero the flat gradient arena (grads stay views into it; ``set_to_none`` is ignored)."""

@@ -57,7 +57,9 @@ def _guard_fused_backward(net, node) -> None:
     """Pre/post hooks on the fused node (pure Python, nothing on the device in the usual case): a backward
     with grad mode on (``create_graph=True``) raises RuntimeError, since the node has no double backward; a
     backward that does not accumulate into the parameters (``torch.autograd.grad(out, [x])``,
-    ``backward(inputs=[x])``) gets x's gradient and leaves ``.grad`` (the gradient arena) as it was."""
+    ``backward(inputs=[x])``) gets x's gradient and leaves ``.grad`` (the gradient arena) as it was; one that does
+    first re-attaches any ``.grad`` a ``zero_grad()`` set to None (:meth:`ArenaModule.attach_grads`: it starts
+    from zero, as torch's own accumulation would)."""
     anchor = node.next_functions[1][0]  # the zero-size leaf standing for the parameters (fused_backbone)
     will_run = getattr(torch._C, "_will_engine_execute_node", None)
     saved = []
@@ -70,6 +72,8 @@ def _guard_fused_backward(net, node) -> None:
                 f"which runs the reference math) for double backward")
         if anchor is None or (will_run is not None and not will_run(anchor)):
             saved.append(net.grad_arena.clone())
+        else:
+            net.attach_grads()
 
     def post(grad_inputs, grad_outputs):
         if saved:

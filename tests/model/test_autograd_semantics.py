@@ -114,6 +114,40 @@ def test_backward_still_accumulates_like_reference():
     assert rel(g[0][0], g[1][0]) < 1e-4 and rel(g[0][1], g[1][1]) < 1e-4
 
 
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba3"])
+@pytest.mark.parametrize("clear", ["optimizer", "module", "assign"])
+def test_a_torch_optimizer_trains_the_kernel_backend_as_the_reference(clear, layer):
+    """The standard loop: ``opt.zero_grad()`` (set_to_none=True by default) sets every ``.grad`` to None; the next
+    backward must start from zero and fill ``.grad`` again (the fused node writes the arena only: before the fix
+    the kernel backend's parameters kept ``.grad`` None and silently never moved after the first step)."""
+    x, starts, w = inputs(6)
+    cfg = CFG if layer == "Mamba1" else MambaConfig(d_model=16, n_layers=2, d_state=8, layer="Mamba3", headdim=8)
+    nets = [MambaBackbone(cfg, IN, backend=b, seed=0) for b in ("cpu", "reference")]
+    opts = [torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9) for net in nets]  # not Adam: its step
+    # turns a rounding-level difference of a near-zero gradient into a full lr
+    for it in range(4):
+        for net, opt in zip(nets, opts):
+            if clear == "optimizer":
+                opt.zero_grad()
+            elif clear == "module":
+                net.zero_grad(set_to_none=True)
+            else:  # the user's own tensors: a stale .grad replaced by zeros of another storage
+                for q in net.parameters():
+                    q.grad = torch.zeros_like(q)
+            for _ in range(2):  # two backwards accumulate after the clear
+                y, _ = net(x * (it + 1), episode_starts=starts)
+                (y * w).sum().backward()
+            assert all(q.grad is not None for q in net.parameters()), net.backend
+            opt.step()
+        kern, ref = (dict(net.named_parameters()) for net in nets)
+        grads = [torch.cat([q.grad.reshape(-1) for q in net.parameters()]) for net in nets]
+        assert rel(grads[0], grads[1]) < 1e-4, (it, rel(grads[0], grads[1]))
+        for name in ref:
+            assert rel(kern[name], ref[name]) < 1e-4, (it, name)
+    moved = not torch.equal(nets[0].arena, MambaBackbone(cfg, IN, backend="cpu", seed=0).arena)
+    assert nets[0].backend == "cpu" and moved
+
+
 def test_double_backward_raises_a_clear_error():
     x, starts, _ = inputs(6)
     net, ref = pair()
