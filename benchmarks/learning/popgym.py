@@ -16,6 +16,10 @@ Methods:
   ``--set gae_lambda_value=L`` computes the value targets with GAE lambda L, the advantages keeping ``gae_lambda``.
   ``--set head_hidden=W`` makes the actor and critic heads MLPs with two hidden tanh layers of W units (sb3's
   ``MlpLstmPolicy`` heads) instead of one linear layer (CPU runs).
+  ``--set reward_head=C`` (with ``reward_head_q=K``, default 1) adds a per-action head of the immediate reward,
+  regressed on the taken action's reward (weight K), and its Mean Actor-Critic term (weight C) to the actor's loss
+  (CPU runs, ``aux_gamma=0``). ``--set action_set=C`` adds an auxiliary head that predicts the set of actions taken
+  so far in the episode (binary cross-entropy, weight C; CPU runs, discrete actions).
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -271,6 +275,110 @@ def _mlp_heads(width: int) -> None:
     R.EagerActor._heads = _heads
 
 
+def _reward_head(mac: float, q_coef: float) -> None:
+    """``--set reward_head=C [reward_head_q=K]`` (harness only, CPU rollout, aux_gamma 0): a per-action head of
+    the immediate reward, Q0(s, a) (one output per action; per component for a MultiDiscrete, an additive
+    model), regressed on the taken action's (scaled) reward with weight K (0.5 K (Q0(s, a_t) - r_t)^2, its
+    gradient into the backbone too), and the Mean Actor-Critic term (Allen et al. 2017) of it in the actor's
+    loss, -C sum_a pi(a | s) Q0(s, a) with Q0 detached: the policy gradient of the immediate reward over every
+    action at once instead of the sampled one. It patches this process's ``ActorHead`` and the update's
+    ``ppo_loss`` (one process per run, so nothing else sees it)."""
+    import torch
+    from torch import nn
+
+    from mamba_rl.agents import heads as H
+    from mamba_rl.agents import loss as L
+    from mamba_rl.agents import update as U
+
+    actor_init, actor_fwd, base_loss = H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss
+
+    def init(self, d_model, action_space, generator=None):
+        actor_init(self, d_model, action_space, generator)
+        if self.kind == "gaussian":
+            raise ValueError("reward_head: expected a discrete action space, got a Box")
+        self.q0 = H._layer_init(nn.Linear(d_model, self.out_dim), 1.0, generator)
+
+    def forward(self, features):
+        dist = actor_fwd(self, features)
+        dist.q0 = self.q0(features)
+        return dist
+
+    def ppo_loss(c, dist, newvalue, mb, count, adv_norm=None, aux_newvalue=None):
+        loss, st = base_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
+        if c.aux_gamma != 0.0:
+            raise ValueError(f"reward_head: expected aux_gamma 0 (its returns are the rewards), got {c.aux_gamma}")
+        r, mask = mb.aux_returns, mb.mask
+        qs = torch.split(dist.q0, list(dist.splits) or [dist.q0.shape[-1]], -1)
+        q_loss, mac_sum = 0.0, 0.0
+        for i, (q, logp) in enumerate(zip(qs, dist._logps())):
+            taken = q.gather(-1, mb.actions[..., i:i + 1].long()).squeeze(-1)
+            q_loss = q_loss + 0.5 * L.masked_mean((taken - r) ** 2, mask, count)
+            mac_sum = mac_sum + (logp.exp() * q.detach()).sum(-1)
+        mac_loss = -L.masked_mean(mac_sum, mask, count)
+        return loss + q_coef * q_loss + mac * mac_loss, st
+
+    H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss = init, forward, ppo_loss
+
+
+def _action_set_head(coef: float) -> None:
+    """``--set action_set=C`` (harness only, CPU rollout, discrete actions): an auxiliary head on the backbone's
+    features that predicts, at every step, which actions the agent has taken so far in the episode (a multi-hot
+    over every joint action, binary cross-entropy with weight C, its gradient into the backbone too). Steps whose
+    episode began before the minibatch's window (history unknown) and invalid steps are left out. Battleship's
+    no-repeat rule needs exactly this set; the probe ``set_memory.py`` shows the backbone learns it supervised in
+    a few hundred steps. It patches this process's ``ActorHead``, ``PPOUpdate._mb_gather`` and the update's
+    ``ppo_loss`` (one process per run, so nothing else sees it)."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from mamba_rl.agents import heads as H
+    from mamba_rl.agents import update as U
+
+    actor_init, actor_fwd, base_loss, gather = H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss, \
+        U.PPOUpdate._mb_gather
+    cur = {}
+
+    def init(self, d_model, action_space, generator=None):
+        actor_init(self, d_model, action_space, generator)
+        if self.kind == "gaussian":
+            raise ValueError("action_set: expected a discrete action space, got a Box")
+        self.set_nvec = list(self.splits) or [self.out_dim]
+        self.set_head = H._layer_init(nn.Linear(d_model, int(np.prod(self.set_nvec))), 1.0, generator)
+
+    def forward(self, features):
+        dist = actor_fwd(self, features)
+        dist.set_logits = self.set_head(features)
+        return dist
+
+    def mb_gather(self):
+        gather(self)
+        cur["starts"], cur["nvec"] = self.trainer.starts_buf, self.actor.set_nvec
+
+    def ppo_loss(c, dist, newvalue, mb, count, adv_norm=None, aux_newvalue=None):
+        loss, st = base_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
+        starts, nvec = cur["starts"], cur["nvec"]
+        rows, t = starts.shape
+        a = mb.actions.long()
+        joint = a[..., 0]
+        for i in range(1, len(nvec)):  # row-major joint index of a MultiDiscrete action
+            joint = joint * nvec[i] + a[..., i]
+        k = int(np.prod(nvec))
+        taken = nn.functional.one_hot(joint, k).float() * mb.mask.unsqueeze(-1)
+        before = taken.cumsum(1) - taken  # sum over s < t
+        steps = torch.arange(t, device=starts.device).expand(rows, t)
+        last = torch.where(starts, steps, torch.full_like(steps, -1)).cummax(1).values  # the episode's first step
+        known = (last >= 0).float() * mb.mask
+        seen = before - before.gather(1, last.clamp_min(0).unsqueeze(-1).expand(-1, -1, k))
+        bce = nn.functional.binary_cross_entropy_with_logits(dist.set_logits, (seen > 0.5).float(),
+                                                             reduction="none").mean(-1)
+        n = known.sum().clamp_min(1.0)
+        return loss + coef * (bce * known).sum() / n, st
+
+    H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss, U.PPOUpdate._mb_gather = init, forward, ppo_loss, \
+        mb_gather
+
+
 def _joint_action_env(base: str) -> str:
     """``--set joint_action=True`` (harness only): the task with its MultiDiscrete action (Battleship's row and
     column) as one Discrete over every combination (a gymnasium ``ActionWrapper``), so the policy's categorical
@@ -370,6 +478,10 @@ def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _
         _obs_norm_clip(float(sets.pop("obs_norm_clip")))
     if "head_hidden" in sets:
         _mlp_heads(int(sets.pop("head_hidden")))
+    if "reward_head" in sets:
+        _reward_head(float(sets.pop("reward_head")), float(sets.pop("reward_head_q", 1.0)))
+    if "action_set" in sets:
+        _action_set_head(float(sets.pop("action_set")))
     task_id = _joint_action_env(env_id(task)) if sets.pop("joint_action", False) else env_id(task)
     if "time_obs" in sets:
         task_id = _time_obs_env(task_id, int(sets.pop("time_obs")))
@@ -660,7 +772,8 @@ def plot(runs: dict, path: str) -> None:
 
 # --set names the harness itself takes (see the module docstring), not PPOConfig fields
 HARNESS_SETS = ("adv_norm_batch", "gae_lambda_value", "obs_norm_clip", "joint_action",
-                "head_hidden", "time_obs", "obs_norm_freeze_step") + tuple(f + "_end" for f in SCHEDULED)
+                "head_hidden", "time_obs", "obs_norm_freeze_step", "reward_head", "reward_head_q",
+                "action_set") + tuple(f + "_end" for f in SCHEDULED)
 
 
 def _check_runs(ap: argparse.ArgumentParser, a: argparse.Namespace, sets: dict) -> None:

@@ -99,6 +99,10 @@ def test_bars_mean_row_and_columns(pg, tmp_path):
     ("mamba", ["--variant", "tiny", "--set", "d_model=16", "--set", "n_layers=1"], "mamba__tiny"),
     ("mamba", ["--variant", "mlp", "--set", "d_model=16", "--set", "n_layers=1", "--set", "head_hidden=8"],
      "mamba__mlp"),  # the harness's MLP heads
+    ("mamba", ["--variant", "rh", "--set", "d_model=16", "--set", "n_layers=1", "--set", "reward_head=6",
+               "--set", "reward_head_q=2"], "mamba__rh"),  # the harness's per-action immediate-reward head
+    ("mamba", ["--variant", "as", "--set", "d_model=16", "--set", "n_layers=1", "--set", "action_set=1"],
+     "mamba__as"),  # the harness's action-set head
     ("sb3", [], "sb3"),
     ("sb3", ["--sb3-prev-action"], "sb3__prev"),
     ("sb3", ["--variant", "g09", "--set", "gamma=0.9"], "sb3__g09"),  # the LSTM given a --set, in its own folder
@@ -119,6 +123,10 @@ def test_one_tiny_run_end_to_end(pg, tmp_path, method, extra, folder):
         assert r["config"]["gamma"] == "0.9"
     if "head_hidden=8" in extra:
         assert r["config"]["head_hidden"] == 8
+    if "reward_head=6" in extra:
+        assert r["config"]["reward_head"] == 6 and r["config"]["reward_head_q"] == 2
+    if "action_set=1" in extra:
+        assert r["config"]["action_set"] == 1
     # a finished run of the same budget is not run again
     mtime = os.path.getmtime(folder / "RepeatPreviousEasy__seed3.json")
     assert pg.main(argv) == 0
