@@ -20,7 +20,7 @@ batch (seed 12345) over steps 16..T-1 against the majority guess (the share of t
 from __future__ import annotations
 
 import argparse
-import ast
+import importlib.util
 import json
 import math
 import os
@@ -57,6 +57,9 @@ def build(backbone: str, k: int, d_model: int, sets: dict, a_range: str | None, 
         raise ValueError(f"--backbone: expected mamba1, mamba3, gru or lstm, got {backbone!r}")
     from mamba_rl import MambaBackbone, MambaConfig
 
+    taken = sorted(set(sets) & {"d_model", "layer"})
+    if taken:
+        raise ValueError(f"--set {taken[0]}: given by --d-model / --backbone, got --set {taken[0]}={sets[taken[0]]!r}")
     cfg = MambaConfig(d_model=d_model, layer="Mamba1" if backbone == "mamba1" else "Mamba3", **sets)
     net = MambaBackbone(cfg, k, seed=seed, backend="cpu")
     if a_range:
@@ -95,13 +98,10 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    sets = {}
-    for item in a.set:
-        key, _, v = item.partition("=")
-        try:
-            sets[key] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            sets[key] = v
+    spec = importlib.util.spec_from_file_location("diag_memory", os.path.join(HERE, "diag_memory.py"))
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    sets = diag.parse_sets(a.set)  # name=value, the value a Python literal where it parses as one
     try:
         net = build(a.backbone, a.cells, a.d_model, sets, a.a_range, a.seed)
     except (ValueError, TypeError) as e:
