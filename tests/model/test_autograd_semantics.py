@@ -148,6 +148,26 @@ def test_a_torch_optimizer_trains_the_kernel_backend_as_the_reference(clear, lay
     assert nets[0].backend == "cpu" and moved
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba3"])
+def test_a_torch_optimizer_trains_the_cuda_backend_as_the_reference(layer):
+    """The same loop on the CUDA backend (its fused node shares the pre-hook): ``opt.zero_grad()`` between steps."""
+    x, starts, w = (t.cuda() for t in inputs(7))
+    cfg = CFG if layer == "Mamba1" else MambaConfig(d_model=16, n_layers=2, d_state=8, layer="Mamba3", headdim=8)
+    nets = [MambaBackbone(cfg, IN, backend=b, seed=0, device="cuda") for b in ("cuda", "reference")]
+    opts = [torch.optim.SGD(net.parameters(), lr=1e-2, momentum=0.9) for net in nets]
+    for it in range(3):
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            y, _ = net(x * (it + 1), episode_starts=starts)
+            (y * w).sum().backward()
+            assert all(q.grad is not None for q in net.parameters()), net.backend
+            opt.step()
+    assert nets[0].backend == "cuda" and rel(nets[0].arena, nets[1].arena) < 1e-4
+    assert not torch.equal(nets[0].arena, MambaBackbone(cfg, IN, backend="cuda", seed=0, device="cuda").arena)
+
+
 def test_double_backward_raises_a_clear_error():
     x, starts, _ = inputs(6)
     net, ref = pair()
