@@ -74,7 +74,8 @@ class ArenaModule(nn.Module):
             p.data = self.arena_view(arena, name)
             p.grad = self.arena_view(self.grad_arena, name)
             views.append((p, p.grad))
-        self._grad_views = tuple(views)  # (Parameter, its grad-arena view), for attach_grads' identity checks
+        # (the grad arena, ((Parameter, its view), ...) in layout order), for attach_grads' identity checks
+        self._grad_views = (self.grad_arena, tuple(views))
         if self.compute_arena is not None:
             self.compute_arena = arena.to(self.compute_arena.dtype)
 
@@ -129,7 +130,11 @@ class ArenaModule(nn.Module):
         the parameters calls this first (the fused node's pre-hook, the trainer); without it a backbone
         trained by a torch optimizer would keep ``.grad`` None after the first ``zero_grad()`` and silently
         stop learning. One identity check per parameter when every ``.grad`` is still attached."""
-        for p, v in self._grad_views:
+        arena, views = self._grad_views
+        if arena is not self.grad_arena:  # the grad arena was replaced (assigned): the new one's views
+            views = tuple((p, self.arena_view(self.grad_arena, name)) for (p, _), (name, _) in zip(views, self._layout))
+            self._grad_views = (self.grad_arena, views)
+        for p, v in views:
             g = p.grad
             if g is v:
                 continue
