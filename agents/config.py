@@ -318,8 +318,8 @@ class PPOConfig(_PPOFields):
         normalize_obs: running mean/std observation normalisation (gymnasium NormalizeObservation) of the flattened observations: of every observation space with ``obs_norm_discrete`` (the default), else only of spaces with a continuous part (:func:`mamba_rl.envs.make_vec_env`).
         obs_norm_discrete: with normalize_obs (ignored without it), normalise all-discrete observation spaces
             too (their flattened one-hot codes), as sb3's VecNormalize does with every observation. On by default:
-            at 200k steps it lifted AutoencodeEasy from -0.418 (24 seeds) to -0.405 (12) and ConcentrationEasy
-            from 0.134 to 0.153, cost MultiarmedBanditEasy 0.035 (still +0.2 over the LSTM) and left
+            at 200k steps it lifted AutoencodeEasy from -0.418 to -0.410 (24 seeds each) and ConcentrationEasy
+            from 0.134 to 0.153, cost MultiarmedBanditEasy 0.040 (still +0.2 over the LSTM) and left
             RepeatPrevious and Battleship as they were; observations with a continuous part are normalised
             either way (benchmarks/learning/README.md, 2026-12-06). False is the continuous-only rule.
         obs_norm_freeze_steps: with normalize_obs (ignored without it), the env step [all ranks] after which the normaliser's mean / std stop updating (0: never); a frozen normaliser removed the late collapses of CartPoleNoVel runs (benchmarks/learning/README.md).

@@ -275,6 +275,36 @@ def _mlp_heads(width: int) -> None:
     R.EagerActor._heads = _heads
 
 
+def _extra_actor_output(who: str, attr: str, width) -> None:
+    """Patches this process's ``ActorHead`` (harness only) with one more linear output on the backbone's features
+    (CleanRL's init, gain 1): ``width(head)`` units, kept on every distribution its forward returns as
+    ``dist.<attr>`` (the update's loss reads it; the rollout's fused head GEMM does not compute it). ValueError
+    from the head for a Box action space."""
+    from torch import nn
+
+    from mamba_rl.agents import heads as H
+
+    actor_init, actor_fwd = H.ActorHead.__init__, H.ActorHead.forward
+
+    def init(self, d_model, action_space, generator=None):
+        actor_init(self, d_model, action_space, generator)
+        if self.kind == "gaussian":
+            raise ValueError(f"{who}: expected a discrete action space, got a Box")
+        setattr(self, attr + "_head", H._layer_init(nn.Linear(d_model, width(self)), 1.0, generator))
+
+    def forward(self, features):
+        dist = actor_fwd(self, features)
+        setattr(dist, attr, getattr(self, attr + "_head")(features))
+        return dist
+
+    H.ActorHead.__init__, H.ActorHead.forward = init, forward
+
+
+def _categoricals(dist) -> list[int]:
+    """The sizes of a discrete distribution's categoricals: its MultiDiscrete nvec, or [n] for one Discrete(n)."""
+    return list(dist.splits) or [dist.params[0].shape[-1]]
+
+
 def _reward_head(mac: float, q_coef: float) -> None:
     """``--set reward_head=C [reward_head_q=K]`` (harness only, CPU rollout, aux_gamma 0): a per-action head of
     the immediate reward, Q0(s, a) (one output per action; per component for a MultiDiscrete, an additive
@@ -284,40 +314,27 @@ def _reward_head(mac: float, q_coef: float) -> None:
     action at once instead of the sampled one. It patches this process's ``ActorHead`` and the update's
     ``ppo_loss`` (one process per run, so nothing else sees it)."""
     import torch
-    from torch import nn
 
-    from mamba_rl.agents import heads as H
     from mamba_rl.agents import loss as L
     from mamba_rl.agents import update as U
 
-    actor_init, actor_fwd, base_loss = H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss
-
-    def init(self, d_model, action_space, generator=None):
-        actor_init(self, d_model, action_space, generator)
-        if self.kind == "gaussian":
-            raise ValueError("reward_head: expected a discrete action space, got a Box")
-        self.q0 = H._layer_init(nn.Linear(d_model, self.out_dim), 1.0, generator)
-
-    def forward(self, features):
-        dist = actor_fwd(self, features)
-        dist.q0 = self.q0(features)
-        return dist
+    _extra_actor_output("reward_head", "q0", lambda head: head.out_dim)
+    base_loss = U.ppo_loss
 
     def ppo_loss(c, dist, newvalue, mb, count, adv_norm=None, aux_newvalue=None):
         loss, st = base_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
         if c.aux_gamma != 0.0:
             raise ValueError(f"reward_head: expected aux_gamma 0 (its returns are the rewards), got {c.aux_gamma}")
         r, mask = mb.aux_returns, mb.mask
-        qs = torch.split(dist.q0, list(dist.splits) or [dist.q0.shape[-1]], -1)
         q_loss, mac_sum = 0.0, 0.0
-        for i, (q, logp) in enumerate(zip(qs, dist._logps())):
+        for i, (q, logp) in enumerate(zip(torch.split(dist.q0, _categoricals(dist), -1), dist._logps())):
             taken = q.gather(-1, mb.actions[..., i:i + 1].long()).squeeze(-1)
             q_loss = q_loss + 0.5 * L.masked_mean((taken - r) ** 2, mask, count)
             mac_sum = mac_sum + (logp.exp() * q.detach()).sum(-1)
         mac_loss = -L.masked_mean(mac_sum, mask, count)
         return loss + q_coef * q_loss + mac * mac_loss, st
 
-    H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss = init, forward, ppo_loss
+    U.ppo_loss = ppo_loss
 
 
 def _action_set_head(coef: float) -> None:
@@ -326,44 +343,33 @@ def _action_set_head(coef: float) -> None:
     over every joint action, binary cross-entropy with weight C, its gradient into the backbone too). Steps whose
     episode began before the minibatch's window (history unknown) and invalid steps are left out. Battleship's
     no-repeat rule needs exactly this set; the probe ``set_memory.py`` shows the backbone learns it supervised in
-    a few hundred steps. It patches this process's ``ActorHead``, ``PPOUpdate._mb_gather`` and the update's
-    ``ppo_loss`` (one process per run, so nothing else sees it)."""
-    import numpy as np
+    a few hundred steps. It patches this process's ``ActorHead``, ``PPOUpdate._mb_gather`` (for the minibatch's
+    episode starts) and the update's ``ppo_loss`` (one process per run, so nothing else sees it)."""
+    import math
+
     import torch
     from torch import nn
 
-    from mamba_rl.agents import heads as H
+    from mamba_rl.agents import loss as L
     from mamba_rl.agents import update as U
 
-    actor_init, actor_fwd, base_loss, gather = H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss, \
-        U.PPOUpdate._mb_gather
+    _extra_actor_output("action_set", "set_logits", lambda head: math.prod(list(head.splits) or [head.out_dim]))
+    base_loss, gather = U.ppo_loss, U.PPOUpdate._mb_gather
     cur = {}
-
-    def init(self, d_model, action_space, generator=None):
-        actor_init(self, d_model, action_space, generator)
-        if self.kind == "gaussian":
-            raise ValueError("action_set: expected a discrete action space, got a Box")
-        self.set_nvec = list(self.splits) or [self.out_dim]
-        self.set_head = H._layer_init(nn.Linear(d_model, int(np.prod(self.set_nvec))), 1.0, generator)
-
-    def forward(self, features):
-        dist = actor_fwd(self, features)
-        dist.set_logits = self.set_head(features)
-        return dist
 
     def mb_gather(self):
         gather(self)
-        cur["starts"], cur["nvec"] = self.trainer.starts_buf, self.actor.set_nvec
+        cur["starts"] = self.trainer.starts_buf
 
     def ppo_loss(c, dist, newvalue, mb, count, adv_norm=None, aux_newvalue=None):
         loss, st = base_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
-        starts, nvec = cur["starts"], cur["nvec"]
+        starts, nvec = cur["starts"], _categoricals(dist)
         rows, t = starts.shape
         a = mb.actions.long()
         joint = a[..., 0]
         for i in range(1, len(nvec)):  # row-major joint index of a MultiDiscrete action
             joint = joint * nvec[i] + a[..., i]
-        k = int(np.prod(nvec))
+        k = math.prod(nvec)
         taken = nn.functional.one_hot(joint, k).float() * mb.mask.unsqueeze(-1)
         before = taken.cumsum(1) - taken  # sum over s < t
         steps = torch.arange(t, device=starts.device).expand(rows, t)
@@ -372,11 +378,9 @@ def _action_set_head(coef: float) -> None:
         seen = before - before.gather(1, last.clamp_min(0).unsqueeze(-1).expand(-1, -1, k))
         bce = nn.functional.binary_cross_entropy_with_logits(dist.set_logits, (seen > 0.5).float(),
                                                              reduction="none").mean(-1)
-        n = known.sum().clamp_min(1.0)
-        return loss + coef * (bce * known).sum() / n, st
+        return loss + coef * L.masked_mean(bce, known, known.sum().clamp_min(1.0)), st
 
-    H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss, U.PPOUpdate._mb_gather = init, forward, ppo_loss, \
-        mb_gather
+    U.ppo_loss, U.PPOUpdate._mb_gather = ppo_loss, mb_gather
 
 
 def _joint_action_env(base: str) -> str:

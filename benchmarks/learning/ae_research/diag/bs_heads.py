@@ -60,9 +60,9 @@ with torch.no_grad():
         x = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
         step_t = torch.where(starts, 0, state.episode_step + 1)
         feat, rec = p._features(x, state, starts, state.prev_reward, step_t)
-        raw = p.actor.linear(feat); q = p.actor.q0(feat) if mac >= 0 else torch.zeros(n, 64)
+        raw = p.actor.linear(feat); q = p.actor.q0_head(feat) if mac >= 0 else torch.zeros(n, 64)
         if AS:
-            sl = p.actor.set_head(feat).numpy() > 0
+            sl = p.actor.set_logits_head(feat).numpy() > 0
             for i in range(n):
                 if done[i]: continue
                 truth = np.zeros(64, bool); truth[list(seen[i])] = True
