@@ -33,7 +33,10 @@ trainer, head optimizer, sampling RNGs, stepper, rollout carry, envs) as typed a
 The two-horizon critic (``PPOConfig.aux_gamma``) adds a head, ``heads/aux_critic.linear.*``, and its head
 Adam moments; a checkpoint with it resumes only into a config with an ``aux_gamma`` and one without it only
 into a config without (:func:`restore_agent` says so before loading anything; the aux discount itself may
-change on resume, as ``gamma`` may).
+change on resume, as ``gamma`` may). The action-set loss (``PPOConfig.action_set_coef`` > 0) adds the head
+``heads/action_set.*`` likewise: its coefficient may change on resume, not whether it is 0. Every other head
+whose saved shape differs from the policy's (another action space, say ``joint_action`` turned on or off) is
+refused the same way.
 """
 
 from __future__ import annotations
@@ -343,9 +346,10 @@ def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progr
 
 
 def _check_layout(ckpt: Path, policy: Policy) -> None:
-    """Refuse a checkpoint whose aux critic head (``PPOConfig.aux_gamma``) is present where ``policy`` has none,
-    or absent where it has one, or whose ``time_encoding`` (input width) differs from the policy's, before
-    anything is loaded (read from the file's metadata: the saved config).
+    """Refuse a checkpoint whose aux critic head (``PPOConfig.aux_gamma``) or action-set head
+    (``action_set_coef``) is present where ``policy`` has none, or absent where it has one, whose other heads
+    differ in shape (another action space), or whose ``time_encoding`` (input width) differs from the policy's,
+    before anything is loaded (read from the file's metadata: the saved config, and the tensors' shapes).
 
     Raises:
         mamba_rl.CheckpointError: naming the saved and the current setting and the flag to pass.
@@ -357,6 +361,8 @@ def _check_layout(ckpt: Path, policy: Policy) -> None:
     with safe_open(str(ckpt), framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get("mamba_rl", "{}"))
         saved_aux = any(k.startswith("extra/heads/aux_critic.") for k in f.keys())
+        heads = {k[len("extra/heads/"):]: tuple(f.get_slice(k).get_shape()) for k in f.keys()
+                 if k.startswith("extra/heads/")}
     saved_gamma = meta.get("extra", {}).get("ppo_config", {}).get("aux_gamma")
     have = policy.aux_critic is not None
     if saved_aux != have:
@@ -368,6 +374,21 @@ def _check_layout(ckpt: Path, policy: Policy) -> None:
             why = ("was saved without the two-horizon critic (aux_gamma None: no aux critic head), but the config to "
                    "load it into has an aux_gamma; resume without it (--aux-gamma none), or start a new run with it")
         raise CheckpointError(f"checkpoint {ckpt} {why}")
+    saved_set = any(k.startswith("action_set.") for k in heads)
+    if saved_set != (policy.action_set is not None):
+        coef = meta.get("extra", {}).get("ppo_config", {}).get("action_set_coef", 0.0)
+        raise CheckpointError(
+            f"checkpoint {ckpt} was saved {'with' if saved_set else 'without'} the action-set head (action_set_coef "
+            f"{coef!r}), but the config to load it into has action_set_coef "
+            f"{'0' if saved_set else '> 0'}; resume with --action-set-coef {coef if saved_set else 0}, or start a new run")
+    mine = {k: tuple(v.shape) for k, v in policy.heads.state_dict().items()}
+    differ = sorted(k for k in mine if k in heads and heads[k] != mine[k])
+    if differ:
+        cfg = meta.get("extra", {}).get("ppo_config", {})
+        raise CheckpointError(f"checkpoint {ckpt}: its heads {', '.join(f'{k} {list(heads[k])}' for k in differ)} do "
+                              f"not fit this policy's ({', '.join(f'{k} {list(mine[k])}' for k in differ)}): another "
+                              f"action space (saved with env_id {cfg.get('env_id')!r}, joint_action "
+                              f"{cfg.get('joint_action', False)!r}); resume with the checkpoint's env and joint_action")
     saved_k = meta.get("extra", {}).get("ppo_config", {}).get("time_encoding", 0)
     if saved_k != policy.time_encoding:
         raise CheckpointError(f"checkpoint {ckpt} was saved with time_encoding {saved_k} (an input of "
@@ -386,8 +407,8 @@ def restore_agent(ckpt: Path, *, run: Run, progress: Progress, policy: Policy, t
 
     Raises:
         mamba_rl.CheckpointError: a checkpoint that does not fit the agent, e.g. one saved with the two-horizon
-            critic's aux head into an agent without one, or the other way round, or with another time encoding
-            (nothing is loaded then).
+            critic's aux head (or the action-set head) into an agent without one, or the other way round, with
+            heads of other shapes, or with another time encoding (nothing is loaded then).
     """
     _check_layout(ckpt, policy)
     # the trainer was built from the checkpoint's config plus the user's overrides (--adam-eps, --max-grad-norm,

@@ -42,7 +42,8 @@ _ENV_BACKENDS = ("gymnasium", "envpool", "auto")  # mamba_rl.envs.ENV_BACKENDS
 _ENV_OVERLAP = ("auto", "on", "off")
 MAX_TIME_ENCODING = 16  # PPOConfig.time_encoding: periods up to 2^17 steps
 _BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_reward",
-                "normalize_obs", "obs_norm_discrete", "normalize_reward", "memoryless", "capture_video", "track")
+                "normalize_obs", "obs_norm_discrete", "normalize_reward", "memoryless", "capture_video", "track",
+                "joint_action")
 # (field, lo, hi, lo open, None allowed)
 _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0, True, False),
                 ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
@@ -52,7 +53,7 @@ _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0,
                 ("max_minibatch_kl", 0.0, math.inf, True, True),
                 ("min_action_std", 0.0, 1.0, False, False), ("aux_gamma", 0.0, 1.0, False, True),
                 ("aux_gae_lambda", 0.0, 1.0, False, False), ("aux_adv_weight", 0.0, 1.0, False, False),
-                ("aux_adv_add", 0.0, 1000.0, False, True))
+                ("aux_adv_add", 0.0, 1000.0, False, True), ("action_set_coef", 0.0, 1000.0, False, False))
 
 
 @dataclass
@@ -96,6 +97,7 @@ class _PPOFields:
     target_kl: float | None = 0.02
     max_minibatch_kl: float | None = None
     min_action_std: float = 0.2
+    action_set_coef: float = 0.0
     backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool | str = "auto"
     prev_reward: bool = True
@@ -104,6 +106,7 @@ class _PPOFields:
     obs_norm_discrete: bool = True
     obs_norm_freeze_steps: int = 20_000
     normalize_reward: bool = True
+    joint_action: bool = False
     memoryless: bool = False
     nonfinite: str = "raise"
     capture_video: bool = False
@@ -161,6 +164,9 @@ class _PPOFields:
             what = "async_envs" if self.async_envs else "capture_video"
             raise ValueError(f"{name('env_backend')} 'envpool' runs its envs in EnvPool's own thread pool and records no "
                              f"video; expected {what}=False (or env_backend 'gymnasium' / 'auto'), got {what}=True")
+        if self.joint_action and self.env_backend == "envpool":
+            raise ValueError(f"{name('joint_action')} wraps each gymnasium env; expected env_backend 'gymnasium' or "
+                             f"'auto', got 'envpool'")
         if self.num_envs % self.num_minibatches != 0:
             raise ValueError(
                 f"PPOConfig.num_envs ({self.num_envs}) must be divisible by num_minibatches "
@@ -300,6 +306,22 @@ class PPOConfig(_PPOFields):
             without it a PositionOnlyPendulum run's std shrank to 0.25 by 3M steps, where one update's
             approx_kl reached 13 and the return fell from 0.90 to 0.11 for good; with the floor the same resumed
             run held 0.89-0.91 (benchmarks/learning/README.md, 2026-12-05). At 200k steps the std stays above it.
+        action_set_coef: weight C of the action-set loss (0: off; in [0, 1000]; discrete actions only). An auxiliary
+            head (a linear layer on the backbone's features, CleanRL's init gain 1, ``heads["action_set"]``)
+            predicts at every step which actions the agent has already taken in this episode: one logit per action
+            (per joint action of a MultiDiscrete space, at most 4,096), trained with binary cross-entropy against
+            that multi-hot set (the mean over actions and over the steps whose episode began inside the rollout;
+            :func:`mamba_rl.agents.loss.action_set_loss`), its gradient into the backbone too; ``C * loss`` is
+            added to the PPO loss. Self-supervised memory shaping, in the line of UNREAL's auxiliary tasks
+            (Jaderberg et al. 2017): the backbone is taught to keep the set the policy needs for "no action
+            twice" tasks, which 200k steps of reward alone did not teach it. The acting path never computes the
+            head. POPGym BattleshipEasy (with ``joint_action``) and ConcentrationEasy gain from C 10, AutoencodeEasy
+            loses (it has no set to keep): a per-task choice (benchmarks/learning/README.md). Off by default.
+        joint_action: a MultiDiscrete action space becomes one Discrete over every combination (at most 4,096;
+            :class:`mamba_rl.envs.JointAction`), so the policy's categorical can put its mass on any set of
+            combinations (Battleship's "any cell not yet shot"), which a product of per-component categoricals
+            cannot. The envs are built with the wrapper (gymnasium backend only), ``evaluate`` and ``predict``
+            take the joint action's space too.
         backbone: the backbone's :class:`mamba_rl.MambaConfig` (every field of it, dt_rank and
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /

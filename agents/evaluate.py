@@ -64,7 +64,8 @@ def obs_normaliser(train_envs: gym.vector.VectorEnv | None) -> Callable[[np.ndar
 
 def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, deterministic: bool = False,
                     seed: int = 0, video_dir: str | None = None, train_envs: gym.vector.VectorEnv | None = None,
-                    generator: torch.Generator | None = None, progress: bool = False) -> EvalResult:
+                    generator: torch.Generator | None = None, progress: bool = False,
+                    joint_action: bool = False) -> EvalResult:
     """Run ``num_episodes`` episodes of ``env_id``, resetting the memory per episode.
 
     Args:
@@ -78,6 +79,8 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
         generator: the sampling generator. Give evaluation a generator of its own (as
             ``RecurrentPPO.evaluate`` does): sharing the rollout's would change the training run.
         progress: show a tqdm bar (on stderr) over the episodes, with the running mean return.
+        joint_action: build the env with :class:`mamba_rl.envs.JointAction` (as a policy trained with
+            ``PPOConfig.joint_action`` saw it).
 
     Returns:
         :class:`EvalResult` with returns, lengths and per-step critic values.
@@ -88,7 +91,8 @@ def evaluate_policy(policy: Policy, env_id: str, num_episodes: int = 10, determi
     """
     check_int("num_episodes", num_episodes, lo=1)
     check_int("seed", seed, lo=0, hi=2**32 - num_episodes)
-    env = make_env(env_id, capture_video=video_dir is not None, video_dir=video_dir or "videos")
+    env = make_env(env_id, capture_video=video_dir is not None, video_dir=video_dir or "videos",
+                   joint_action=joint_action)
     normalise, reward_scale = obs_normaliser(train_envs), reward_scale_of(train_envs)
     returns, lengths, values = [], [], []
     bar = None

@@ -22,7 +22,9 @@ import torch
 from gymnasium import spaces
 from torch import nn
 
-__all__ = ["ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim"]
+from mamba_rl.envs import MAX_JOINT_ACTIONS
+
+__all__ = ["ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim", "action_set_size"]
 
 
 def _check_action_space(space: spaces.Space) -> None:
@@ -52,6 +54,25 @@ def action_input_dim(space: spaces.Space) -> int:
     if isinstance(space, spaces.MultiDiscrete):
         return int(space.nvec.sum())
     return int(np.prod(space.shape))
+
+
+def action_set_size(space: spaces.Space) -> int:
+    """Outputs of the action-set head (``PPOConfig.action_set_coef``): n for Discrete(n), prod(nvec) (the joint
+    actions) for a 1-D MultiDiscrete.
+
+    Raises:
+        ValueError: a Box action space (no set of actions to keep), or more than
+            ``mamba_rl.envs.MAX_JOINT_ACTIONS`` joint actions.
+    """
+    _check_action_space(space)
+    if isinstance(space, spaces.Box):
+        raise ValueError(f"the action-set loss (PPOConfig.action_set_coef) needs a Discrete or MultiDiscrete action "
+                         f"space, got {space!r}; use action_set_coef 0")
+    k = int(space.n) if isinstance(space, spaces.Discrete) else int(np.prod(space.nvec))
+    if k > MAX_JOINT_ACTIONS:
+        raise ValueError(f"the action-set loss (PPOConfig.action_set_coef) keeps one logit per joint action: expected "
+                         f"at most {MAX_JOINT_ACTIONS}, got {k} for {space!r}; use action_set_coef 0")
+    return k
 
 
 def _layer_init(layer: nn.Linear, gain: float, generator: torch.Generator | None) -> nn.Linear:

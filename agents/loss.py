@@ -8,6 +8,10 @@ values and returns, and the loss adds its value loss, of the main one's form (cl
 weighted by ``vf_coef``): ``loss = pg - ent_coef * ent + vf_coef * v + vf_coef * v_aux``. The policy term
 reads the minibatch's advantages, which the update has already mixed
 (:func:`mamba_rl.agents.gae.combine_advantages`).
+
+With the action-set loss (``PPOConfig.action_set_coef`` C > 0) the minibatch also carries, per step, the set of
+actions already taken in its episode (:func:`action_set_targets`), and the loss adds
+``C * action_set_loss`` (:func:`action_set_loss`) of the action-set head's logits.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import torch
 from .config import PPOConfig
 from .heads import ActionDist
 
-__all__ = ["Minibatch", "ppo_loss", "explained_variance", "masked_mean", "categorical_ppo_grads", "HeadGrads"]
+__all__ = ["Minibatch", "ppo_loss", "explained_variance", "masked_mean", "categorical_ppo_grads", "HeadGrads",
+           "action_set_targets", "action_set_loss"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,10 @@ class Minibatch:
         mask: [rows, T] float32, 1.0 at valid steps (0.0 at the NextStep reset step).
         aux_values, aux_returns: [rows, T] float32, the aux critic's stored values and GAE returns (the
             two-horizon critic, ``PPOConfig.aux_gamma``); None without it.
+        set_target: [rows, T, K] bool, the actions already taken in each step's episode
+            (:func:`action_set_targets`; the action-set loss, ``PPOConfig.action_set_coef``); None without it.
+        set_known: [rows, T] float32, 1.0 at the valid steps whose episode began inside the rollout (whose
+            set is known); None without the action-set loss.
     """
 
     actions: torch.Tensor
@@ -46,6 +55,8 @@ class Minibatch:
     mask: torch.Tensor
     aux_values: torch.Tensor | None = None
     aux_returns: torch.Tensor | None = None
+    set_target: torch.Tensor | None = None
+    set_known: torch.Tensor | None = None
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -86,11 +97,67 @@ def _check_aux(mb: Minibatch, aux_newvalue: torch.Tensor | None, who: str) -> No
                          f"{'given' if mb.aux_returns is not None else 'None'}")
 
 
+@torch.no_grad()
+def action_set_targets(actions: torch.Tensor, starts: torch.Tensor, valid: torch.Tensor,
+                       nvec: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The action-set loss's targets of a rollout (``PPOConfig.action_set_coef``): at each step t, the set of
+    (joint) actions taken at the valid steps s < t of t's episode.
+
+    Args:
+        actions: [N, T, action_dim] stored actions (whole numbers, any real or integer dtype): one column for a
+            Discrete space, one per component of a MultiDiscrete one (joint index: row-major, as
+            :class:`mamba_rl.envs.JointAction` numbers them).
+        starts: [N, T] bool, True at an episode's first step.
+        valid: [N, T] float32 (or bool), 1 at the steps that are transitions.
+        nvec: the categoricals' sizes: (n,) for Discrete(n), the MultiDiscrete nvec.
+
+    Returns:
+        (target [N, T, K] bool, known [N, T] float32), K = prod(nvec): target[i, t, k] is True when joint action
+        k was taken at a valid step of t's episode before t (False wherever known is 0); known is 1 at the valid
+        steps whose episode began inside the window (an episode carried over from before it has an unknown history
+        and no target).
+        Capturable (no host sync).
+
+    Raises:
+        ValueError: ``actions`` of another shape than [N, T, len(nvec)], or ``starts`` / ``valid`` not [N, T].
+    """
+    n, t = starts.shape
+    if tuple(actions.shape) != (n, t, len(nvec)) or tuple(valid.shape) != (n, t):
+        raise ValueError(f"action_set_targets: expected actions [{n}, {t}, {len(nvec)}] and valid [{n}, {t}] for "
+                         f"starts [{n}, {t}], got actions {tuple(actions.shape)} and valid {tuple(valid.shape)}")
+    a = actions.long()
+    joint = a[..., 0]
+    for i in range(1, len(nvec)):
+        joint = joint * nvec[i] + a[..., i]
+    k = int(np.prod(nvec))
+    taken = (joint.unsqueeze(-1) == torch.arange(k, device=joint.device)).to(torch.int32) \
+        * (valid > 0.5).to(torch.int32).unsqueeze(-1)
+    before = taken.cumsum(1) - taken  # actions taken at s < t (each count)
+    steps = torch.arange(t, device=starts.device).expand(n, t)
+    first = torch.where(starts, steps, torch.full_like(steps, -1)).cummax(1).values  # t's episode's first step
+    at_first = before.gather(1, first.clamp_min(0).unsqueeze(-1).expand(-1, -1, k))  # taken before the episode
+    known = (first >= 0).float() * (valid > 0.5).float()
+    return (before > at_first) & (known > 0.5).unsqueeze(-1), known
+
+
+def action_set_loss(logits: torch.Tensor, target: torch.Tensor, known: torch.Tensor,
+                    count: torch.Tensor | None = None) -> torch.Tensor:
+    """The action-set loss (0-d): binary cross-entropy of the action-set head's ``logits`` [rows, T, K] against
+    ``target`` [rows, T, K] (bool or 0/1 float, :func:`action_set_targets`), averaged over the K actions and then
+    over the steps where ``known`` [rows, T] is 1. ``count`` (0-d, >= 1): the number of such steps (data-parallel:
+    over every rank, so each rank's loss is its share of the global mean); None counts this minibatch's."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, target.to(logits.dtype),
+                                                               reduction="none").mean(-1)
+    return masked_mean(bce, known, known.sum().clamp_min(1.0) if count is None else count)
+
+
 def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibatch, count: torch.Tensor,
              adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
-             aux_newvalue: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             aux_newvalue: torch.Tensor | None = None, set_logits: torch.Tensor | None = None,
+             set_count: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CleanRL's PPO loss on one minibatch, averaged over its valid steps (Schulman et al. 2017), plus the
-    aux critic's value loss with the two-horizon critic.
+    aux critic's value loss with the two-horizon critic and ``action_set_coef`` times the action-set loss with
+    the action-set head.
 
     Args:
         c: the config (clip_coef, norm_adv, clip_vloss, ent_coef, vf_coef).
@@ -102,16 +169,26 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
             rank's minibatch); None computes them from this minibatch.
         aux_newvalue: the aux critic's values [rows, T] float32 (with ``mb.aux_values`` / ``mb.aux_returns``),
             or None without the two-horizon critic.
+        set_logits: the action-set head's logits [rows, T, K] float32 (with ``mb.set_target`` / ``mb.set_known``),
+            or None without the action-set loss. set_count: its step count (:func:`action_set_loss`).
 
     Returns:
         (loss, stats): stats holds detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``
         and ``logratio`` (the new minus the stored log-probs, for the rollout-parity check); with the aux
-        critic also ``aux_v`` (its value loss, before ``vf_coef``).
+        critic also ``aux_v`` (its value loss, before ``vf_coef``); with the action-set head ``set`` (its loss,
+        before ``action_set_coef``).
 
     Raises:
-        ValueError: ``aux_newvalue`` given without the minibatch's aux columns, or the other way round.
+        ValueError: ``aux_newvalue`` given without the minibatch's aux columns, or the other way round; the same
+            for ``set_logits`` and the minibatch's set columns.
     """
     _check_aux(mb, aux_newvalue, "ppo_loss")
+    if (set_logits is None) != (mb.set_target is None) or (mb.set_target is None) != (mb.set_known is None):
+        raise ValueError(f"ppo_loss: the action-set head's logits and the minibatch's set_target / set_known go "
+                         f"together (PPOConfig.action_set_coef); got logits "
+                         f"{'given' if set_logits is not None else 'None'}, set_target "
+                         f"{'given' if mb.set_target is not None else 'None'}, set_known "
+                         f"{'given' if mb.set_known is not None else 'None'}")
     mask = mb.mask
     newlogprob = dist.log_prob(mb.actions)
     entropy = dist.entropy()
@@ -133,6 +210,10 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
         aux_v_loss = _value_loss(c, aux_newvalue, mb.aux_values, mb.aux_returns, mask, count)
         loss = loss + aux_v_loss * c.vf_coef
         stats["aux_v"] = aux_v_loss.detach()
+    if set_logits is not None:  # the action-set loss (its own mean: over the steps whose set is known)
+        set_loss = action_set_loss(set_logits, mb.set_target, mb.set_known, set_count)
+        loss = loss + c.action_set_coef * set_loss
+        stats["set"] = set_loss.detach()
     return loss, stats
 
 

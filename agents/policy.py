@@ -27,7 +27,7 @@ from torch import nn
 from mamba_rl import MambaBackbone, MambaConfig, RecurrentState, Stepper
 from mamba_rl.envs import requires_prev_action
 
-from .heads import ActionDist, ActorHead, CriticHead, action_dim, action_input_dim
+from .heads import ActionDist, ActorHead, CriticHead, _layer_init, action_dim, action_input_dim, action_set_size
 from .validation import check_bool_or_auto
 
 __all__ = ["Policy", "PolicyState", "HostStager", "prev_action_input", "time_features"]
@@ -68,14 +68,21 @@ class Policy:
         aux_critic: add the two-horizon critic's second value head ``heads["aux_critic"]``
             (:attr:`PPOConfig.aux_gamma`), initialised after the actor and critic from the same generator, so
             those two start as without it.
+        action_set: add the action-set head ``heads["action_set"]`` (:attr:`PPOConfig.action_set_coef`): a
+            Linear(d_model, K) (CleanRL's init, gain 1), K the number of actions (joint actions of a
+            MultiDiscrete space), initialised after every other head, which start as without it. The update
+            trains it; acting never computes it.
 
     Raises:
         TypeError: an unsupported action space.
+        ValueError: ``action_set`` with a Box action space, or a MultiDiscrete one of more than
+            ``mamba_rl.envs.MAX_JOINT_ACTIONS`` joint actions.
     """
 
     def __init__(self, backbone: MambaConfig, obs_dim: int, action_space: spaces.Space, device: torch.device,
                  seed: int, backend: str = "auto", prev_action: bool = False, prev_reward: bool = False,
-                 memoryless: bool = False, aux_critic: bool = False, time_encoding: int = 0):
+                 memoryless: bool = False, aux_critic: bool = False, time_encoding: int = 0,
+                 action_set: bool = False):
         self.obs_dim = int(obs_dim)
         self.action_space = action_space
         self.action_dim = action_dim(action_space)
@@ -97,6 +104,9 @@ class Policy:
         })
         if aux_critic:  # the two-horizon critic (PPOConfig.aux_gamma): parameters after the others'
             self.heads["aux_critic"] = CriticHead(backbone.d_model, init_gen)
+        if action_set:  # the action-set loss (PPOConfig.action_set_coef): parameters after every other head's
+            self.heads["action_set"] = _layer_init(nn.Linear(backbone.d_model, action_set_size(action_space)), 1.0,
+                                                   init_gen)
         self.heads.to(device)
         self._steppers: dict[int, Stepper] = {}
         self._stagers: dict[int, HostStager] = {}
@@ -116,6 +126,12 @@ class Policy:
         """The two-horizon critic's second value head (``heads["aux_critic"]``, :attr:`PPOConfig.aux_gamma`),
         None when the policy has none."""
         return self.heads["aux_critic"] if "aux_critic" in self.heads else None
+
+    @property
+    def action_set(self) -> nn.Linear | None:
+        """The action-set head (``heads["action_set"]``, :attr:`PPOConfig.action_set_coef`): features
+        [.., d_model] -> one logit per (joint) action [.., K]; None when the policy has none."""
+        return self.heads["action_set"] if "action_set" in self.heads else None
 
     @property
     def value_heads(self) -> int:

@@ -113,6 +113,11 @@ class RecurrentPPO:
         self._predict_generator: torch.Generator | None = None
         self._raw_obs_space: gym.Space | None = None
         own_envs = env is None or isinstance(env, str)  # built here from config.env_id
+        if config.joint_action and not own_envs and not isinstance(env.single_action_space, gym.spaces.Discrete):
+            # the agent's own restore hands back its unpickled envs, already joined
+            raise ValueError(f"PPOConfig.joint_action wraps the envs the agent builds; a given vector env must be "
+                             f"joined already (its sub-envs wrapped in mamba_rl.envs.JointAction): expected a Discrete "
+                             f"action space, got {env.single_action_space!r}")
         self.envs = self._make_envs() if own_envs else adopt_vec_env(env, config.num_envs, nonfinite=config.nonfinite)
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
@@ -122,7 +127,7 @@ class RecurrentPPO:
                                  self.envs.single_action_space, self.device, config.seed, backend=config.backend,
                                  prev_action=use_prev_action, prev_reward=config.prev_reward,
                                  memoryless=config.memoryless, aux_critic=config.aux_gamma is not None,
-                                 time_encoding=config.time_encoding)
+                                 time_encoding=config.time_encoding, action_set=config.action_set_coef > 0)
         # the heads' Adam over one flat arena: on CUDA a device step inside the update graph (no sync per step),
         # on the CPU one host-side step of torch.optim.Adam's arithmetic over the whole arena (bit for bit)
         self.head_optimizer = FlatHeadAdam(p.heads.parameters(), lr=config.learning_rate, eps=config.adam_eps)
@@ -237,7 +242,7 @@ class RecurrentPPO:
                             normalize_obs=c.normalize_obs, obs_norm_discrete=c.obs_norm_discrete,
                             normalize_reward=c.normalize_reward, gamma=c.gamma,
                             start_method=c.async_start_method, nonfinite=c.nonfinite, backend=c.env_backend,
-                            env_parts=2 if halves else 1)
+                            env_parts=2 if halves else 1, joint_action=c.joint_action)
 
     def _env_parts(self) -> tuple[slice, ...] | None:
         """The row ranges the rollout steps separately (``env_overlap``, :mod:`mamba_rl.envs.parts`), or None.
@@ -567,7 +572,7 @@ class RecurrentPPO:
         return evaluate_policy(self.policy, c.env_id, num_episodes, deterministic,
                                seed=c.seed + 10_000 if seed is None else seed, video_dir=video_dir,
                                train_envs=self.envs, generator=torch.Generator().manual_seed(c.seed),
-                               progress=progress)
+                               progress=progress, joint_action=c.joint_action)
 
     # ----------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["EPISODIC_RETURN", "EPISODIC_LENGTH", "SPS", "LEARNING_RATE", "ROLLOUT_MS", "UPDATE_MS",
            "ROLLOUT_PARITY", "OVERFLOW_SKIPPED", "KL_STOPPED", "NONFINITE_OBS", "NONFINITE_REWARDS", "UPDATE_METRICS",
-           "AUX_VALUE_LOSS", "AUX_EXPLAINED_VARIANCE", "AUX_METRICS", "SCALAR_TAGS"]
+           "AUX_VALUE_LOSS", "AUX_EXPLAINED_VARIANCE", "AUX_METRICS", "ACTION_SET_LOSS", "SCALAR_TAGS"]
 
 EPISODIC_RETURN = "charts/episodic_return"  # one point per finished episode, at the step it finished
 EPISODIC_LENGTH = "charts/episodic_length"
@@ -36,7 +36,11 @@ AUX_VALUE_LOSS = "losses/aux_value_loss"
 AUX_EXPLAINED_VARIANCE = "losses/aux_explained_variance"
 AUX_METRICS = (AUX_VALUE_LOSS, AUX_EXPLAINED_VARIANCE)
 
+# with the action-set loss (PPOConfig.action_set_coef > 0) only, last: its value on the last minibatch (before the
+# coefficient)
+ACTION_SET_LOSS = "losses/action_set_loss"
+
 # every scalar tag a run writes (debug/* is kept in the history, not logged; env/* only with nonfinite="zero";
-# AUX_METRICS only with aux_gamma)
+# AUX_METRICS only with aux_gamma, ACTION_SET_LOSS only with action_set_coef)
 SCALAR_TAGS = (EPISODIC_RETURN, EPISODIC_LENGTH, SPS, LEARNING_RATE,
                *(t for t in UPDATE_METRICS if not t.startswith("debug/")), ROLLOUT_MS, UPDATE_MS)

@@ -30,6 +30,12 @@ reward's units (:func:`~mamba_rl.agents.gae.add_advantages`, ``aux_adv_add``) or
 rollout (:func:`~mamba_rl.agents.gae.combine_advantages`; data-parallel: of every rank's rollout, one all-reduce
 of five sums), before any minibatch reads them.
 
+Action-set loss (``PPOConfig.action_set_coef``): when the rollout is loaded the set of actions already taken in each
+step's episode is computed once (:func:`~mamba_rl.agents.loss.action_set_targets`, a bool [N, T, K] buffer the
+gather reads like the packed columns), and phase 2 adds the action-set head's loss
+(:func:`~mamba_rl.agents.loss.action_set_loss`) through autograd (the hand-written CPU gradients cover the fused
+heads only, so the CPU takes autograd's path with it; data-parallel: the count of its steps joins ``stat_buf``).
+
 The body reads the config :meth:`PPOUpdate.run` was given (the agent's current one); a captured graph
 holds the loss coefficients it was captured with, so a run with other coefficients recaptures first.
 
@@ -58,20 +64,21 @@ from .config import PPOConfig
 from .distributed import DataParallel
 from .gae import add_advantages, advantage_moments, combine_advantages
 from .head_optim import FlatHeadAdam
-from .loss import Minibatch, categorical_ppo_grads, explained_variance, ppo_loss
+from .loss import Minibatch, action_set_targets, categorical_ppo_grads, explained_variance, ppo_loss
 from .policy import Policy
 from .rollout import RolloutBuffer, check_aux
-from .tags import AUX_METRICS, UPDATE_METRICS
+from .tags import ACTION_SET_LOSS, AUX_METRICS, UPDATE_METRICS
 
 __all__ = ["PPOUpdate", "METRIC_NAMES", "AUX_METRIC_NAMES"]
 
 # the fields that fix the update's shapes (fixed for the PPOUpdate's life) and those the minibatch body reads
 _LAYOUT = ("num_envs", "num_steps", "num_minibatches", "update_epochs")
-_LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm")
+_LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm", "action_set_coef")
 
-# per-minibatch metric columns of the device table (aux_v: the aux critic's value loss, 0 without it)
+# per-minibatch metric columns of the device table (aux_v: the aux critic's value loss, 0 without it; set: the
+# action-set loss, 0 without it)
 # kl_stop: the step was skipped by PPOConfig.max_minibatch_kl; skipped: by a NaN / inf gradient (not a KL stop)
-_COLS = ("v", "pg", "ent", "kl", "old_kl", "aux_v", "clipfrac", "kl_stop", "grad_norm", "skipped", "parity")
+_COLS = ("v", "pg", "ent", "kl", "old_kl", "aux_v", "set", "clipfrac", "kl_stop", "grad_norm", "skipped", "parity")
 METRIC_NAMES = UPDATE_METRICS  # the names of what run() returns, in order
 AUX_METRIC_NAMES = AUX_METRICS  # and after them with the two-horizon critic
 
@@ -108,7 +115,8 @@ class PPOUpdate:
     Raises:
         ValueError: ``capture`` on a non-CUDA policy or with a head optimizer that is not a FlatHeadAdam; a
             config whose ``aux_gamma`` (the two-horizon critic) disagrees with the policy's aux critic or the
-            buffer's aux storage.
+            buffer's aux storage; a config whose ``action_set_coef`` (> 0 or 0) disagrees with the policy's
+            action-set head.
     """
 
     def __init__(self, config: PPOConfig, policy: Policy, trainer: MambaTrainer,
@@ -128,6 +136,11 @@ class PPOUpdate:
         self.actor, self.critic, self.aux_critic = p.actor, p.critic, p.aux_critic
         check_aux(p, buffer, c.aux_gamma, c.aux_gae_lambda, "PPOUpdate")  # the two-horizon critic: all or nothing
         self.aux = c.aux_gamma is not None
+        self.set_head = p.action_set  # the action-set loss (PPOConfig.action_set_coef): all or nothing
+        if (self.set_head is not None) != (c.action_set_coef > 0):
+            raise ValueError(f"PPOUpdate: action_set_coef {c.action_set_coef!r} needs a policy "
+                             f"{'with' if c.action_set_coef > 0 else 'without'} an action-set head, got one "
+                             f"{'with' if self.set_head is not None else 'without'}")
         self.head_params = list(p.heads.parameters())
         # eager CPU minibatches of a categorical actor take the heads' gradients from categorical_ppo_grads
         # (exactly autograd's); CUDA keeps autograd, inside the captured body or not
@@ -144,6 +157,12 @@ class PPOUpdate:
         self.starts = torch.zeros(n, t, dtype=torch.bool, device=dev)
         self.pack = torch.zeros(n, t, a + (7 if self.aux else 5), device=dev)
         self.init_state = p.net.initial_state(n)
+        if self.set_head is not None:  # the rollout's action sets (action_set_targets), computed once per update
+            self.set_nvec = self.actor.splits or (self.actor.out_dim,)
+            self.set_target = torch.zeros(n, t, self.set_head.out_features, dtype=torch.bool, device=dev)
+            self.set_known = torch.zeros(n, t, device=dev)
+        else:
+            self.set_target = self.set_known = None
         self.max_steps = c.update_epochs * c.num_minibatches
         # Box actions: the log_std floor of config.min_action_std, applied after every head step (a buffer the
         # captured graph reads, refreshed by run() from the config it is given)
@@ -163,8 +182,10 @@ class PPOUpdate:
         # data-parallel: [backbone gradient arena | head gradient | approx_kl share], summed over ranks by one
         # all-reduce (every rank then takes the same max_minibatch_kl decision)
         self.comm = torch.zeros(p.net.grad_arena.numel() + n_heads + 1, device=dev) if dp is not None else None
-        # data-parallel: this rank's [sum adv, sum adv^2, valid count] of the minibatch, summed over ranks
-        self.stat_buf = torch.zeros(3, dtype=torch.float64, device=dev) if dp is not None else None
+        # data-parallel: this rank's [sum adv, sum adv^2, valid count (, action-set steps)] of the minibatch, summed
+        # over ranks
+        self.stat_buf = (torch.zeros(3 if self.set_head is None else 4, dtype=torch.float64, device=dev)
+                         if dp is not None else None)
         self._graphs = GraphSet("PPOUpdate", self._graph_buffers)
         self._capture = capture
         # the eager CPU body computes what run() reads of a minibatch's metrics row only: the rollout parity in
@@ -217,10 +238,14 @@ class PPOUpdate:
         torch.index_select(self.init_state.ssm, 1, rows, out=tr.state.ssm)
         pk = self.pack.index_select(0, rows)
         aux = dict(aux_values=pk[..., a + 5], aux_returns=pk[..., a + 6]) if self.aux else {}
+        if self.set_head is not None:
+            aux.update(set_target=self.set_target.index_select(0, rows), set_known=self.set_known.index_select(0, rows))
         self._mb = mb = Minibatch(actions=pk[..., :a], logprobs=pk[..., a], values=pk[..., a + 1],
                                   advantages=pk[..., a + 2], returns=pk[..., a + 3], mask=pk[..., a + 4], **aux)
         if self.dp is not None:
-            self.stat_buf.copy_(DataParallel.minibatch_sums(mb.advantages, mb.mask))
+            self.stat_buf[:3].copy_(DataParallel.minibatch_sums(mb.advantages, mb.mask))
+            if self.set_head is not None:
+                self.stat_buf[3:].copy_(mb.set_known.double().sum())
 
     def _mb_backprop(self) -> None:
         """Phase 2: backbone forward, heads, PPO loss, the heads' gradient and the backbone's backprop into
@@ -228,10 +253,11 @@ class PPOUpdate:
         over the ranks before phase 3)."""
         c, tr, mb, dp = self._config, self.trainer, self._mb, self.dp
         if dp is not None:  # global count and advantage statistics over every rank's minibatch
-            count, mean, std = DataParallel.finish_stats(self.stat_buf)
+            count, mean, std = DataParallel.finish_stats(self.stat_buf[:3])
             adv_norm = (mean, std)
+            set_count = self.stat_buf[3].clamp_min(1.0).float() if self.set_head is not None else None
         else:
-            count, adv_norm = mb.mask.sum().clamp_min(1.0), None
+            count, adv_norm, set_count = mb.mask.sum().clamp_min(1.0), None, None
         feat = tr.forward_body()
         # a hook or a frozen head parameter (requires_grad False) is autograd's to handle: the hand path computes
         # every head gradient and would step a frozen parameter that the autograd path refuses to differentiate
@@ -255,7 +281,8 @@ class PPOUpdate:
             dist = self.actor(y)
             newvalue = self.critic(y)
             aux_newvalue = self.aux_critic(y) if self.aux else None  # after the critic (categorical_ppo_grads' order)
-            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
+            set_logits = self.set_head(y) if self.set_head is not None else None
+            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue, set_logits, set_count)
             grads = torch.autograd.grad(loss, [y] + self.head_params)
             head_grads = grads[1:]
             tr.d_buf.copy_(grads[0])
@@ -338,7 +365,7 @@ class PPOUpdate:
             else:  # run() reads the parity of an update's first minibatch only
                 parity = st["clipfrac"].new_zeros(())
             zero = st["clipfrac"].new_zeros(())  # losses not computed in this (eager) minibatch: not read
-            row = torch.stack([st.get(k, zero) for k in ("v", "pg", "ent", "kl", "old_kl", "aux_v")] +
+            row = torch.stack([st.get(k, zero) for k in ("v", "pg", "ent", "kl", "old_kl", "aux_v", "set")] +
                               [st["clipfrac"], stop.float(), s[GRAD_NORM].float(), (skip & ~stop).float(), parity])
             self.table.index_copy_(0, self.mb_index, row.unsqueeze(0))
             self.mb_index.add_(1)
@@ -364,7 +391,8 @@ class PPOUpdate:
     def _graph_buffers(self) -> tuple:
         return self.trainer.graph_buffers() + self._head_state() + (
             self.comm, self.stat_buf, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
-            self.mb_index, self.table, self.log_std_floor, self.kl_limit, self.kl_stopped)
+            self.mb_index, self.table, self.log_std_floor, self.kl_limit, self.kl_stopped, self.set_target,
+            self.set_known)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture the minibatch as CUDA graphs: one graph of :meth:`_minibatch` on one process; with data
@@ -426,6 +454,11 @@ class PPOUpdate:
                     if self.dp is not None:  # the stds of all ranks' rollouts, as one process with every env
                         self.dp.sum_(moments)
                     adv.copy_(combine_advantages(adv, aux_adv, valid, self._config.aux_adv_weight, moments))
+            if self.set_head is not None:
+                target, known = action_set_targets(self.pack[..., :a], self.starts, self.pack[..., a + 4],
+                                                   self.set_nvec)
+                self.set_target.copy_(target)
+                self.set_known.copy_(known)
             self.mb_index.zero_()
 
     def _epoch_stop(self, c: PPOConfig, row: int) -> bool:
@@ -455,12 +488,13 @@ class PPOUpdate:
             clipfrac averaged over all steps, grad_norm averaged over the steps not skipped (0 when all
             were), the loss scale after the update, the number of skipped f16 steps and the rollout
             parity of the first step; with the two-horizon critic then :data:`AUX_METRIC_NAMES` (the aux
-            critic's value loss of the last step and its explained variance). One device->host read (plus one
+            critic's value loss of the last step and its explained variance), and with the action-set loss
+            :data:`~mamba_rl.agents.tags.ACTION_SET_LOSS` (the last step's). One device->host read (plus one
             per epoch but the last with ``target_kl``).
 
         Raises:
-            ValueError: a config of another layout (the aux critic's presence included), or rows of the wrong
-                shape.
+            ValueError: a config of another layout (the aux critic's and the action-set head's presence
+                included), or rows of the wrong shape.
         """
         if self._fields(config, _LAYOUT) != self._fields(self._config, _LAYOUT):
             want, got = (dict(zip(_LAYOUT, self._fields(x, _LAYOUT))) for x in (self._config, config))
@@ -469,6 +503,10 @@ class PPOUpdate:
             raise ValueError(f"PPOUpdate.run: this update was built {'with' if self.aux else 'without'} the aux critic "
                              f"(aux_gamma {self._config.aux_gamma!r}); expected a config with aux_gamma "
                              f"{'a number' if self.aux else 'None'}, got {config.aux_gamma!r}")
+        if (config.action_set_coef > 0) != (self.set_head is not None):
+            raise ValueError(f"PPOUpdate.run: this update was built {'with' if self.set_head is not None else 'without'} "
+                             f"the action-set head; expected a config with action_set_coef "
+                             f"{'> 0' if self.set_head is not None else '0'}, got {config.action_set_coef!r}")
         self._config = c = config
         if self.log_std_floor is not None and c.min_action_std != self._floor_of:
             self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))
@@ -532,4 +570,6 @@ class PPOUpdate:
         out = {k: float(v) for k, v in zip(METRIC_NAMES, vals)}
         if self.aux:  # the aux critic's value loss (the last step's, as value_loss) and explained variance
             out.update(zip(AUX_METRIC_NAMES, (float(last[_COLS.index("aux_v")]), float(tail[2]))))
+        if self.set_head is not None:
+            out[ACTION_SET_LOSS] = float(last[_COLS.index("set")])
         return out

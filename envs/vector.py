@@ -23,7 +23,7 @@ from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_task, require_
 from .guards import NONFINITE_POLICIES, EnvGuard
 from .registry import check_env_id
 from .stats import VecEpisodeStatistics, VecNormalizeObservation, VecNormalizeReward
-from .wrappers import FlattenObs, Float32Obs, flatten_vec_obs, needs_flatten, raw_observation_space
+from .wrappers import FlattenObs, Float32Obs, JointAction, flatten_vec_obs, needs_flatten, raw_observation_space
 
 __all__ = ["make_env", "make_vec_env", "check_start_method", "resolve_env_backend", "has_continuous_part"]
 
@@ -70,8 +70,9 @@ def make_env(
     flatten_obs: bool = True,
     env_kwargs: dict[str, Any] | None = None,
     checks: bool = True,
+    joint_action: bool = False,
 ) -> gym.Env:
-    """Build one (non-vector) env: ``gym.make`` plus optional video and flattening.
+    """Build one (non-vector) env: ``gym.make`` plus optional video, joint action and flattening.
 
     Args:
         env_id: a registered gymnasium id (see module doc).
@@ -87,8 +88,12 @@ def make_env(
             first reset and step) and ``OrderEnforcing`` (no step before a reset), as the id's spec asks.
             False leaves both out (``TimeLimit`` and everything else stay): :func:`make_vec_env` keeps them
             on sub-env 0 only, since the copies are the same env and the vector env resets them together.
+        joint_action: a MultiDiscrete action space becomes one Discrete over every combination
+            (:class:`~mamba_rl.envs.wrappers.JointAction`).
 
     Raises:
+        ValueError: ``joint_action`` for an action space that is not a 1-D MultiDiscrete of at most
+            ``MAX_JOINT_ACTIONS`` combinations.
         ImportError: a ``popgym-*`` id without the popgym package, or a ``module:EnvId`` whose
             module cannot be imported.
         gymnasium.error.NameNotFound: unknown id (see :func:`check_env_id`).
@@ -105,6 +110,8 @@ def make_env(
                        **kwargs)
     if record:
         env = gym.wrappers.RecordVideo(env, video_dir, disable_logger=True)
+    if joint_action:
+        env = JointAction(env)
     if flatten_obs and needs_flatten(env.observation_space):
         if not (isinstance(env.observation_space, spaces.Box) and len(env.observation_space.shape) == 1):
             env = FlattenObs(env)
@@ -130,6 +137,7 @@ def make_vec_env(
     nonfinite: str = "raise",
     backend: str = "gymnasium",
     env_parts: int = 1,
+    joint_action: bool = False,
 ) -> gym.vector.VectorEnv:
     """Build a gymnasium vector env of ``num_envs`` copies of ``env_id``.
 
@@ -174,14 +182,17 @@ def make_vec_env(
             "auto" (:func:`resolve_env_backend`).
         env_parts: 1, or 2: on the EnvPool backend two pools of fixed halves of the envs that the rollout can
             step separately (:mod:`mamba_rl.envs.parts`); the gymnasium backend ignores it (one part).
+        joint_action: each sub-env's MultiDiscrete action becomes one Discrete over every combination
+            (:class:`~mamba_rl.envs.wrappers.JointAction`); gymnasium backend only ("auto" picks it).
 
     Returns:
         A ``gymnasium.vector.VectorEnv`` whose ``single_observation_space`` is a 1-D float32
         Box when ``flatten_obs`` is set.
 
     Raises:
-        ValueError: ``num_envs < 1``, an unknown start method, nonfinite policy or backend, or an EnvPool
-            backend that cannot run this (see :func:`resolve_env_backend`).
+        ValueError: ``num_envs < 1``, an unknown start method, nonfinite policy or backend, an EnvPool
+            backend that cannot run this (see :func:`resolve_env_backend`) or ``joint_action`` with it, or
+            ``joint_action`` for an action space it cannot join (see :class:`~mamba_rl.envs.wrappers.JointAction`).
         ImportError / gymnasium.error.NameNotFound: see ``make_env``; ImportError: "envpool" without envpool.
     """
     if nonfinite not in NONFINITE_POLICIES:
@@ -191,6 +202,11 @@ def make_vec_env(
     if env_parts not in (1, 2) or isinstance(env_parts, bool):
         raise ValueError(f"env_parts must be 1 or 2, got {env_parts!r}")
     check_start_method(start_method)
+    if joint_action and backend == "auto":  # the wrapper wraps gymnasium envs
+        backend = "gymnasium"
+    if joint_action and backend == "envpool":
+        raise ValueError("joint_action wraps each gymnasium env of the vector env; expected env backend 'gymnasium' "
+                         "or 'auto', got 'envpool'")
     if resolve_env_backend(backend, env_id, async_, capture_video) == "envpool":
         envs = EnvPoolVecEnv(env_id, int(num_envs), seed=0 if seed is None else int(seed), pool_kwargs=env_kwargs,
                              parts=2 if env_parts == 2 and int(num_envs) >= 2 else 1)
@@ -199,7 +215,7 @@ def make_vec_env(
     else:
         check_env_id(env_id)
         envs = _gymnasium_vec_env(env_id, int(num_envs), async_, capture_video, video_dir, flatten_obs, env_kwargs,
-                                  start_method)
+                                  start_method, joint_action)
     envs = EnvGuard(envs, nonfinite)  # below the statistics and normalisation: they never see a NaN
     envs = VecEpisodeStatistics(envs)
     if normalize_obs and (obs_norm_discrete or has_continuous_part(raw_observation_space(envs, env_id, env_kwargs))):
@@ -225,7 +241,7 @@ def has_continuous_part(space: spaces.Space) -> bool:
 
 def _gymnasium_vec_env(env_id: str, num_envs: int, async_: bool, capture_video: bool, video_dir: str,
                        flatten_obs: bool, env_kwargs: dict[str, Any] | None,
-                       start_method: str | None) -> gym.vector.VectorEnv:
+                       start_method: str | None, joint_action: bool = False) -> gym.vector.VectorEnv:
     """gymnasium's Sync/AsyncVectorEnv (NextStep autoreset) of ``num_envs`` :func:`make_env` envs."""
     thunks = [
         functools.partial(
@@ -237,6 +253,7 @@ def _gymnasium_vec_env(env_id: str, num_envs: int, async_: bool, capture_video: 
             flatten_obs=flatten_obs,
             env_kwargs=env_kwargs,
             checks=i == 0,
+            joint_action=joint_action,
         )
         for i in range(num_envs)
     ]

@@ -1,8 +1,8 @@
-"""Picklable observation wrappers and helpers over a vector-env stack.
+"""Picklable observation and action wrappers and helpers over a vector-env stack.
 
 :class:`FlattenObs` / :class:`Float32Obs` (one env) and :class:`FlattenVecObs` (a vector env) are
 gymnasium's FlattenObservation / DtypeObservation without the lambdas that keep envs from being
-pickled (checkpointed mid-episode). :func:`find_vector_wrapper` finds a wrapper in a stack,
+pickled (checkpointed mid-episode). :class:`JointAction` turns a MultiDiscrete action into one Discrete. :func:`find_vector_wrapper` finds a wrapper in a stack,
 :func:`finished_episodes` reads RecordEpisodeStatistics' info.
 """
 
@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 from .envpool_backend import EnvPoolVecEnv
 
-__all__ = ["FlattenObs", "Float32Obs", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
+__all__ = ["FlattenObs", "Float32Obs", "JointAction", "MAX_JOINT_ACTIONS", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
            "finished_episodes", "finished_episode_arrays", "raw_observation_space", "requires_prev_action"]
 
 
@@ -47,6 +47,39 @@ class Float32Obs(gym.ObservationWrapper):
 
     def observation(self, observation: Any) -> np.ndarray:
         return np.asarray(observation, dtype=np.float32)
+
+
+MAX_JOINT_ACTIONS = 4096  # JointAction's largest product of nvec
+
+
+class JointAction(gym.ActionWrapper):
+    """A ``MultiDiscrete(nvec)`` action space as one ``Discrete(prod(nvec))``: joint action ``k`` is the
+    row-major index of the components (``numpy.unravel_index(k, nvec)``; for POPGym's Battleship ``row * cols +
+    col``), and each component's ``start`` is added back for the env. A policy's categorical over the joint action
+    can put its mass on any set of combinations (say "any cell not yet shot"), which a product of independent
+    per-component categoricals cannot. Picklable (no lambda inside).
+
+    Raises:
+        ValueError: an action space that is not a 1-D MultiDiscrete, or one of more than
+            :data:`MAX_JOINT_ACTIONS` combinations (the policy's logits grow with them).
+    """
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        space = env.action_space
+        if not isinstance(space, spaces.MultiDiscrete) or space.nvec.ndim != 1:
+            raise ValueError(f"JointAction: expected a 1-D MultiDiscrete action space, got {space!r}")
+        self.nvec = tuple(int(v) for v in space.nvec)
+        self.start = np.asarray(space.start, dtype=space.dtype)
+        n = int(np.prod(self.nvec))
+        if n > MAX_JOINT_ACTIONS:
+            raise ValueError(f"JointAction: expected at most {MAX_JOINT_ACTIONS} joint actions, got prod(nvec) = {n} "
+                             f"(nvec {list(self.nvec)})")
+        self._dtype = space.dtype
+        self.action_space = spaces.Discrete(n)
+
+    def action(self, action: Any) -> np.ndarray:
+        return (np.asarray(np.unravel_index(int(action), self.nvec)) + self.start).astype(self._dtype)
 
 
 def needs_flatten(space: spaces.Space) -> bool:

@@ -9,8 +9,6 @@ Methods:
   ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
   observation normaliser's statistics freeze once N env steps are done.
   ``--set obs_norm_clip=V`` clips the normalised observations to [-V, V] (sb3's ``clip_obs``).
-  ``--set joint_action=True`` turns a MultiDiscrete action (Battleship's row and column) into one Discrete over
-  every combination (a gymnasium ``ActionWrapper``; its envs cannot be pickled into a checkpoint).
   ``--set time_obs=K`` appends K sinusoid pairs of the in-episode step to the observation (an env wrapper, so the
   observation normaliser sees them; the agent's own form is ``PPOConfig.time_encoding``).
   ``--set gae_lambda_value=L`` computes the value targets with GAE lambda L, the advantages keeping ``gae_lambda``.
@@ -18,8 +16,8 @@ Methods:
   ``MlpLstmPolicy`` heads) instead of one linear layer (CPU runs).
   ``--set reward_head=C`` (with ``reward_head_q=K``, default 1) adds a per-action head of the immediate reward,
   regressed on the taken action's reward (weight K), and its Mean Actor-Critic term (weight C) to the actor's loss
-  (CPU runs, ``aux_gamma=0``). ``--set action_set=C`` adds an auxiliary head that predicts the set of actions taken
-  so far in the episode (binary cross-entropy, weight C; CPU runs, discrete actions).
+  (CPU runs, ``aux_gamma=0``). ``--set action_set=C`` is ``PPOConfig.action_set_coef`` (the name of the runs from
+  when it was a harness patch; ``joint_action`` too is a PPOConfig field now).
 * ``sb3``: sb3-contrib's RecurrentPPO, ``MlpLstmPolicy`` with ``lstm_hidden_size=128``, 8 envs
   (``DummyVecEnv``), ``n_steps=128``, every other hyperparameter sb3-contrib's default (lr 3e-4,
   batch 128, 10 epochs, gamma 0.99, GAE lambda 0.95, ent 0, separate critic LSTM). Observations that are
@@ -321,8 +319,8 @@ def _reward_head(mac: float, q_coef: float) -> None:
     _extra_actor_output("reward_head", "q0", lambda head: head.out_dim)
     base_loss = U.ppo_loss
 
-    def ppo_loss(c, dist, newvalue, mb, count, adv_norm=None, aux_newvalue=None):
-        loss, st = base_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
+    def ppo_loss(c, dist, newvalue, mb, count, *rest):
+        loss, st = base_loss(c, dist, newvalue, mb, count, *rest)
         if c.aux_gamma != 0.0:
             raise ValueError(f"reward_head: expected aux_gamma 0 (its returns are the rewards), got {c.aux_gamma}")
         r, mask = mb.aux_returns, mb.mask
@@ -335,79 +333,6 @@ def _reward_head(mac: float, q_coef: float) -> None:
         return loss + q_coef * q_loss + mac * mac_loss, st
 
     U.ppo_loss = ppo_loss
-
-
-def _action_set_head(coef: float) -> None:
-    """``--set action_set=C`` (harness only, CPU rollout, discrete actions): an auxiliary head on the backbone's
-    features that predicts, at every step, which actions the agent has taken so far in the episode (a multi-hot
-    over every joint action, binary cross-entropy with weight C, its gradient into the backbone too). Steps whose
-    episode began before the minibatch's window (history unknown) and invalid steps are left out. Battleship's
-    no-repeat rule needs exactly this set; the probe ``set_memory.py`` shows the backbone learns it supervised in
-    a few hundred steps. It patches this process's ``ActorHead``, ``PPOUpdate._mb_gather`` (for the minibatch's
-    episode starts) and the update's ``ppo_loss`` (one process per run, so nothing else sees it)."""
-    import math
-
-    import torch
-    from torch import nn
-
-    from mamba_rl.agents import loss as L
-    from mamba_rl.agents import update as U
-
-    _extra_actor_output("action_set", "set_logits", lambda head: math.prod(list(head.splits) or [head.out_dim]))
-    base_loss, gather = U.ppo_loss, U.PPOUpdate._mb_gather
-    cur = {}
-
-    def mb_gather(self):
-        gather(self)
-        cur["starts"] = self.trainer.starts_buf
-
-    def ppo_loss(c, dist, newvalue, mb, count, adv_norm=None, aux_newvalue=None):
-        loss, st = base_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue)
-        starts, nvec = cur["starts"], _categoricals(dist)
-        rows, t = starts.shape
-        a = mb.actions.long()
-        joint = a[..., 0]
-        for i in range(1, len(nvec)):  # row-major joint index of a MultiDiscrete action
-            joint = joint * nvec[i] + a[..., i]
-        k = math.prod(nvec)
-        taken = nn.functional.one_hot(joint, k).float() * mb.mask.unsqueeze(-1)
-        before = taken.cumsum(1) - taken  # sum over s < t
-        steps = torch.arange(t, device=starts.device).expand(rows, t)
-        last = torch.where(starts, steps, torch.full_like(steps, -1)).cummax(1).values  # the episode's first step
-        known = (last >= 0).float() * mb.mask
-        seen = before - before.gather(1, last.clamp_min(0).unsqueeze(-1).expand(-1, -1, k))
-        bce = nn.functional.binary_cross_entropy_with_logits(dist.set_logits, (seen > 0.5).float(),
-                                                             reduction="none").mean(-1)
-        return loss + coef * L.masked_mean(bce, known, known.sum().clamp_min(1.0)), st
-
-    U.ppo_loss, U.PPOUpdate._mb_gather = ppo_loss, mb_gather
-
-
-def _joint_action_env(base: str) -> str:
-    """``--set joint_action=True`` (harness only): the task with its MultiDiscrete action (Battleship's row and
-    column) as one Discrete over every combination (a gymnasium ``ActionWrapper``), so the policy's categorical
-    can put its mass on any set of cells (a factorised head cannot express "any cell not yet shot"). Registers
-    ``<base>-joint`` in this process's gymnasium registry and returns that id."""
-    import gymnasium as gym
-    import numpy as np
-
-    if base.startswith("popgym-"):
-        import popgym  # noqa: F401  (registers the popgym-* ids)
-    new = f"mamba_rl_harness/{base}-joint-v0"
-    if new not in gym.registry:
-        class JointAction(gym.ActionWrapper):
-            def __init__(self, env):
-                super().__init__(env)
-                if not isinstance(env.action_space, gym.spaces.MultiDiscrete):
-                    raise ValueError(f"joint_action: expected a MultiDiscrete action space, got {env.action_space}")
-                self.nvec = tuple(int(v) for v in env.action_space.nvec)
-                self.action_space = gym.spaces.Discrete(int(np.prod(self.nvec)))
-
-            def action(self, action):
-                return np.array(np.unravel_index(int(action), self.nvec), dtype=np.int64)
-
-        gym.register(new, entry_point=lambda **kw: JointAction(gym.make(base, **kw)))
-    return new
 
 
 def _time_obs_env(base: str, n_freq: int) -> str:
@@ -484,9 +409,9 @@ def _run_mamba_in(tmp: str, task: str, seed: int, total: int, sets: dict, out: _
         _mlp_heads(int(sets.pop("head_hidden")))
     if "reward_head" in sets:
         _reward_head(float(sets.pop("reward_head")), float(sets.pop("reward_head_q", 1.0)))
-    if "action_set" in sets:
-        _action_set_head(float(sets.pop("action_set")))
-    task_id = _joint_action_env(env_id(task)) if sets.pop("joint_action", False) else env_id(task)
+    if "action_set" in sets:  # the name of the twenty-ninth session's runs (then a harness patch)
+        sets["action_set_coef"] = sets.pop("action_set")
+    task_id = env_id(task)
     if "time_obs" in sets:
         task_id = _time_obs_env(task_id, int(sets.pop("time_obs")))
     kw.update(sets)
@@ -775,7 +700,7 @@ def plot(runs: dict, path: str) -> None:
 
 
 # --set names the harness itself takes (see the module docstring), not PPOConfig fields
-HARNESS_SETS = ("adv_norm_batch", "gae_lambda_value", "obs_norm_clip", "joint_action",
+HARNESS_SETS = ("adv_norm_batch", "gae_lambda_value", "obs_norm_clip",
                 "head_hidden", "time_obs", "obs_norm_freeze_step", "reward_head", "reward_head_q",
                 "action_set") + tuple(f + "_end" for f in SCHEDULED)
 

@@ -71,6 +71,8 @@ def _check_update_identity(tmp_path, device: str, rtol: float = 1e-4, atol: floa
                 "losses/clipfrac", "backbone/grad_norm"]
         if extra and extra.get("aux_gamma") is not None:  # the aux loss: each rank's share of the global mean
             keys.append("losses/aux_value_loss")
+        if extra and extra.get("action_set_coef"):  # its mean over the known steps of every rank's minibatch
+            keys.append("losses/action_set_loss")
         if extra and extra.get("max_minibatch_kl") is not None:
             keys.append("losses/kl_stopped_steps")
             # stopped at the first minibatch: every planned step of the update left untaken
@@ -95,6 +97,12 @@ def test_two_ranks_equal_one_process_with_the_aux_critic_gloo(tmp_path):
     """The two-horizon critic: the aux head's gradient is in the all-reduced heads' gradient, and the advantages
     are mixed with the stds of both ranks' rollouts (one all-reduce), as one process with all the envs mixes."""
     _check_update_identity(tmp_path, "cpu", extra=dict(aux_gamma=0.9, aux_gae_lambda=0.65, aux_adv_weight=0.3))
+
+
+def test_two_ranks_equal_one_process_with_the_action_set_loss_gloo(tmp_path):
+    """The action-set loss: its head's gradient is in the all-reduced heads' gradient and its mean is over the known
+    steps of both ranks' minibatches (their count joins the advantage sums' all-reduce), as one process computes."""
+    _check_update_identity(tmp_path, "cpu", extra=dict(action_set_coef=3.0))
 
 
 @pytest.mark.cuda

@@ -102,7 +102,7 @@ def test_bars_mean_row_and_columns(pg, tmp_path):
     ("mamba", ["--variant", "rh", "--set", "d_model=16", "--set", "n_layers=1", "--set", "reward_head=6",
                "--set", "reward_head_q=2"], "mamba__rh"),  # the harness's per-action immediate-reward head
     ("mamba", ["--variant", "as", "--set", "d_model=16", "--set", "n_layers=1", "--set", "action_set=1"],
-     "mamba__as"),  # the harness's action-set head
+     "mamba__as"),  # the action-set loss by its harness name (PPOConfig.action_set_coef)
     ("sb3", [], "sb3"),
     ("sb3", ["--sb3-prev-action"], "sb3__prev"),
     ("sb3", ["--variant", "g09", "--set", "gamma=0.9"], "sb3__g09"),  # the LSTM given a --set, in its own folder

@@ -1,8 +1,9 @@
 """BattleshipEasy (joint 64-cell action): what the harness's reward head and action-set head learn in 200k steps.
 
 Trains one run in-process with popgym.py's settings (8 envs x 128 steps, CPU, one torch thread) and its harness
-patches: ``--set reward_head=MAC reward_head_q=QC`` (MAC < 0: no reward head) and, with the environment variable
-AS=C, ``--set action_set=C``; extra PPOConfig fields as name=value. Then plays 200 fresh episodes (seeds 10**6 + i)
+patch ``--set reward_head=MAC reward_head_q=QC`` (MAC < 0: no reward head), ``joint_action=True`` and, with the
+environment variable AS=C, ``action_set_coef=C`` (harness patches when these runs were made, PPOConfig fields
+now); extra PPOConfig fields as name=value. Then plays 200 fresh episodes (seeds 10**6 + i)
 sampling as in training and prints one JSON line: the MMER of the run, the repeat and hit rates, the reward head's
 mean Q0 over the cells already shot / not yet shot (and at the taken cell, repeat or not), the policy's
 probability mass on cells already shot, and the action-set head's accuracy over all 64 cells and its recall on the
@@ -30,8 +31,8 @@ extra = dict(a.split("=") for a in sys.argv[5:])
 extra = {k: ast.literal_eval(v) for k, v in extra.items()}
 if mac >= 0: H._reward_head(mac, qc)
 AS = float(os.environ.get("AS", "0"))
-if AS: H._action_set_head(AS)
-task = H._joint_action_env("popgym-BattleshipEasy-v0")
+task = "popgym-BattleshipEasy-v0"
+extra.update(joint_action=True, action_set_coef=AS)
 from mamba_rl.agents import RecurrentPPO
 from mamba_rl.agents.policy import PolicyState
 from mamba_rl.agents.evaluate import reward_scale_of
@@ -47,7 +48,7 @@ def cb(agent, m):
 agent.learn(callback=cb)
 p = agent.policy; n = 200
 scale = reward_scale_of(agent.envs)
-envs = make_vec_env(task, num_envs=n, seed=10**6)
+envs = make_vec_env(task, num_envs=n, seed=10**6, joint_action=True)
 gen = torch.Generator().manual_seed(1)
 obs, _ = envs.reset(seed=10**6)
 state = p.initial_state(n); starts = torch.ones(n, dtype=torch.bool)
@@ -62,7 +63,7 @@ with torch.no_grad():
         feat, rec = p._features(x, state, starts, state.prev_reward, step_t)
         raw = p.actor.linear(feat); q = p.actor.q0_head(feat) if mac >= 0 else torch.zeros(n, 64)
         if AS:
-            sl = p.actor.set_logits_head(feat).numpy() > 0
+            sl = p.action_set(feat).numpy() > 0
             for i in range(n):
                 if done[i]: continue
                 truth = np.zeros(64, bool); truth[list(seen[i])] = True
