@@ -554,11 +554,14 @@ def mmer_full_window(curve: list[tuple[int, float]], episodes: list[int], window
     return mmer([c for c, n in zip(curve, episodes) if n >= window])
 
 
-def summarise(out: str, tasks: list[str] | None = None, columns: list[str] | None = None) -> dict:
+def summarise(out: str, tasks: list[str] | None = None, columns: list[str] | None = None,
+              record: tuple[str, str, dict[str, str]] | None = None) -> dict:
     """Collect every finished run under ``out`` into ``{(task, method[__variant]): {seed: result}}`` as a
     JSON-able dict keyed ``"task|method"``; writes ``summary.json`` (every folder) and ``table.md`` /
     ``table_full_window.md`` (the folders named in ``columns``, in that order; None: every folder); returns
-    ``{"summary": ..., "runs": ...}`` (``runs`` restricted to ``columns`` too, for :func:`plot`)."""
+    ``{"summary": ..., "runs": ...}`` (``runs`` restricted to ``columns`` too, for :func:`plot`).
+    ``record``: ``(name, base, {task: folder})``, a column ``name`` made of the folder ``base``'s runs but, on the
+    tasks named, those of another folder (a per-task setting); those tasks' entries name it (``"source"``)."""
     runs: dict[str, dict[str, dict]] = {}
     for path in sorted(glob.glob(os.path.join(out, "*", "*__seed*.json"))):
         r = json.load(open(path))
@@ -568,6 +571,13 @@ def summarise(out: str, tasks: list[str] | None = None, columns: list[str] | Non
         r["curve"], episodes = _read_curve(path[:-5] + ".csv")
         r["mmer_full"] = mmer_full_window(r["curve"], episodes)
         runs.setdefault(key, {})[str(r["seed"])] = r
+    if record is not None:
+        name, base, per_task = record
+        for t in sorted({k.split("|")[0] for k in runs}):
+            src = per_task.get(t, base)
+            if f"{t}|{src}" in runs:
+                runs[f"{t}|{name}"] = {s: dict(r, source=src) if src != base else r
+                                       for s, r in runs[f"{t}|{src}"].items()}
     summary = {}
     for key, per in runs.items():
         seeds = sorted(per, key=int)
@@ -582,6 +592,8 @@ def summarise(out: str, tasks: list[str] | None = None, columns: list[str] | Non
                              "eval": {s: per[s].get("eval") for s in seeds},
                              "versions": next(iter(per.values()))["versions"],
                              "wall_s": [per[s]["wall_s"] for s in seeds]})
+        if "source" in next(iter(per.values())):
+            summary[key]["source"] = next(iter(per.values()))["source"]
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(out, "table.md"), "w") as f:
@@ -641,7 +653,8 @@ def table(summary: dict, full_window: bool = False, columns: list[str] | None = 
                 if m in diffs_of:
                     diffs.append("-")
                 continue
-            cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)")
+            cells.append(f"{_fmt(s['mean' + sfx])} ± {_fmt(s['std' + sfx])} ({len(s['seeds'])}, {s['steps'] // 1000}k)"
+                         + (f" from {s['source']}" if s.get("source") else ""))
             seeds.append(f"{m}: " + " / ".join(_fmt(v) for v in s["mmer" + sfx].values()))
             if m not in diffs_of:
                 continue
@@ -761,6 +774,9 @@ def main(argv=None) -> int:
     ap.add_argument("--columns", nargs="+", default=None, metavar="FOLDER",
                     help="the run folders (mamba, mamba__VARIANT, sb3, ...) that table.md and curves.png show, in "
                          "that order (default: every folder; summary.json always holds every one)")
+    ap.add_argument("--record-column", nargs="+", default=None, metavar="ARG",
+                    help="NAME BASE [TASK=FOLDER ...]: a column NAME of the folder BASE's runs, each TASK's from "
+                         "FOLDER instead (a per-task setting; the table says which); name it in --columns to show it")
     ap.add_argument("--out", default=os.path.join(HERE, "popgym"))
     ap.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     ap.add_argument("--task", help=argparse.SUPPRESS)
@@ -840,12 +856,23 @@ def main(argv=None) -> int:
         for sig, h in handlers.items():
             if h is not None:
                 signal.signal(sig, h)
+    present = sorted(d for d in os.listdir(a.out) if os.path.isdir(os.path.join(a.out, d))) \
+        if os.path.isdir(a.out) else []
+    record = None
+    if a.record_column:
+        if len(a.record_column) < 2 or any(x.count("=") != 1 for x in a.record_column[2:]):
+            ap.error(f"--record-column: expected NAME BASE [TASK=FOLDER ...], got {a.record_column}")
+        name, base, *pairs = a.record_column
+        record = (name, base, dict(x.split("=") for x in pairs))
+        missing = [f for f in [base, *record[2].values()] if f not in present]
+        if missing:
+            ap.error(f"--record-column: no run folder {missing} under {a.out}; there are {present}")
+        present.append(name)
     if a.columns:
-        present = sorted(d for d in os.listdir(a.out) if os.path.isdir(os.path.join(a.out, d)))
         missing = [c for c in a.columns if c not in present]
         if missing:
             ap.error(f"--columns: no run folder {missing} under {a.out}; there are {present}")
-    res = summarise(a.out, columns=a.columns)  # every finished run in the folder, not only this call's
+    res = summarise(a.out, columns=a.columns, record=record)  # every finished run in the folder, not this call's only
     if res["runs"]:
         plot(res["runs"], os.path.join(a.out, "curves.png"))
     print(table(res["summary"], columns=a.columns), end="")

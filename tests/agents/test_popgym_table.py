@@ -201,3 +201,24 @@ def test_a_run_stopped_by_sigterm_keeps_its_curve_and_runs_again(pg, tmp_path):
                     "--jobs", "1", "--out", str(out)] + tiny) == 0
     r2 = json.load(open(run.with_suffix(".json")))
     assert "stopped" not in r2 and r2["steps"] == r2["total"] == 1024
+
+
+def test_a_record_column_takes_each_task_from_its_folder(pg, tmp_path, capsys):
+    out = str(tmp_path)
+    for task in ("BattleshipEasy", "ConcentrationEasy"):
+        _fake_run(out, "mamba__base", task, 0, [-0.5, -0.4])
+        _fake_run(out, "sb3", task, 0, [-0.5, -0.45])
+    _fake_run(out, "mamba__as", "BattleshipEasy", 0, [-0.5, -0.2])
+    res = pg.summarise(out, columns=["rec", "sb3"], record=("rec", "mamba__base", {"BattleshipEasy": "mamba__as"}))
+    s = res["summary"]
+    assert s["BattleshipEasy|rec"]["mean"] == -0.2 and s["BattleshipEasy|rec"]["source"] == "mamba__as"
+    assert s["ConcentrationEasy|rec"]["mean"] == -0.4 and "source" not in s["ConcentrationEasy|rec"]
+    rows = {r.split(" | ")[0][2:]: r for r in open(tmp_path / "table.md").read().splitlines()}
+    assert "-0.200 ± 0.000 (1, 2k) from mamba__as" in rows["BattleshipEasy"]
+    assert "from" not in rows["ConcentrationEasy"]
+    assert set(res["runs"]) == {f"{t}|{m}" for t in ("BattleshipEasy", "ConcentrationEasy") for m in ("rec", "sb3")}
+    with pytest.raises(SystemExit):
+        pg.main(["--summarise-only", "--out", out, "--record-column", "rec", "mamba__base", "BattleshipEasy=nope"])
+    assert "no run folder ['nope']" in capsys.readouterr().err
+    assert pg.main(["--summarise-only", "--out", out, "--record-column", "rec", "mamba__base",
+                    "BattleshipEasy=mamba__as", "--columns", "rec", "sb3"]) == 0
