@@ -258,6 +258,7 @@ def _run_train(args: argparse.Namespace) -> int:
     import signal
 
     from mamba_rl.agents.interrupts import exit_code, ignore_until_exit, terminate_as_interrupt
+    from mamba_rl.agents.policy import check_action_options
     from mamba_rl.agents.progress import apply_thread_policy
     from mamba_rl.agents.devices import resolve_device
     from mamba_rl.agents.runs import RunFolderError, claim_run
@@ -276,6 +277,7 @@ def _run_train(args: argparse.Namespace) -> int:
         resolve_device(config.device, config.backend)
         check_env_id(config.env_id)
         resolve_env_backend(config.env_backend, config.env_id, config.async_envs, config.capture_video)
+        check_action_options(config.env_id, config.joint_action, config.action_set_coef)
         if config.async_envs:
             check_start_method(config.async_start_method)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # validated once here, not once per rank

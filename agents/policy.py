@@ -25,12 +25,12 @@ from gymnasium import spaces
 from torch import nn
 
 from mamba_rl import MambaBackbone, MambaConfig, RecurrentState, Stepper
-from mamba_rl.envs import requires_prev_action
+from mamba_rl.envs import make_env, requires_prev_action
 
 from .heads import ActionDist, ActorHead, CriticHead, _layer_init, action_dim, action_input_dim, action_set_size
 from .validation import check_bool_or_auto
 
-__all__ = ["Policy", "PolicyState", "HostStager", "prev_action_input", "time_features"]
+__all__ = ["Policy", "PolicyState", "HostStager", "prev_action_input", "time_features", "check_action_options"]
 
 
 @dataclass
@@ -367,6 +367,29 @@ def _per_env(name: str, value, batch: int, dtype, who: str = "predict") -> np.nd
         raise ValueError(f"{who}: {name} must hold one value per env, expected shape [{batch}], got "
                          f"{list(arr.shape)}")
     return arr.reshape(batch)
+
+
+def check_action_options(env_id: str, joint_action: bool, action_set_coef: float) -> None:
+    """Check up front that ``env_id``'s action space takes :attr:`PPOConfig.joint_action` and the action-set loss
+    (:attr:`PPOConfig.action_set_coef` > 0), building one env of it when either is on (nothing otherwise): what
+    the agent would find out while building its envs and heads, for the CLI to report before any run folder.
+
+    Raises:
+        ValueError: naming the field: ``joint_action`` for an action space that is not a 1-D MultiDiscrete of at
+            most ``mamba_rl.envs.MAX_JOINT_ACTIONS`` combinations, the action-set loss for a Box action space or
+            too many (joint) actions.
+    """
+    if not joint_action and action_set_coef <= 0:
+        return
+    try:
+        env = make_env(env_id, flatten_obs=False, joint_action=joint_action)
+    except ValueError as err:
+        raise ValueError(f"PPOConfig.joint_action: {err}") from err
+    try:
+        if action_set_coef > 0:
+            action_set_size(env.action_space)
+    finally:
+        env.close()
 
 
 def prev_action_input(setting: bool | str, envs: gym.vector.VectorEnv, env_id: str | None = None) -> bool:

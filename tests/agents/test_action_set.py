@@ -7,6 +7,7 @@ data-parallel one is in tests/agents/test_ddp.py.
 from __future__ import annotations
 
 import math
+import re
 import pickle
 
 import gymnasium as gym
@@ -299,3 +300,21 @@ def test_the_captured_update_equals_the_eager_one_with_the_action_set(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
     g.close()
     e.close()
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--env-id", "CartPole-v1", "--joint-action"],
+     r"--joint-action \(PPOConfig.joint_action\): JointAction: expected a 1-D MultiDiscrete action space, got "
+     r"Discrete\(2\)"),
+    (["--env-id", "Pendulum-v1", "--action-set-coef", "1"],
+     r"--action-set-coef \(PPOConfig.action_set_coef\): the action-set loss needs a Discrete or MultiDiscrete action "
+     r"space, got Box"),
+])
+def test_the_cli_reports_an_option_the_env_cannot_take_in_one_line(tmp_path, capsys, argv, msg):
+    from mamba_rl.agents.cli import main
+
+    assert main(["train", *argv, "--total-timesteps", "1024", "--no-progress", "--runs-dir", str(tmp_path / "r"),
+                 "--checkpoint-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(msg, err[0]), err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "c").exists()  # refused before any run folder
