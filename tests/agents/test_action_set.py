@@ -282,22 +282,15 @@ def test_evaluate_and_predict_act_in_the_joint_action_space(tmp_path):
 @cuda
 @pytest.mark.cuda
 def test_the_captured_update_equals_the_eager_one_with_the_action_set(tmp_path):
+    from tests.agents.test_gpu_loop import _copy_rollout as copy_rollout, assert_same_update
+
     kw = dict(num_envs=8, num_steps=24, device="cuda", joint_action=True, action_set_coef=3.0)
     g, e = _agent(tmp_path / "g", cuda_graphs=True, **kw), _agent(tmp_path / "e", cuda_graphs=False, **kw)
     g.collect_rollout()
-    for k in ("inputs", "actions", "logprobs", "values", "rewards", "terminations", "truncations", "episode_starts",
-              "valid", "advantages", "returns", "aux_values", "aux_advantages", "aux_returns"):
-        if getattr(g.buffer, k) is not None:
-            getattr(e.buffer, k).copy_(getattr(g.buffer, k).to(getattr(e.buffer, k).device))
-    e.buffer.initial_state.copy_(g.buffer.initial_state.to(e.policy.device))
+    copy_rollout(g, e)
     mg, me = g.update_policy(), e.update_policy()
     assert 0.3 < mg[ACTION_SET_LOSS] < 1.0
-    for k in mg:
-        if not k.startswith("debug/"):
-            assert mg[k] == pytest.approx(me[k], rel=1e-4, abs=1e-5), (k, mg[k], me[k])
-    torch.testing.assert_close(g.policy.net.arena, e.policy.net.arena, rtol=1e-5, atol=1e-6)
-    for (n, p), (_, q) in zip(g.policy.heads.named_parameters(), e.policy.heads.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_update(g, e, mg, me)
     g.close()
     e.close()
 

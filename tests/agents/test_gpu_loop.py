@@ -325,6 +325,16 @@ def _copy_rollout(src, dst):
     dst.buffer.initial_state.copy_(src.buffer.initial_state.to(dst.policy.device))
 
 
+def assert_same_update(a, b, ma, mb):
+    """Two agents' updates agree: every metric (debug/* aside) and the backbone and head weights after it."""
+    for k in ma:
+        if not k.startswith("debug/"):
+            assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-5), (k, ma[k], mb[k])
+    torch.testing.assert_close(a.policy.net.arena, b.policy.net.arena, rtol=1e-5, atol=1e-6)
+    for (n, p), (_, q) in zip(a.policy.heads.named_parameters(), b.policy.heads.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_update_with_the_flat_head_adam_equals_torch_adam_on_cpu(tmp_path):
     from mamba_rl.agents.update import PPOUpdate
 
@@ -355,12 +365,7 @@ def test_captured_update_equals_eager_update(tmp_path, dtype):
     _copy_rollout(g_agent, e_agent)
     mg, me = g_agent.update_policy(), e_agent.update_policy()
     assert set(AUX_METRICS) <= set(mg) and set(AUX_METRICS) <= set(me)
-    for k in mg:
-        if not k.startswith("debug/"):
-            assert mg[k] == pytest.approx(me[k], rel=1e-4, abs=1e-5), (k, mg[k], me[k])
-    torch.testing.assert_close(g_agent.policy.net.arena, e_agent.policy.net.arena, rtol=1e-5, atol=1e-6)
-    for (n, p), (_, q) in zip(g_agent.policy.heads.named_parameters(), e_agent.policy.heads.named_parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=n)
+    assert_same_update(g_agent, e_agent, mg, me)
     g_agent.close()
     e_agent.close()
 
