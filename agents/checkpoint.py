@@ -35,8 +35,8 @@ Adam moments; a checkpoint with it resumes only into a config with an ``aux_gamm
 into a config without (:func:`restore_agent` says so before loading anything; the aux discount itself may
 change on resume, as ``gamma`` may). The action-set loss (``PPOConfig.action_set_coef`` > 0) adds the head
 ``heads/action_set.*`` likewise: its coefficient may change on resume, not whether it is 0. Every other head
-whose saved shape differs from the policy's (another action space, say ``joint_action`` turned on or off) is
-refused the same way.
+whose saved shape differs from the policy's (another action space) is refused the same way, and
+``RecurrentPPO.load`` refuses a ``joint_action`` other than the saved one (the same width can mean other actions).
 """
 
 from __future__ import annotations
@@ -387,8 +387,7 @@ def _check_layout(ckpt: Path, policy: Policy) -> None:
         cfg = meta.get("extra", {}).get("ppo_config", {})
         raise CheckpointError(f"checkpoint {ckpt}: its heads {', '.join(f'{k} {list(heads[k])}' for k in differ)} do "
                               f"not fit this policy's ({', '.join(f'{k} {list(mine[k])}' for k in differ)}): another "
-                              f"action space (saved with env_id {cfg.get('env_id')!r}, joint_action "
-                              f"{cfg.get('joint_action', False)!r}); resume with the checkpoint's env and joint_action")
+                              f"action space (saved with env_id {cfg.get('env_id')!r}); resume with the checkpoint's env")
     saved_k = meta.get("extra", {}).get("ppo_config", {}).get("time_encoding", 0)
     if saved_k != policy.time_encoding:
         raise CheckpointError(f"checkpoint {ckpt} was saved with time_encoding {saved_k} (an input of "

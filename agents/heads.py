@@ -67,11 +67,12 @@ def action_set_size(space: spaces.Space) -> int:
     _check_action_space(space)
     if isinstance(space, spaces.Box):
         raise ValueError(f"PPOConfig.action_set_coef: the action-set loss needs a Discrete or MultiDiscrete action "
-                         f"space, got {space!r}; use action_set_coef 0")
+                         f"space, got {' '.join(repr(space).split())}; use action_set_coef 0")
     k = int(space.n) if isinstance(space, spaces.Discrete) else int(np.prod(space.nvec))
     if k > MAX_JOINT_ACTIONS:
         raise ValueError(f"PPOConfig.action_set_coef: the action-set loss keeps one logit per joint action: expected "
-                         f"at most {MAX_JOINT_ACTIONS}, got {k} for {space!r}; use action_set_coef 0")
+                         f"at most {MAX_JOINT_ACTIONS}, got {k} for {' '.join(repr(space).split())}; use "
+                         f"action_set_coef 0")
     return k
 
 

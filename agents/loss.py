@@ -106,7 +106,8 @@ def action_set_targets(actions: torch.Tensor, starts: torch.Tensor, valid: torch
     Args:
         actions: [N, T, action_dim] stored actions (whole numbers, any real or integer dtype): one column for a
             Discrete space, one per component of a MultiDiscrete one (joint index: row-major, as
-            :class:`mamba_rl.envs.JointAction` numbers them).
+            :class:`mamba_rl.envs.JointAction` numbers them). Each in [0, nvec[i]): not checked (that would cost
+            a device sync; the rollout's own actions always are).
         starts: [N, T] bool, True at an episode's first step.
         valid: [N, T] float32 (or bool), 1 at the steps that are transitions.
         nvec: the categoricals' sizes: (n,) for Discrete(n), the MultiDiscrete nvec.
@@ -119,8 +120,12 @@ def action_set_targets(actions: torch.Tensor, starts: torch.Tensor, valid: torch
         Capturable (no host sync).
 
     Raises:
-        ValueError: ``actions`` of another shape than [N, T, len(nvec)], or ``starts`` / ``valid`` not [N, T].
+        ValueError: ``starts`` not a bool [N, T] tensor, ``actions`` of another shape than [N, T, len(nvec)], or
+            ``valid`` not [N, T].
     """
+    if starts.dim() != 2 or starts.dtype != torch.bool:
+        raise ValueError(f"action_set_targets: expected starts a bool [N, T] tensor, got {starts.dtype} "
+                         f"{tuple(starts.shape)}")
     n, t = starts.shape
     if tuple(actions.shape) != (n, t, len(nvec)) or tuple(valid.shape) != (n, t):
         raise ValueError(f"action_set_targets: expected actions [{n}, {t}, {len(nvec)}] and valid [{n}, {t}] for "
@@ -130,14 +135,17 @@ def action_set_targets(actions: torch.Tensor, starts: torch.Tensor, valid: torch
     for i in range(1, len(nvec)):
         joint = joint * nvec[i] + a[..., i]
     k = int(np.prod(nvec))
-    taken = (joint.unsqueeze(-1) == torch.arange(k, device=joint.device)).to(torch.int32) \
-        * (valid > 0.5).to(torch.int32).unsqueeze(-1)
-    before = taken.cumsum(1) - taken  # actions taken at s < t (each count)
+    ok = valid > 0.5
+    taken = (joint.unsqueeze(-1) == torch.arange(k, device=joint.device)) & ok.unsqueeze(-1)  # bool [N, T, K]
+    # int32 counts (torch's integer cumsum is int64 by default): about 14 bytes per [N, T, K] element in all
+    before = torch.zeros(n, t, k, dtype=torch.int32, device=joint.device)
+    if t > 1:
+        torch.cumsum(taken[:, :-1], 1, dtype=torch.int32, out=before[:, 1:])  # actions taken at s < t
     steps = torch.arange(t, device=starts.device).expand(n, t)
     first = torch.where(starts, steps, torch.full_like(steps, -1)).cummax(1).values  # t's episode's first step
     at_first = before.gather(1, first.clamp_min(0).unsqueeze(-1).expand(-1, -1, k))  # taken before the episode
-    known = (first >= 0).float() * (valid > 0.5).float()
-    return (before > at_first) & (known > 0.5).unsqueeze(-1), known
+    known = (first >= 0) & ok
+    return before.gt_(at_first).bool() & known.unsqueeze(-1), known.float()
 
 
 def action_set_loss(logits: torch.Tensor, target: torch.Tensor, known: torch.Tensor,

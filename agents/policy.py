@@ -25,7 +25,7 @@ from gymnasium import spaces
 from torch import nn
 
 from mamba_rl import MambaBackbone, MambaConfig, RecurrentState, Stepper
-from mamba_rl.envs import make_env, requires_prev_action
+from mamba_rl.envs import JointAction, make_env, requires_prev_action
 
 from .heads import ActionDist, ActorHead, CriticHead, _layer_init, action_dim, action_input_dim, action_set_size
 from .validation import check_bool_or_auto
@@ -381,13 +381,19 @@ def check_action_options(env_id: str, joint_action: bool, action_set_coef: float
     """
     if not joint_action and action_set_coef <= 0:
         return
+    env = make_env(env_id, flatten_obs=False)
     try:
-        env = make_env(env_id, flatten_obs=False, joint_action=joint_action)
-    except ValueError as err:
-        raise ValueError(f"PPOConfig.joint_action: {err}") from err
-    try:
+        space = env.action_space
+        if joint_action:
+            try:
+                space = JointAction(env).action_space
+            except ValueError as err:
+                raise ValueError(f"PPOConfig.joint_action: {err}") from err
         if action_set_coef > 0:
-            action_set_size(env.action_space)
+            try:
+                action_set_size(space)
+            except TypeError as err:  # an action space the agent takes in no form
+                raise ValueError(f"PPOConfig.action_set_coef: {err}") from err
     finally:
         env.close()
 

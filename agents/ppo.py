@@ -44,7 +44,7 @@ import torch
 
 from mamba_rl import CheckpointError, MambaTrainer
 from mamba_rl.envs import (EnvFailure, EnvGuard, VecNormalizeObservation, env_part_rows, find_vector_wrapper,
-                           flatten_observation, make_vec_env, raw_observation_space)
+                           flatten_observation, joined_already, make_vec_env, raw_observation_space)
 
 from .checkpoint import (Rngs, agent_config, check_envs_file, checkpoint_file, load_envs, read_agent_meta,
                          restore_agent, save_agent)
@@ -113,11 +113,11 @@ class RecurrentPPO:
         self._predict_generator: torch.Generator | None = None
         self._raw_obs_space: gym.Space | None = None
         own_envs = env is None or isinstance(env, str)  # built here from config.env_id
-        if config.joint_action and not own_envs and not isinstance(env.single_action_space, gym.spaces.Discrete):
+        if config.joint_action and not own_envs and not joined_already(env):
             # the agent's own restore hands back its unpickled envs, already joined
             raise ValueError(f"PPOConfig.joint_action wraps the envs the agent builds; a given vector env must be "
                              f"joined already (its sub-envs wrapped in mamba_rl.envs.JointAction): expected a Discrete "
-                             f"action space, got {env.single_action_space!r}")
+                             f"action space of JointAction sub-envs, got {env.single_action_space!r}")
         self.envs = self._make_envs() if own_envs else adopt_vec_env(env, config.num_envs, nonfinite=config.nonfinite)
 
         apply_thread_policy(config.threads)  # before the model is built (PPOConfig.threads)
@@ -615,6 +615,12 @@ class RecurrentPPO:
         """
         ckpt, extra = read_agent_meta(path)
         config = agent_config(extra, **overrides)
+        saved_joint = bool(extra.get("ppo_config", {}).get("joint_action", False))
+        if config.joint_action != saved_joint:  # the policy's actions mean other things (even at the same width)
+            raise CheckpointError(f"checkpoint {ckpt} was saved with joint_action {saved_joint} (its policy acts in "
+                                  f"{'the joint' if saved_joint else 'the per-component'} action space), but the "
+                                  f"config to load it into has joint_action {config.joint_action}; resume with "
+                                  f"{'--joint-action' if saved_joint else '--no-joint-action'}")
         env_file = ckpt.parent / "envs.pkl"
         # data-parallel: every rank loads the same weights, optimizer state and counters (any world size);
         # the per-rank env carry and sampling RNGs are re-created, never restored

@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 from .envpool_backend import EnvPoolVecEnv
 
-__all__ = ["FlattenObs", "Float32Obs", "JointAction", "MAX_JOINT_ACTIONS", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
+__all__ = ["FlattenObs", "Float32Obs", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
            "finished_episodes", "finished_episode_arrays", "raw_observation_space", "requires_prev_action"]
 
 
@@ -68,7 +68,7 @@ class JointAction(gym.ActionWrapper):
         super().__init__(env)
         space = env.action_space
         if not isinstance(space, spaces.MultiDiscrete) or space.nvec.ndim != 1:
-            raise ValueError(f"JointAction: expected a 1-D MultiDiscrete action space, got {space!r}")
+            raise ValueError(f"JointAction: expected a 1-D MultiDiscrete action space, got {' '.join(repr(space).split())}")
         self.nvec = tuple(int(v) for v in space.nvec)
         self.start = np.asarray(space.start, dtype=space.dtype)
         n = int(np.prod(self.nvec))
@@ -80,6 +80,23 @@ class JointAction(gym.ActionWrapper):
 
     def action(self, action: Any) -> np.ndarray:
         return (np.asarray(np.unravel_index(int(action), self.nvec)) + self.start).astype(self._dtype)
+
+
+def joined_already(envs: gym.vector.VectorEnv) -> bool:
+    """Whether a vector env acts through :class:`JointAction`: a Discrete single action space and, where the
+    sub-envs live in this process (SyncVectorEnv), a JointAction in its first sub-env's wrapper chain. An
+    AsyncVectorEnv's sub-envs live in its workers, so its Discrete space is taken at its word."""
+    if not isinstance(envs.single_action_space, spaces.Discrete):
+        return False
+    base = envs.unwrapped
+    if not isinstance(base, gym.vector.SyncVectorEnv):
+        return True
+    e = base.envs[0]
+    while e is not None:
+        if isinstance(e, JointAction):
+            return True
+        e = getattr(e, "env", None)
+    return False
 
 
 def needs_flatten(space: spaces.Space) -> bool:

@@ -104,9 +104,12 @@ def test_targets_are_the_actions_taken_earlier_in_the_episode(nvec, seed):
     assert known[0].sum() == 0 and not target[1].any() and target.any()
 
 
-def test_targets_refuse_actions_of_another_shape():
+def test_targets_refuse_inputs_of_another_shape_or_dtype():
     with pytest.raises(ValueError, match=r"expected actions \[2, 3, 2\] and valid \[2, 3\].*got actions \(2, 3, 1\)"):
         action_set_targets(torch.zeros(2, 3, 1), torch.zeros(2, 3, dtype=torch.bool), torch.ones(2, 3), (3, 4))
+    for starts in (torch.zeros(2, 3), torch.zeros(6, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"expected starts a bool \[N, T\] tensor, got torch\.\w+ \((6|2, 3)"):
+            action_set_targets(torch.zeros(2, 3, 1), starts, torch.ones(2, 3), (3,))
 
 
 def test_loss_is_the_mean_bce_over_the_known_steps():
@@ -181,9 +184,15 @@ def test_the_agent_refuses_a_box_action_a_huge_set_and_joint_action_on_a_given_e
         _agent(tmp_path, env_id=big, action_set_coef=1.0)
     envs = make_vec_env(NOREPEAT, 4)
     with pytest.raises(ValueError, match=r"a given vector env must be joined already .* expected a Discrete action "
-                                         r"space, got MultiDiscrete\(\[3 4\]\)"):
+                                         r"space of JointAction sub-envs, got MultiDiscrete\(\[3 4\]\)"):
         RecurrentPPO(envs, config=PPOConfig(**dict(TINY, joint_action=True)))
     envs.close()
+    plain = make_vec_env("CartPole-v1", 4)  # Discrete, but not joined: its actions are not joint indices
+    with pytest.raises(ValueError, match=r"of JointAction sub-envs, got Discrete\(2\)"):
+        RecurrentPPO(plain, config=PPOConfig(**dict(TINY, env_id="CartPole-v1", joint_action=True)))
+    plain.close()
+    joined = make_vec_env(NOREPEAT, 4, joint_action=True)
+    RecurrentPPO(joined, config=PPOConfig(**dict(TINY, joint_action=True))).close()
 
 
 def test_the_head_exists_only_when_on_and_leaves_the_other_heads_as_they_were():
@@ -264,9 +273,32 @@ def test_resume_is_exact_and_a_disagreeing_layout_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"saved with the action-set head \(action_set_coef 2.0\), but the config "
                                               r"to load it into has action_set_coef 0; resume with --action-set-coef 2.0"):
         RecurrentPPO.load(ckpt, action_set_coef=0.0)
-    with pytest.raises(CheckpointError, match=r"its heads actor.linear.bias \[12\].* do not fit this policy's "
-                                              r"\(actor.linear.bias \[7\].*joint_action True"):
-        RecurrentPPO.load(ckpt, joint_action=False)
+    other = "mamba_rl_test/NoRepeat23-v0"
+    if other not in gym.registry:
+        gym.register(other, entry_point=NoRepeat, kwargs=dict(nvec=(2, 3)))
+    with pytest.raises(CheckpointError, match=r"its heads action_set.bias \[12\], .*actor.linear.bias \[12\].* do not "
+                                              r"fit this policy's \(action_set.bias \[6\].*saved with env_id "
+                                              r"'mamba_rl_test/NoRepeat-v0'\); resume with the checkpoint's env"):
+        RecurrentPPO.load(ckpt, env_id=other)
+
+
+def test_joint_action_may_not_change_on_resume_even_at_the_same_head_width(tmp_path):
+    """nvec (2, 2): 2 + 2 per-component logits and 2 x 2 joint ones, the same shapes, other meanings."""
+    sq = "mamba_rl_test/NoRepeat22-v0"
+    if sq not in gym.registry:
+        gym.register(sq, entry_point=NoRepeat, kwargs=dict(nvec=(2, 2)))
+    agent = _agent(tmp_path, env_id=sq, joint_action=True, action_set_coef=1.0)
+    path = agent.save(tmp_path / "c")
+    agent.close()
+    for restore in (False, True):
+        with pytest.raises(CheckpointError, match=r"saved with joint_action True .* has joint_action False; resume "
+                                                  r"with --joint-action"):
+            RecurrentPPO.load(path, joint_action=False, restore_envs=restore)
+    plain = _agent(tmp_path / "p", env_id=sq)
+    path = plain.save(tmp_path / "p_c")
+    plain.close()
+    with pytest.raises(CheckpointError, match=r"saved with joint_action False .* resume with --no-joint-action"):
+        RecurrentPPO.load(path, joint_action=True, restore_envs=True)
 
 
 def test_evaluate_and_predict_act_in_the_joint_action_space(tmp_path):
@@ -299,12 +331,20 @@ def test_the_captured_update_equals_the_eager_one_with_the_action_set(tmp_path):
     (["--env-id", "CartPole-v1", "--joint-action"],
      r"--joint-action \(PPOConfig.joint_action\): JointAction: expected a 1-D MultiDiscrete action space, got "
      r"Discrete\(2\)"),
+    (["--env-id", "mamba_rl_test/NoRepeat2D-v0", "--joint-action"],
+     r"--joint-action \(PPOConfig.joint_action\): JointAction: expected a 1-D MultiDiscrete action space, got "
+     r"MultiDiscrete\(\[\[2 2\] \[2 2\]\]\)$"),
+    (["--env-id", "mamba_rl_test/NoRepeat2D-v0", "--action-set-coef", "1"],
+     r"--action-set-coef \(PPOConfig.action_set_coef\): MultiDiscrete action spaces must be 1-D"),
     (["--env-id", "Pendulum-v1", "--action-set-coef", "1"],
      r"--action-set-coef \(PPOConfig.action_set_coef\): the action-set loss needs a Discrete or MultiDiscrete action "
      r"space, got Box"),
 ])
 def test_the_cli_reports_an_option_the_env_cannot_take_in_one_line(tmp_path, capsys, argv, msg):
     from mamba_rl.agents.cli import main
+
+    if "mamba_rl_test/NoRepeat2D-v0" not in gym.registry:
+        gym.register("mamba_rl_test/NoRepeat2D-v0", entry_point=NoRepeat, kwargs=dict(nvec=((2, 2), (2, 2))))
 
     assert main(["train", *argv, "--total-timesteps", "1024", "--no-progress", "--runs-dir", str(tmp_path / "r"),
                  "--checkpoint-dir", str(tmp_path / "c")]) == 2
