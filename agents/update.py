@@ -493,8 +493,9 @@ class PPOUpdate:
             per epoch but the last with ``target_kl``).
 
         Raises:
-            ValueError: a config of another layout (the aux critic's and the action-set head's presence
-                included), or rows of the wrong shape.
+            ValueError: a config of another layout (the aux critic's presence included), an ``action_set_coef``
+                > 0 for an update built without the action-set head (with it, any weight >= 0 is taken: a
+                schedule may end at 0), or rows of the wrong shape.
         """
         if self._fields(config, _LAYOUT) != self._fields(self._config, _LAYOUT):
             want, got = (dict(zip(_LAYOUT, self._fields(x, _LAYOUT))) for x in (self._config, config))
@@ -503,10 +504,9 @@ class PPOUpdate:
             raise ValueError(f"PPOUpdate.run: this update was built {'with' if self.aux else 'without'} the aux critic "
                              f"(aux_gamma {self._config.aux_gamma!r}); expected a config with aux_gamma "
                              f"{'a number' if self.aux else 'None'}, got {config.aux_gamma!r}")
-        if (config.action_set_coef > 0) != (self.set_head is not None):
-            raise ValueError(f"PPOUpdate.run: this update was built {'with' if self.set_head is not None else 'without'} "
-                             f"the action-set head; expected a config with action_set_coef "
-                             f"{'> 0' if self.set_head is not None else '0'}, got {config.action_set_coef!r}")
+        if config.action_set_coef > 0 and self.set_head is None:  # with the head, 0 only weighs its loss out
+            raise ValueError(f"PPOUpdate.run: this update was built without the action-set head; expected a config "
+                             f"with action_set_coef 0, got {config.action_set_coef!r}")
         self._config = c = config
         if self.log_std_floor is not None and c.min_action_std != self._floor_of:
             self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))

@@ -73,7 +73,7 @@ TASKS = ("RepeatPreviousEasy", "AutoencodeEasy", "PositionOnlyCartPoleEasy", "No
          "MultiarmedBanditEasy", "BattleshipEasy", "ConcentrationEasy", "PositionOnlyPendulumEasy")
 METHODS = ("mamba", "sb3")
 ROLLOUT = (8, 128)  # envs, steps per env per rollout: the same for both methods
-SCHEDULED = ("ent_coef", "clip_coef")  # --set ent_coef_end=V: linear schedule from ent_coef to V over the run
+SCHEDULED = ("ent_coef", "clip_coef", "action_set_coef")  # --set ent_coef_end=V: linear schedule from ent_coef to V over the run
 
 
 def env_id(task: str) -> str:

@@ -243,15 +243,22 @@ def test_the_set_is_learned_in_a_short_run(tmp_path):
     agent.close()
 
 
-def test_run_refuses_a_config_that_turns_the_head_on_or_off(tmp_path):
+def test_run_takes_any_weight_with_the_head_and_refuses_one_without_it(tmp_path):
     agent = _agent(tmp_path, action_set_coef=1.0)
     agent.collect_rollout()
     rows = lambda: torch.arange(4).view(2, 2)  # noqa: E731
-    with pytest.raises(ValueError, match=r"built with the action-set head; expected a config with action_set_coef "
-                                         r"> 0, got 0.0"):
-        agent.updater.run(agent.config.replace(action_set_coef=0.0), rows)
-    agent.updater.run(agent.config.replace(action_set_coef=2.0), rows)  # another weight: fine
+    before = agent.policy.action_set.weight.detach().clone()
+    m = agent.updater.run(agent.config.replace(action_set_coef=0.0), rows)  # a schedule's end: the head is idle
+    assert torch.equal(agent.policy.action_set.weight, before) and m[ACTION_SET_LOSS] > 0  # measured, not trained
+    agent.updater.run(agent.config.replace(action_set_coef=2.0), rows)
+    assert not torch.equal(agent.policy.action_set.weight, before)
     agent.close()
+    plain = _agent(tmp_path / "plain")
+    plain.collect_rollout()
+    with pytest.raises(ValueError, match=r"built without the action-set head; expected a config with action_set_coef "
+                                         r"0, got 2.0"):
+        plain.updater.run(plain.config.replace(action_set_coef=2.0), rows)
+    plain.close()
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
