@@ -4,7 +4,7 @@ Methods:
 * ``mamba``: :class:`mamba_rl.agents.RecurrentPPO` with its defaults (8 envs x 128 steps; since the eighth session's
   ``prev_action="auto"`` the previous action is an input on every discrete-action task) plus any
   ``--set name=value`` overrides (a named configuration: ``--variant``). ``--set ent_coef_end=V`` (and
-  ``clip_coef_end``) is the harness's own schedule, not a PPOConfig field: the coefficient goes linearly from
+  ``clip_coef_end``, ``action_set_coef_end``) is the harness's own schedule, not a PPOConfig field: the coefficient goes linearly from
   its configured value at the first update to V at the last (set on ``agent.config`` between updates);
   ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
   observation normaliser's statistics freeze once N env steps are done.
