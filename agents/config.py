@@ -43,7 +43,7 @@ _ENV_OVERLAP = ("auto", "on", "off")
 MAX_TIME_ENCODING = 16  # PPOConfig.time_encoding: periods up to 2^17 steps
 _BOOL_FIELDS = ("cuda_graphs", "async_envs", "anneal_lr", "replan_lr", "norm_adv", "clip_vloss", "prev_reward",
                 "normalize_obs", "obs_norm_discrete", "normalize_reward", "memoryless", "capture_video", "track",
-                "joint_action")
+                "joint_action", "anneal_action_set")
 # (field, lo, hi, lo open, None allowed)
 _REAL_FIELDS = (("learning_rate", 0.0, 1.0, True, False), ("adam_eps", 0.0, 1.0, True, False),
                 ("weight_decay", 0.0, 1.0, False, False), ("gamma", 0.0, 1.0, False, False),
@@ -98,6 +98,7 @@ class _PPOFields:
     max_minibatch_kl: float | None = None
     min_action_std: float = 0.2
     action_set_coef: float = 0.0
+    anneal_action_set: bool = False
     backbone: MambaConfig = field(default_factory=MambaConfig)
     prev_action: bool | str = "auto"
     prev_reward: bool = True
@@ -319,6 +320,9 @@ class PPOConfig(_PPOFields):
             lifted POPGym's BattleshipEasy (with ``joint_action``) from -0.414 to -0.254 and ConcentrationEasy from
             0.153 to 0.256, and cost AutoencodeEasy 0.06 (3 seeds; it has no set to keep): a per-task choice, off by
             default.
+        anneal_action_set: scale the action-set weight linearly down to 0 over the run, by the lr anneal's
+            fraction (``RecurrentPPO.anneal_fraction``: CleanRL's ``1 - (update - 1) / num_updates``), whether or
+            not ``anneal_lr`` is on; with ``action_set_coef`` (ignored at 0). Off by default.
         joint_action: a MultiDiscrete action space becomes one Discrete over every combination (at most 4,096;
             :class:`mamba_rl.envs.JointAction`), so the policy's categorical can put its mass on any set of
             combinations (Battleship's "any cell not yet shot"), which a product of per-component categoricals

@@ -162,7 +162,8 @@ def action_set_loss(logits: torch.Tensor, target: torch.Tensor, known: torch.Ten
 def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibatch, count: torch.Tensor,
              adv_norm: tuple[torch.Tensor, torch.Tensor] | None = None,
              aux_newvalue: torch.Tensor | None = None, set_logits: torch.Tensor | None = None,
-             set_count: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             set_count: torch.Tensor | None = None,
+             set_coef: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CleanRL's PPO loss on one minibatch, averaged over its valid steps (Schulman et al. 2017), plus the
     aux critic's value loss with the two-horizon critic and ``action_set_coef`` times the action-set loss with
     the action-set head.
@@ -178,7 +179,8 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
         aux_newvalue: the aux critic's values [rows, T] float32 (with ``mb.aux_values`` / ``mb.aux_returns``),
             or None without the two-horizon critic.
         set_logits: the action-set head's logits [rows, T, K] float32 (with ``mb.set_target`` / ``mb.set_known``),
-            or None without the action-set loss. set_count: its step count (:func:`action_set_loss`).
+            or None without the action-set loss. set_count: its step count (:func:`action_set_loss`). set_coef: its
+            weight (a float or a 0-d tensor; None: ``c.action_set_coef``).
 
     Returns:
         (loss, stats): stats holds detached ``pg``, ``v``, ``ent``, ``kl``, ``old_kl``, ``clipfrac``
@@ -220,7 +222,7 @@ def ppo_loss(c: PPOConfig, dist: ActionDist, newvalue: torch.Tensor, mb: Minibat
         stats["aux_v"] = aux_v_loss.detach()
     if set_logits is not None:  # the action-set loss (its own mean: over the steps whose set is known)
         set_loss = action_set_loss(set_logits, mb.set_target, mb.set_known, set_count)
-        loss = loss + c.action_set_coef * set_loss
+        loss = loss + (c.action_set_coef if set_coef is None else set_coef) * set_loss
         stats["set"] = set_loss.detach()
     return loss, stats
 

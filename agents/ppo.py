@@ -293,23 +293,28 @@ class RecurrentPPO:
             for g in self.head_optimizer.param_groups:
                 g["lr"] = lr
 
-    def current_lr(self, update: int) -> float:
-        """Learning rate of ``update`` (1-based): CleanRL's linear annealing when ``anneal_lr``
-        (``(1 - (update - 1) / num_updates) * learning_rate`` in a run that was never re-planned).
+    def anneal_fraction(self, update: int) -> float:
+        """The linear anneal's fraction at ``update`` (1-based), in [0, 1]: CleanRL's ``1 - (update - 1) /
+        num_updates`` in a run that was never re-planned. :meth:`current_lr` is ``learning_rate`` times it with
+        ``anneal_lr``; the update's action-set weight is ``action_set_coef`` times it with
+        ``anneal_action_set``.
 
-        The anneal is :attr:`lr_plan` (u0, f0, end): the fraction of ``learning_rate`` falls linearly from
-        f0 at update u0 to 0 at update ``end``. :meth:`learn` sets it; when a resumed run's horizon
-        changes (a larger ``total_timesteps``) it continues from the current fraction, so the lr never
-        jumps, unless ``config.replan_lr`` re-plans from the initial lr over the new horizon."""
-        c = self.config
-        if not c.anneal_lr:
-            return c.learning_rate
+        The anneal is :attr:`lr_plan` (u0, f0, end): the fraction falls linearly from f0 at update u0 to 0 at
+        update ``end``. :meth:`learn` sets it; when a resumed run's horizon changes (a larger
+        ``total_timesteps``) it continues from the current fraction, so it never jumps, unless
+        ``config.replan_lr`` re-plans from 1 over the new horizon."""
         u0, f0, end = self.lr_plan if self.lr_plan is not None else (1.0, 1.0, self.num_updates + 1.0)
         if u0 == 1.0 and f0 == 1.0:  # never re-planned: CleanRL's expression, bit for bit
             frac = 1.0 - (update - 1.0) / (end - 1.0)
         else:
             frac = f0 * (end - update) / (end - u0)
-        return max(frac, 0.0) * c.learning_rate
+        return max(frac, 0.0)
+
+    def current_lr(self, update: int) -> float:
+        """Learning rate of ``update`` (1-based): ``learning_rate`` times :meth:`anneal_fraction` when
+        ``anneal_lr`` (CleanRL's linear annealing), else ``learning_rate``."""
+        c = self.config
+        return self.anneal_fraction(update) * c.learning_rate if c.anneal_lr else c.learning_rate
 
     def _plan_lr(self) -> None:
         """Fix :attr:`lr_plan` for this learn() call's horizon (``num_updates``)."""
@@ -329,8 +334,11 @@ class RecurrentPPO:
 
     def update_policy(self) -> dict[str, float]:
         """PPO epochs over :attr:`buffer` (:meth:`mamba_rl.agents.update.PPOUpdate.run`, with the current
-        config and this agent's minibatch order); returns the update's metrics as floats (one sync)."""
-        return self.updater.run(self.config, self._draw_rows)
+        config and this agent's minibatch order; with ``anneal_action_set`` the action-set weight scaled by
+        :meth:`anneal_fraction` of the update being done); returns the update's metrics as floats (one sync)."""
+        c = self.config
+        scale = self.anneal_fraction(self.update + 1) if c.anneal_action_set else 1.0
+        return self.updater.run(c, self._draw_rows, set_scale=scale)
 
     def _nonfinite_metrics(self, metrics: dict[str, float]) -> None:
         """Add the env guard's counters (policy "zero": ``env/nonfinite_obs``, ``env/nonfinite_rewards``, values

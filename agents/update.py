@@ -73,7 +73,7 @@ __all__ = ["PPOUpdate", "METRIC_NAMES", "AUX_METRIC_NAMES"]
 
 # the fields that fix the update's shapes (fixed for the PPOUpdate's life) and those the minibatch body reads
 _LAYOUT = ("num_envs", "num_steps", "num_minibatches", "update_epochs")
-_LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm", "action_set_coef")
+_LOSS = ("clip_coef", "clip_vloss", "ent_coef", "vf_coef", "norm_adv", "max_grad_norm")
 
 # per-minibatch metric columns of the device table (aux_v: the aux critic's value loss, 0 without it; set: the
 # action-set loss, 0 without it)
@@ -161,8 +161,10 @@ class PPOUpdate:
             self.set_nvec = self.actor.splits or (self.actor.out_dim,)
             self.set_target = torch.zeros(n, t, self.set_head.out_features, dtype=torch.bool, device=dev)
             self.set_known = torch.zeros(n, t, device=dev)
+            # the loss's weight, a device scalar the captured graph reads (run() sets it: no recapture)
+            self.set_coef = torch.full((), c.action_set_coef, device=dev)
         else:
-            self.set_target = self.set_known = None
+            self.set_target = self.set_known = self.set_coef = None
         self.max_steps = c.update_epochs * c.num_minibatches
         # Box actions: the log_std floor of config.min_action_std, applied after every head step (a buffer the
         # captured graph reads, refreshed by run() from the config it is given)
@@ -282,7 +284,8 @@ class PPOUpdate:
             newvalue = self.critic(y)
             aux_newvalue = self.aux_critic(y) if self.aux else None  # after the critic (categorical_ppo_grads' order)
             set_logits = self.set_head(y) if self.set_head is not None else None
-            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue, set_logits, set_count)
+            loss, st = ppo_loss(c, dist, newvalue, mb, count, adv_norm, aux_newvalue, set_logits, set_count,
+                                self.set_coef)
             grads = torch.autograd.grad(loss, [y] + self.head_params)
             head_grads = grads[1:]
             tr.d_buf.copy_(grads[0])
@@ -392,7 +395,7 @@ class PPOUpdate:
         return self.trainer.graph_buffers() + self._head_state() + (
             self.comm, self.stat_buf, self.inputs, self.starts, self.pack, self.init_state.conv, self.init_state.ssm, self.perm,
             self.mb_index, self.table, self.log_std_floor, self.kl_limit, self.kl_stopped, self.set_target,
-            self.set_known)
+            self.set_known, self.set_coef)
 
     def capture(self, warmup: int = 3) -> None:
         """Capture the minibatch as CUDA graphs: one graph of :meth:`_minibatch` on one process; with data
@@ -473,7 +476,7 @@ class PPOUpdate:
         kl, stopped = torch.stack([kl, self.kl_stopped.float()]).tolist()
         return stopped > 0.5 or (c.target_kl is not None and kl > c.target_kl)
 
-    def run(self, config: PPOConfig, draw_rows: Callable[[], torch.Tensor]) -> dict[str, float]:
+    def run(self, config: PPOConfig, draw_rows: Callable[[], torch.Tensor], set_scale: float = 1.0) -> dict[str, float]:
         """``update_epochs`` x ``num_minibatches`` minibatch steps over the buffer.
 
         Args:
@@ -482,6 +485,8 @@ class PPOUpdate:
             draw_rows: called once at the start of each epoch; returns that epoch's minibatches, int64
                 [num_minibatches, envs_per_minibatch], row k the envs of minibatch k (the agent draws a
                 permutation of its envs: :func:`mamba_rl.agents.distributed.shard_permutation`).
+            set_scale: the action-set loss's weight is ``config.action_set_coef * set_scale`` in this update (the
+                agent's ``anneal_action_set``); a device scalar, so a captured update is not recaptured for it.
 
         Returns:
             the update's metrics as floats, named :data:`METRIC_NAMES`: the losses of the last step,
@@ -508,6 +513,8 @@ class PPOUpdate:
             raise ValueError(f"PPOUpdate.run: this update was built without the action-set head; expected a config "
                              f"with action_set_coef 0, got {config.action_set_coef!r}")
         self._config = c = config
+        if self.set_coef is not None:
+            self.set_coef.fill_(c.action_set_coef * float(set_scale))
         if self.log_std_floor is not None and c.min_action_std != self._floor_of:
             self.log_std_floor.copy_(self.actor.log_std_floor(c.min_action_std))
             self._floor_of = c.min_action_std

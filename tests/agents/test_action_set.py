@@ -261,6 +261,25 @@ def test_run_takes_any_weight_with_the_head_and_refuses_one_without_it(tmp_path)
     plain.close()
 
 
+def test_anneal_action_set_scales_the_weight_by_the_lr_anneals_fraction(tmp_path):
+    """anneal_action_set: update u of n uses C (1 - (u - 1) / n), the fraction CleanRL anneals the lr by, with the lr
+    anneal on or off; off, every update uses C."""
+    n = 4
+    for anneal_lr in (True, False):
+        agent = _agent(tmp_path / str(anneal_lr), action_set_coef=4.0, anneal_action_set=True, anneal_lr=anneal_lr,
+                       total_timesteps=n * 64)
+        seen = []
+        agent.learn(callback=lambda a, m: seen.append(float(a.updater.set_coef)))
+        assert seen == pytest.approx([4.0 * (1 - u / n) for u in range(n)]), seen
+        assert agent.current_lr(2) == pytest.approx(agent.config.learning_rate * (0.75 if anneal_lr else 1.0))
+        agent.close()
+    plain = _agent(tmp_path / "plain", action_set_coef=4.0, total_timesteps=2 * 64)
+    seen = []
+    plain.learn(callback=lambda a, m: seen.append(float(a.updater.set_coef)))
+    assert seen == [4.0, 4.0]
+    plain.close()
+
+
 # ---------------------------------------------------------------------------------------- checkpoints
 def test_resume_is_exact_and_a_disagreeing_layout_is_a_clear_error(tmp_path):
     kw = dict(joint_action=True, action_set_coef=2.0, total_timesteps=4 * 64, checkpoint_every=1)
