@@ -222,3 +222,18 @@ def test_a_record_column_takes_each_task_from_its_folder(pg, tmp_path, capsys):
     assert "no run folder ['nope']" in capsys.readouterr().err
     assert pg.main(["--summarise-only", "--out", out, "--record-column", "rec", "mamba__base",
                     "BattleshipEasy=mamba__as", "--columns", "rec", "sb3"]) == 0
+
+
+def test_the_record_script_parses_and_names_committed_folders():
+    """benchmarks/learning/popgym_record.sh, the table of record's one command: valid bash, and every folder its
+    summary names (--record-column, --columns) and every variant it runs is a committed run folder."""
+    import subprocess
+
+    script = "benchmarks/learning/popgym_record.sh"
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    text = open(script).read()
+    named = set(re.findall(r"\bmamba__\w+|\bsb3\b", text.split("--summarise-only")[1]))
+    named |= {f"mamba__{v}" for v in re.findall(r"--variant (\w+)", text)}
+    assert {"mamba__S_pr_nd", "mamba__U_as10_joint", "mamba__U_as10", "sb3"} <= named
+    for folder in named:
+        assert os.path.isdir(os.path.join("benchmarks/learning/popgym", folder)), folder
