@@ -4,8 +4,9 @@ Methods:
 * ``mamba``: :class:`mamba_rl.agents.RecurrentPPO` with its defaults (8 envs x 128 steps; since the eighth session's
   ``prev_action="auto"`` the previous action is an input on every discrete-action task) plus any
   ``--set name=value`` overrides (a named configuration: ``--variant``). ``--set ent_coef_end=V`` (and
-  ``clip_coef_end``, ``action_set_coef_end``) is the harness's own schedule, not a PPOConfig field: the coefficient goes linearly from
-  its configured value at the first update to V at the last (set on ``agent.config`` between updates);
+  ``clip_coef_end``, ``action_set_coef_end``) is the harness's own schedule, not a PPOConfig field: the
+  coefficient goes linearly from its configured value at the first update to V at the last (set on
+  ``agent.config`` between updates);
   ``--set obs_norm_freeze_step=N`` (with ``normalize_obs=True``) is ``PPOConfig.obs_norm_freeze_steps``: the
   observation normaliser's statistics freeze once N env steps are done.
   ``--set obs_norm_clip=V`` clips the normalised observations to [-V, V] (sb3's ``clip_obs``).
@@ -73,7 +74,8 @@ TASKS = ("RepeatPreviousEasy", "AutoencodeEasy", "PositionOnlyCartPoleEasy", "No
          "MultiarmedBanditEasy", "BattleshipEasy", "ConcentrationEasy", "PositionOnlyPendulumEasy")
 METHODS = ("mamba", "sb3")
 ROLLOUT = (8, 128)  # envs, steps per env per rollout: the same for both methods
-SCHEDULED = ("ent_coef", "clip_coef", "action_set_coef")  # --set ent_coef_end=V: linear schedule from ent_coef to V over the run
+# --set ent_coef_end=V: a linear schedule from ent_coef to V over the run
+SCHEDULED = ("ent_coef", "clip_coef", "action_set_coef")
 
 
 def env_id(task: str) -> str:
@@ -273,36 +275,6 @@ def _mlp_heads(width: int) -> None:
     R.EagerActor._heads = _heads
 
 
-def _extra_actor_output(who: str, attr: str, width) -> None:
-    """Patches this process's ``ActorHead`` (harness only) with one more linear output on the backbone's features
-    (CleanRL's init, gain 1): ``width(head)`` units, kept on every distribution its forward returns as
-    ``dist.<attr>`` (the update's loss reads it; the rollout's fused head GEMM does not compute it). ValueError
-    from the head for a Box action space."""
-    from torch import nn
-
-    from mamba_rl.agents import heads as H
-
-    actor_init, actor_fwd = H.ActorHead.__init__, H.ActorHead.forward
-
-    def init(self, d_model, action_space, generator=None):
-        actor_init(self, d_model, action_space, generator)
-        if self.kind == "gaussian":
-            raise ValueError(f"{who}: expected a discrete action space, got a Box")
-        setattr(self, attr + "_head", H._layer_init(nn.Linear(d_model, width(self)), 1.0, generator))
-
-    def forward(self, features):
-        dist = actor_fwd(self, features)
-        setattr(dist, attr, getattr(self, attr + "_head")(features))
-        return dist
-
-    H.ActorHead.__init__, H.ActorHead.forward = init, forward
-
-
-def _categoricals(dist) -> list[int]:
-    """The sizes of a discrete distribution's categoricals: its MultiDiscrete nvec, or [n] for one Discrete(n)."""
-    return list(dist.splits) or [dist.params[0].shape[-1]]
-
-
 def _reward_head(mac: float, q_coef: float) -> None:
     """``--set reward_head=C [reward_head_q=K]`` (harness only, CPU rollout, aux_gamma 0): a per-action head of
     the immediate reward, Q0(s, a) (one output per action; per component for a MultiDiscrete, an additive
@@ -312,12 +284,24 @@ def _reward_head(mac: float, q_coef: float) -> None:
     action at once instead of the sampled one. It patches this process's ``ActorHead`` and the update's
     ``ppo_loss`` (one process per run, so nothing else sees it)."""
     import torch
+    from torch import nn
 
+    from mamba_rl.agents import heads as H
     from mamba_rl.agents import loss as L
     from mamba_rl.agents import update as U
 
-    _extra_actor_output("reward_head", "q0", lambda head: head.out_dim)
-    base_loss = U.ppo_loss
+    actor_init, actor_fwd, base_loss = H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss
+
+    def init(self, d_model, action_space, generator=None):  # Q0: one more linear output (CleanRL's init, gain 1)
+        actor_init(self, d_model, action_space, generator)
+        if self.kind == "gaussian":
+            raise ValueError("reward_head: expected a discrete action space, got a Box")
+        self.q0_head = H._layer_init(nn.Linear(d_model, self.out_dim), 1.0, generator)
+
+    def forward(self, features):  # the update's loss reads dist.q0; the rollout's fused head GEMM never computes it
+        dist = actor_fwd(self, features)
+        dist.q0 = self.q0_head(features)
+        return dist
 
     def ppo_loss(c, dist, newvalue, mb, count, *rest):
         loss, st = base_loss(c, dist, newvalue, mb, count, *rest)
@@ -325,14 +309,15 @@ def _reward_head(mac: float, q_coef: float) -> None:
             raise ValueError(f"reward_head: expected aux_gamma 0 (its returns are the rewards), got {c.aux_gamma}")
         r, mask = mb.aux_returns, mb.mask
         q_loss, mac_sum = 0.0, 0.0
-        for i, (q, logp) in enumerate(zip(torch.split(dist.q0, _categoricals(dist), -1), dist._logps())):
+        sizes = list(dist.splits) or [dist.params[0].shape[-1]]  # the categoricals: nvec, or [n]
+        for i, (q, logp) in enumerate(zip(torch.split(dist.q0, sizes, -1), dist._logps())):
             taken = q.gather(-1, mb.actions[..., i:i + 1].long()).squeeze(-1)
             q_loss = q_loss + 0.5 * L.masked_mean((taken - r) ** 2, mask, count)
             mac_sum = mac_sum + (logp.exp() * q.detach()).sum(-1)
         mac_loss = -L.masked_mean(mac_sum, mask, count)
         return loss + q_coef * q_loss + mac * mac_loss, st
 
-    U.ppo_loss = ppo_loss
+    H.ActorHead.__init__, H.ActorHead.forward, U.ppo_loss = init, forward, ppo_loss
 
 
 def _time_obs_env(base: str, n_freq: int) -> str:
@@ -792,6 +777,12 @@ def main(argv=None) -> int:
         return worker(a)
     if a.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {a.jobs}")
+    record = None
+    if a.record_column:  # its form before any run starts; its folders after them (this call may make them)
+        if len(a.record_column) < 2 or any(x.count("=") != 1 for x in a.record_column[2:]):
+            ap.error(f"--record-column: expected NAME BASE [TASK=FOLDER ...], got {a.record_column}")
+        name, base, *pairs = a.record_column
+        record = (name, base, dict(x.split("=") for x in pairs))
     if not a.summarise_only:
         _check_runs(ap, a, sets)
     os.makedirs(a.out, exist_ok=True)
@@ -858,16 +849,11 @@ def main(argv=None) -> int:
                 signal.signal(sig, h)
     present = sorted(d for d in os.listdir(a.out) if os.path.isdir(os.path.join(a.out, d))) \
         if os.path.isdir(a.out) else []
-    record = None
-    if a.record_column:
-        if len(a.record_column) < 2 or any(x.count("=") != 1 for x in a.record_column[2:]):
-            ap.error(f"--record-column: expected NAME BASE [TASK=FOLDER ...], got {a.record_column}")
-        name, base, *pairs = a.record_column
-        record = (name, base, dict(x.split("=") for x in pairs))
-        missing = [f for f in [base, *record[2].values()] if f not in present]
+    if record is not None:
+        missing = [f for f in [record[1], *record[2].values()] if f not in present]
         if missing:
             ap.error(f"--record-column: no run folder {missing} under {a.out}; there are {present}")
-        present.append(name)
+        present.append(record[0])
     if a.columns:
         missing = [c for c in a.columns if c not in present]
         if missing:
