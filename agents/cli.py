@@ -219,10 +219,13 @@ def _flag_names(message: str) -> str:
 def _checkpoint_input() -> Iterator[None]:
     """Turn what only building the agent can find out about the user's input into :class:`UsageError`: a
     checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit file), an
-    env whose optional dependency is missing (gymnasium's DependencyNotInstalled, e.g. Box2D) and an env that
-    fails on its first reset (:class:`mamba_rl.envs.EnvFailure`); every other error passes with its traceback."""
+    env whose optional dependency is missing (gymnasium's DependencyNotInstalled, e.g. Box2D), an env that
+    fails on its first reset (:class:`mamba_rl.envs.EnvFailure`) and an env whose action space the agent takes
+    in no form (:class:`mamba_rl.agents.heads.UnsupportedActionSpace`, e.g. a 2-D MultiDiscrete); every other
+    error passes with its traceback."""
     import gymnasium as gym
 
+    from mamba_rl.agents.heads import UnsupportedActionSpace
     from mamba_rl.envs import EnvFailure
 
     from mamba_rl.train.checkpoint import CheckpointError
@@ -231,6 +234,8 @@ def _checkpoint_input() -> Iterator[None]:
         yield
     except (CheckpointError, gym.error.DependencyNotInstalled, EnvFailure) as err:
         raise UsageError(str(err).strip()) from err
+    except UnsupportedActionSpace as err:
+        raise UsageError(f"the env's action space: {err}") from err
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:

@@ -24,14 +24,20 @@ from torch import nn
 
 from mamba_rl.envs import MAX_JOINT_ACTIONS
 
-__all__ = ["ActionDist", "ActorHead", "CriticHead", "action_dim", "action_input_dim", "action_set_size"]
+__all__ = ["ActionDist", "ActorHead", "CriticHead", "UnsupportedActionSpace", "action_dim", "action_input_dim",
+           "action_set_size"]
+
+
+class UnsupportedActionSpace(TypeError):
+    """An env's action space that the agent takes in no form (a gymnasium space other than Discrete, 1-D
+    MultiDiscrete or Box). A TypeError, as before it had a class of its own; the CLI reports it as bad input."""
 
 
 def _check_action_space(space: spaces.Space) -> None:
     if isinstance(space, spaces.MultiDiscrete) and space.nvec.ndim != 1:
-        raise TypeError(f"MultiDiscrete action spaces must be 1-D, got nvec shape {space.nvec.shape}")
+        raise UnsupportedActionSpace(f"MultiDiscrete action spaces must be 1-D, got nvec shape {space.nvec.shape}")
     if not isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.Box)):
-        raise TypeError(
+        raise UnsupportedActionSpace(
             f"unsupported action space {space!r}; expected Discrete, MultiDiscrete or Box"
         )
 

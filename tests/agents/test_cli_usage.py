@@ -414,3 +414,29 @@ def test_resuming_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys
     assert "has already done its 64 env steps, so there is nothing to train; pass a larger --total-timesteps" in err
     assert main(["train", "--resume", final, "--total-timesteps", "96", *TINY]) == 0
     assert "nothing to train" not in capsys.readouterr().err
+
+
+class _Grid2DActions(gym.Env):
+    """A 2-D MultiDiscrete action space: one the agent takes in no form (nor with --joint-action)."""
+    observation_space = gym.spaces.Box(-1.0, 1.0, (3,))
+    action_space = gym.spaces.MultiDiscrete([[2, 3], [2, 2]])
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return self.observation_space.sample(), {}
+
+    def step(self, action):
+        return self.observation_space.sample(), 0.0, False, False, {}
+
+
+def test_an_action_space_the_agent_cannot_take_is_one_line_without_a_run_folder(tmp_path, capsys):
+    gym.register("mamba_rl_test/Grid2DActions-v0", entry_point=_Grid2DActions)
+    try:
+        code = main(["train", "--env-id", "mamba_rl_test/Grid2DActions-v0", *TINY, *_dirs(tmp_path),
+                     "--total-timesteps", "32"])
+    finally:
+        del gym.registry["mamba_rl_test/Grid2DActions-v0"]
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("mamba-rl train: error: the env's action space: MultiDiscrete action "
+                                        "spaces must be 1-D, got nvec shape (2, 2)"), err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
