@@ -442,6 +442,58 @@ PreparedStep backbone_step_prepare(const Tensor& x, const Tensor& inp_w, const T
 }
 
 
+// A captured CUDA graph launched straight from C++: cudaGraphLaunch on the current stream of the graph's device,
+// with the buffers the graph reads held here and their data pointers compared with the captured ones first. It
+// skips what torch.cuda.CUDAGraph.replay adds around the same cudaGraphLaunch (its Python wrapper, the GIL
+// release, the device guard, the RNG generators' replay prologue), ~1-2 µs of host time on the one-token step,
+// where the host's time is on the step's critical path (benchmarks/NOTES.md, thirty-first session). So it is
+// only for graphs that draw no random numbers: their philox offsets would not advance (GraphSet's rng_free).
+// It holds the torch graph object, so the cudaGraphExec_t it launches lives as long as it does.
+struct GraphLauncher {
+  py::object graph;  // the torch.cuda.CUDAGraph that owns exec
+  cudaGraphExec_t exec;
+  c10::DeviceIndex device;
+  std::vector<Tensor> bufs;  // undefined where the owner's buffer is None
+  std::vector<const void*> ptrs;
+
+  // RuntimeError where a held buffer's storage was replaced in place (`.data = ...`, `set_`)
+  void check() const {
+    for (size_t i = 0; i < bufs.size(); ++i)
+      TORCH_CHECK(!bufs[i].defined() || bufs[i].data_ptr() == ptrs[i],
+                  mrl_binding::cat("graph launch: buffer ", (int64_t)i, " captured by the CUDA graph has moved (its "
+                                   "storage was replaced in place); capture the graph again"));
+  }
+
+  void launch() const {
+    check();
+    const c10::cuda::CUDAGuard guard(device);
+    const cudaError_t e = cudaGraphLaunch(exec, c10::cuda::getCurrentCUDAStream(device).stream());
+    TORCH_CHECK(e == cudaSuccess, mrl_binding::cat("graph launch: cudaGraphLaunch failed: ", cudaGetErrorString(e)));
+  }
+};
+
+// graph: a torch.cuda.CUDAGraph after its capture; exec: its raw_cuda_graph_exec(); buffers: the tensors (or None)
+// whose storage the graph reads, all on CUDA device `device`.
+GraphLauncher graph_launcher(py::object graph, int64_t exec, int64_t device, const std::vector<OptT>& buffers) {
+  MRL_CHECK(exec != 0, "graph_launcher: expected an instantiated graph (raw_cuda_graph_exec() != 0), got 0");
+  MRL_CHECK(device >= 0 && device < (int64_t)c10::cuda::device_count(), "graph_launcher: expected a CUDA device "
+            "index in [0, ", (int64_t)c10::cuda::device_count(), "), got ", device);
+  GraphLauncher g{std::move(graph), reinterpret_cast<cudaGraphExec_t>(exec), (c10::DeviceIndex)device, {}, {}};
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const OptT& b = buffers[i];
+    if (b && b->defined()) {
+      MRL_CHECK(b->is_cuda() && b->device().index() == device, "graph_launcher: buffer ", (int64_t)i,
+                ": expected a tensor on cuda:", device, ", got ", b->device());
+      g.bufs.push_back(*b);
+      g.ptrs.push_back(b->data_ptr());
+    } else {
+      g.bufs.emplace_back();
+      g.ptrs.push_back(nullptr);
+    }
+  }
+  return g;
+}
+
 // ---------------- RMSNorm ----------------
 // Self-resetting counters for the kernels whose last block finishes a reduction: one slot per op kind and
 // device, zeroed once (from torch's allocator, so a first use inside a graph capture is fine too).
@@ -963,6 +1015,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("rows_per_block", &PreparedStep::rows);
   m.def("backbone_step_prepare", &backbone_step_prepare, "check and bind the one-token step's weights and states "
         "once (x gives B, input_dim and the device) -> PreparedStep");
+  py::class_<GraphLauncher>(m, "GraphLauncher", "a captured CUDA graph launched from C++ with its buffers' pointers "
+                            "checked (graphs that draw no random numbers)")
+      .def("check", &GraphLauncher::check, "RuntimeError when a held buffer's data pointer changed")
+      .def("launch", &GraphLauncher::launch, "check the buffers' data pointers, then cudaGraphLaunch on the current "
+           "stream; RuntimeError when a buffer moved or the launch fails");
+  m.def("graph_launcher", &graph_launcher, "GraphLauncher for a captured torch.cuda.CUDAGraph", py::arg("graph"),
+        py::arg("exec"), py::arg("device"), py::arg("buffers"));
   m.def("conv_xdt_fwd", &conv_xdt_fwd, "causal conv1d + SiLU, then x_proj and dt_proj, in one launch -> (xc, dbc, dt, "
         "final conv window): the values of conv_fwd then xdt_fwd", py::arg("x"), py::arg("w"), py::arg("bias"),
         py::arg("init"), py::arg("starts"), py::arg("final_out"), py::arg("wx"), py::arg("wdt"));

@@ -8,6 +8,7 @@ would read freed memory, so it raises instead (docs/architecture.md, "CUDA graph
 from __future__ import annotations
 
 import gc
+import operator
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -86,13 +87,25 @@ class GraphSet:
     Args:
         owner: the name used in error messages (e.g. "MambaTrainer").
         buffers: callable returning the tensors (or None) whose storage the graphs read or write.
+        launcher: for an owner whose graphs draw no random numbers, a callable returning the CUDA extension's
+            ``graph_launcher`` (or None where there is none, e.g. another backend). :meth:`seal` then binds each
+            graph to a C++ ``GraphLauncher`` and :meth:`replay` launches it from there: ``cudaGraphLaunch`` on the
+            current stream with the captured buffers' data pointers checked in C++ and the Python side checking
+            only that the owner's buffers are the same objects. That skips torch's ``CUDAGraph.replay`` wrapper
+            and the Python pointer list, ~1-2 µs of host time a replay (benchmarks/NOTES.md, thirty-first
+            session), which is on the critical path of a one-token step. Not for graphs that draw random
+            numbers: torch's replay advances their philox offsets, this launch does not.
     """
 
-    def __init__(self, owner: str, buffers: Callable[[], tuple]):
+    def __init__(self, owner: str, buffers: Callable[[], tuple], launcher: Callable[[], object] | None = None):
         self.owner = owner
         self._buffers = buffers
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._ptrs: list | None = None
+        self._launcher = launcher
+        self._launch: dict[str, object] = {}  # name -> the extension's GraphLauncher (see launcher)
+        self._objs: tuple = ()  # the buffer objects at seal (the launch path's identity check)
+        self._device: int | None = None
 
     def _pointers(self) -> list:
         # a list comprehension: ~0.5 us less per check than a generator into tuple() (the acting path runs it)
@@ -122,8 +135,27 @@ class GraphSet:
         return out
 
     def seal(self) -> None:
-        """Record the buffer pointers the graphs were captured on."""
+        """Record the buffer pointers the graphs were captured on (and bind the C++ launchers, see ``launcher``)."""
         self._ptrs = self._pointers()
+        self._device = torch.cuda.current_device() if self._graphs else None  # where capture() captured them
+        self._bind()
+
+    def _bind(self) -> None:
+        # the launchers hold the owner's buffer objects of now (their pointers are the captured ones)
+        self._objs = tuple(self._buffers())
+        self._launch = {}
+        factory = self._launcher() if self._launcher is not None else None
+        if factory is None or not self._graphs:
+            return
+        for name, g in self._graphs.items():
+            exec_handle = getattr(g, "raw_cuda_graph_exec", None)  # torch >= 2.8
+            if exec_handle is None:
+                self._launch = {}
+                return
+            self._launch[name] = factory(g, exec_handle(), self._device, list(self._objs))
+
+    def _same_objects(self) -> bool:
+        return all(map(operator.is_, self._buffers(), self._objs))
 
     def __contains__(self, name: str) -> bool:
         return name in self._graphs
@@ -137,10 +169,16 @@ class GraphSet:
 
     def check(self) -> None:
         """Raise RuntimeError when a captured buffer has moved since :meth:`seal`."""
+        if self._launch and self._same_objects():
+            # the same objects: only an in-place storage swap can have moved one, which the C++ side sees
+            next(iter(self._launch.values())).check()
+            return
         if self._ptrs != self._pointers():
             raise RuntimeError(f"{self.owner}: a buffer captured by the CUDA graph has moved (the backbone was "
                                f"moved, its arena or compute copy replaced, or a state rebound after "
                                f"capture_graph); call capture_graph() again")
+        if self._launch:  # new objects over the captured storage: the launchers hold (and check) these now
+            self._bind()
 
     def replay(self, name: str, check: bool = True) -> bool:
         """Replay graph ``name``; False when there is none (the caller runs eagerly). ``check=False`` skips
@@ -152,12 +190,21 @@ class GraphSet:
         g = self._graphs.get(name)
         if g is None:
             return False
-        if check:
-            self.check()
-        g.replay()
+        fast = self._launch.get(name)
+        if fast is None:
+            if check:
+                self.check()
+            g.replay()
+            return True
+        if check and not self._same_objects():
+            self.check()  # a buffer rebound: fine only where it is a new object over the captured storage
+            fast = self._launch[name]
+        fast.launch()  # RuntimeError where a captured buffer's storage was replaced in place
         return True
 
     def clear(self) -> None:
         """Drop every graph (and the recorded pointers)."""
         self._graphs.clear()
+        self._launch = {}
+        self._objs = ()
         self._ptrs = None

@@ -43,8 +43,12 @@ class Stepper:
         self._cpu_prep = None  # (packed weights, conv, ssm, PreparedStep): the CPU kernel step bound once
         self._cpu_kind = None  # a Mamba-1 backbone on the cpu backend (the bound step applies); set at first use
         # the static input buffers too: the graph reads them where they were at capture
+        # The step draws no random numbers, so its graph is launched from C++ on the CUDA backend (GraphSet's
+        # launcher: less host time on the acting path's critical path).
         self._graphs = GraphSet("Stepper", lambda: (net.arena, net.compute_arena, self.state.conv, self.state.ssm,
-                                                    self.x_buf, self.starts_buf))
+                                                    self.x_buf, self.starts_buf),
+                                launcher=lambda: getattr(net.kernels, "graph_launcher", None)
+                                if net.backend == "cuda" else None)
 
     @property
     def device(self) -> torch.device:

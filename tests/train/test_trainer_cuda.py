@@ -359,6 +359,48 @@ def test_stepper_step_none_equals_step_x(B, d_model):
     st.step(None)
 
 
+@pytest.mark.parametrize("d_model", [64, 128])
+def test_stepper_graph_launched_from_cpp_equals_torch_replay_and_guards_in_place_swaps(d_model):
+    """The stepper's graph goes through the extension's GraphLauncher (cudaGraphLaunch from C++, the step draws no
+    random numbers): the same bits as torch's CUDAGraph.replay, in the output and both states; the guard still
+    refuses a rebound buffer, a storage swapped in place under the same object (seen by the C++ side, which also
+    guards the public step(x)), and accepts a new object over the captured storage, then guards that one."""
+    gen = torch.Generator().manual_seed(13)
+    net = MambaBackbone(MambaConfig(d_model=d_model, n_layers=3, d_state=16), IN, device="cuda", seed=4,
+                        backend="cuda")
+    B = 16
+    st = net.stepper(B).capture_graph()
+    assert set(st._graphs._launch) == {"step"}, "the CUDA backend's stepper launches its graph from C++"
+    x, starts, _ = random_inputs(B, 3, gen)
+    for t in range(3):
+        st.x_buf.copy_(x[:, t])
+        st.starts_buf.copy_(starts[:, t])
+        s0 = st.get_state()
+        a = st.step(None).clone()
+        sa = st.get_state()
+        st.load_state(s0)
+        st._graphs["step"].replay()  # torch's replay of the same graph
+        torch.cuda.synchronize()
+        assert torch.equal(a, st._out) and torch.equal(sa.ssm, st.state.ssm) and torch.equal(sa.conv, st.state.conv)
+    # a new object over the same storage: accepted, and then it is the one guarded
+    st.state.ssm = st.state.ssm.view(st.state.ssm.shape)
+    st.step(None)
+    st.step(x[:, 0])
+    for name in ("ssm", "conv"):
+        buf = getattr(st.state, name)
+        keep = buf.data
+        buf.data = keep.clone()  # the storage swapped in place: same object, another pointer
+        with pytest.raises(RuntimeError, match="has moved"):
+            st.step(None)
+        with pytest.raises(RuntimeError, match="has moved"):
+            st.step(x[:, 0])  # the direct launch's guard
+        buf.data = keep
+    st.step(None)
+    torch.cuda.synchronize()
+    eager = MambaBackbone(MambaConfig(d_model=d_model, n_layers=3, d_state=16), IN, device="cuda", seed=4,
+                          backend="cuda").stepper(B)
+    assert not eager._graphs._launch and not eager._graphs  # nothing captured, nothing bound
+
 def test_norm_fwd_x_copy():
     from mamba_rl.ops.extension import extension
     ext = extension("cuda")
