@@ -89,3 +89,21 @@ def test_stepper_follows_net_double():
     x = torch.randn(2, 6, IN, dtype=F64)
     ys = torch.stack([st.step(x[:, t]).clone() for t in range(6)], 1)
     torch.testing.assert_close(ys, net(x)[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_stepper_records_no_autograd_graph(backend):
+    """step() runs its no_grad scope only on the checked path (no_grad costs host time on every acting step);
+    the bound kernel step takes no autograd either: an x_t that requires grad gives an output and states
+    without a graph, and a later backward through the backbone's own forward is unaffected."""
+    net = MambaBackbone(MambaConfig(d_model=16, n_layers=2, d_state=4), IN, seed=1, backend=backend)
+    st = net.stepper(3)
+    x = torch.randn(3, IN, requires_grad=True)
+    for starts in (None, torch.tensor([True, False, True])):
+        y = st.step(x, starts)
+        assert not y.requires_grad and y.grad_fn is None
+        assert not st.state.ssm.requires_grad and not st.state.conv.requires_grad
+    assert torch.is_grad_enabled()
+    y, _ = net(x[:, None])
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -382,6 +382,9 @@ def test_stepper_graph_launched_from_cpp_equals_torch_replay_and_guards_in_place
         st._graphs["step"].replay()  # torch's replay of the same graph
         torch.cuda.synchronize()
         assert torch.equal(a, st._out) and torch.equal(sa.ssm, st.state.ssm) and torch.equal(sa.conv, st.state.conv)
+    # the direct launch (public step(x), outside no_grad) records no autograd graph
+    y = st.step(x[:, 0].clone().requires_grad_())
+    assert not y.requires_grad and not st.state.ssm.requires_grad
     # a new object over the same storage: accepted, and then it is the one guarded
     st.state.ssm = st.state.ssm.view(st.state.ssm.shape)
     st.step(None)
