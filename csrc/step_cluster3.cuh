@@ -405,11 +405,22 @@ inline size_t stepc3_smem_bytes(const StepParams& p, int R) {
 // 16-byte aligned weights and states)
 inline bool stepc3_supported(const StepParams& p) { return stepc2_supported(p); }
 
+// The dynamic shared memory this instantiation's attribute allows, per device (raised above the default 48 KB by
+// the launch and by the cluster-count query below, never lowered: the query used to set it to its own size, so
+// after a query for a small input_dim a launch with a larger one failed with "invalid argument", seen as a
+// flaky cluster3 test under pytest-xdist, where one process runs several input_dims).
+using Sc3Opened = size_t[64];
+template <typename WT, int R, int N>
+Sc3Opened& stepc3_opened() {
+  static size_t opened[64] = {0};
+  return opened;
+}
+
 template <typename WT, int R, int N>
 const char* stepc3_launch_rn(const StepParams& p, cudaStream_t s) {
   static int optin[64] = {0};
-  static size_t opened[64] = {0};
-  return sc2_launch(backbone_step_cluster3_kernel<WT, R, N>, p, R, stepc3_smem_bytes(p, R), optin, opened,
+  return sc2_launch(backbone_step_cluster3_kernel<WT, R, N>, p, R, stepc3_smem_bytes(p, R), optin,
+                    stepc3_opened<WT, R, N>(),
                     "backbone_step: cluster3 needs more shared memory per block than the device allows (fewer rows "
                     "per cluster or a smaller input_dim)", s);
 }
@@ -432,9 +443,16 @@ int stepc3_max_clusters_rn(const StepParams& p) {
   cfg.blockDim = dim3(SC2_THREADS);
   cfg.dynamicSmemBytes = smem;
   int n = 0;
-  if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // clear the (not sticky) error the failed call left
+  Sc3Opened& opened = stepc3_opened<WT, R, N>();
+  if (smem > 48 * 1024 && smem > opened[dev]) {  // sc2_launch's rule: the attribute only goes up, from 48 KB
+    if (cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) {
+      (void)cudaGetLastError();  // clear the (not sticky) error the failed call left
+      return 0;
+    }
+    opened[dev] = smem;
+  }
+  if (cudaOccupancyMaxActiveClusters(&n, kern, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
     return 0;
   }
   cached_smem[dev] = smem;

@@ -145,6 +145,26 @@ def test_cluster_steps_match_ref(ext, gemm_dtype, tol, kernel, R, N, in_dim):
     assert rel(cs, rcs) <= tol and rel(ss, rss) <= tol
 
 
+def test_cluster3_launches_after_a_cluster_count_query_with_less_shared_memory(ext):
+    """The automatic rule's cluster-count query (cudaOccupancyMaxActiveClusters, 32 < B <= 512) must not lower the
+    kernel's shared-memory attribute: it used to set it to its own size, so a query at input_dim 6 (B = 64, every
+    rows-per-cluster) made a later cluster3 launch at input_dim 100 (more shared memory, still under the 48 KB
+    default) fail with "invalid argument" -- a flaky test_cluster_steps_match_ref case under pytest-xdist. Both
+    orders, in one process, give the reference's output."""
+    from mamba_rl.ops.step import backbone_step, backbone_step_ref
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for in_dim, B, kernel, R in ((6, 64, "auto", 0), (100, 37, "cluster3", 8), (100, 37, "cluster3", 16),
+                                 (6, 96, "auto", 0), (100, 37, "cluster3", 8)):
+        w = make_weights(in_dim, 128, 2, N=16, seed=in_dim, gemm_dtype=torch.float32)
+        cs = torch.randn(2, B, 256, 3, device="cuda", generator=g)
+        ss = torch.randn(2, B, 256, 16, device="cuda", generator=g)
+        x = torch.randn(B, in_dim, device="cuda", generator=g)
+        st = torch.rand(B, device="cuda", generator=g) < 0.2
+        ref = backbone_step_ref(x.double(), {k: v.double() for k, v in w.items()}, cs.double(), ss.double(), st,
+                                Cfg())
+        out = backbone_step(ext, x, w, cs, ss, st, Cfg(), kernel=kernel, rows_per_block=R)
+        assert rel(out, ref) <= 1e-4, (in_dim, B, kernel, R)
+
 @pytest.mark.parametrize("kernel", ["cluster2", "cluster3"])
 def test_cluster2_rejects_what_it_cannot_take(ext, kernel):
     """d_model 64 is outside the second and third cluster kernels: a clear error when forced, the automatic choice
