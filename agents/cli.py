@@ -201,8 +201,12 @@ def _user_input() -> Iterator[None]:
     setup of a command runs under it: an error while training is a bug and keeps its traceback."""
     import gymnasium as gym
 
+    from mamba_rl.agents.heads import UnsupportedActionSpace
+
     try:
         yield
+    except UnsupportedActionSpace as err:
+        raise UsageError(f"the env's action space: {err}") from err
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError,
             gym.error.Error) as err:  # mamba_rl.CheckpointError is a ValueError
         raise UsageError(_flag_names(str(err).strip() or type(err).__name__)) from err
@@ -282,7 +286,9 @@ def _run_train(args: argparse.Namespace) -> int:
         resolve_device(config.device, config.backend)
         check_env_id(config.env_id)
         resolve_env_backend(config.env_backend, config.env_id, config.async_envs, config.capture_video)
-        check_action_options(config.env_id, config.joint_action, config.action_set_coef)
+        # under --nproc the ranks build the agent, so the parent checks the action space itself
+        check_action_options(config.env_id, config.joint_action, config.action_set_coef,
+                             check_space=args.nproc > 1)
         if config.async_envs:
             check_start_method(config.async_start_method)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:  # validated once here, not once per rank

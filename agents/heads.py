@@ -30,12 +30,18 @@ __all__ = ["ActionDist", "ActorHead", "CriticHead", "UnsupportedActionSpace", "a
 
 class UnsupportedActionSpace(TypeError):
     """An env's action space that the agent takes in no form (a gymnasium space other than Discrete, 1-D
-    MultiDiscrete or Box). A TypeError, as before it had a class of its own; the CLI reports it as bad input."""
+    MultiDiscrete or Box; a discrete one without any action). A TypeError, as before it had a class of its own;
+    the CLI reports it as bad input."""
 
 
 def _check_action_space(space: spaces.Space) -> None:
     if isinstance(space, spaces.MultiDiscrete) and space.nvec.ndim != 1:
         raise UnsupportedActionSpace(f"MultiDiscrete action spaces must be 1-D, got nvec shape {space.nvec.shape}")
+    if isinstance(space, spaces.MultiDiscrete) and (space.nvec.size == 0 or (space.nvec < 1).any()):
+        raise UnsupportedActionSpace(f"MultiDiscrete action spaces need at least one component and every nvec "
+                                     f">= 1, got nvec {space.nvec.tolist()}")
+    if isinstance(space, spaces.Discrete) and int(space.n) < 1:
+        raise UnsupportedActionSpace(f"Discrete action spaces need n >= 1, got n = {int(space.n)}")
     if not isinstance(space, (spaces.Discrete, spaces.MultiDiscrete, spaces.Box)):
         raise UnsupportedActionSpace(
             f"unsupported action space {space!r}; expected Discrete, MultiDiscrete or Box"

@@ -369,17 +369,21 @@ def _per_env(name: str, value, batch: int, dtype, who: str = "predict") -> np.nd
     return arr.reshape(batch)
 
 
-def check_action_options(env_id: str, joint_action: bool, action_set_coef: float) -> None:
+def check_action_options(env_id: str, joint_action: bool, action_set_coef: float, check_space: bool = False) -> None:
     """Check up front that ``env_id``'s action space takes :attr:`PPOConfig.joint_action` and the action-set loss
-    (:attr:`PPOConfig.action_set_coef` > 0), building one env of it when either is on (nothing otherwise): what
-    the agent would find out while building its envs and heads, for the CLI to report before any run folder.
+    (:attr:`PPOConfig.action_set_coef` > 0), building one env of it when either is on or ``check_space`` is
+    True (nothing otherwise): what the agent would find out while building its envs and heads, for the CLI to
+    report before any run folder (``check_space``: also an action space the agent takes in no form, for a caller
+    that will not build the agent itself, e.g. before launching data-parallel ranks).
 
     Raises:
         ValueError: naming the field: ``joint_action`` for an action space that is not a 1-D MultiDiscrete of at
             most ``mamba_rl.envs.MAX_JOINT_ACTIONS`` combinations, the action-set loss for a Box action space or
             too many (joint) actions.
+        mamba_rl.agents.heads.UnsupportedActionSpace: an action space the agent takes in no form (the env's
+            fault, not an option's).
     """
-    if not joint_action and action_set_coef <= 0:
+    if not joint_action and action_set_coef <= 0 and not check_space:
         return
     env = make_env(env_id, flatten_obs=False)
     try:
@@ -390,10 +394,9 @@ def check_action_options(env_id: str, joint_action: bool, action_set_coef: float
             except ValueError as err:
                 raise ValueError(f"PPOConfig.joint_action: {err}") from err
         if action_set_coef > 0:
-            try:
-                action_set_size(space)
-            except TypeError as err:  # an action space the agent takes in no form
-                raise ValueError(f"PPOConfig.action_set_coef: {err}") from err
+            action_set_size(space)
+        else:
+            action_dim(space)  # UnsupportedActionSpace where the agent takes it in no form
     finally:
         env.close()
 

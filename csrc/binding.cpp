@@ -447,7 +447,7 @@ PreparedStep backbone_step_prepare(const Tensor& x, const Tensor& inp_w, const T
 // skips what torch.cuda.CUDAGraph.replay adds around the same cudaGraphLaunch (its Python wrapper, the GIL
 // release, the device guard, the RNG generators' replay prologue), ~1-2 µs of host time on the one-token step,
 // where the host's time is on the step's critical path (benchmarks/NOTES.md, thirty-first session). So it is
-// only for graphs that draw no random numbers: their philox offsets would not advance (GraphSet's rng_free).
+// only for graphs that draw no random numbers: their philox offsets would not advance (GraphSet's launcher).
 // It holds the torch graph object, so the cudaGraphExec_t it launches lives as long as it does.
 struct GraphLauncher {
   py::object graph;  // the torch.cuda.CUDAGraph that owns exec

@@ -135,27 +135,37 @@ class GraphSet:
         return out
 
     def seal(self) -> None:
-        """Record the buffer pointers the graphs were captured on (and bind the C++ launchers, see ``launcher``)."""
+        """Record the buffer pointers the graphs were captured on (and bind the C++ launchers, see ``launcher``).
+
+        Raises:
+            whatever binding a launcher raises; the graphs are dropped then (nothing replays half-sealed)."""
         self._ptrs = self._pointers()
         self._device = torch.cuda.current_device() if self._graphs else None  # where capture() captured them
-        self._bind()
+        try:
+            self._bind()
+        except BaseException:
+            self.clear()
+            raise
 
     def _bind(self) -> None:
-        # the launchers hold the owner's buffer objects of now (their pointers are the captured ones)
-        self._objs = tuple(self._buffers())
-        self._launch = {}
+        # the launchers hold the owner's buffer objects of now (their pointers are the captured ones); without a
+        # launcher nothing is held (the pointer guard keeps integers only)
+        self._launch, self._objs = {}, ()
         factory = self._launcher() if self._launcher is not None else None
         if factory is None or not self._graphs:
             return
+        objs = tuple(self._buffers())
+        launch = {}
         for name, g in self._graphs.items():
             exec_handle = getattr(g, "raw_cuda_graph_exec", None)  # torch >= 2.8
             if exec_handle is None:
-                self._launch = {}
                 return
-            self._launch[name] = factory(g, exec_handle(), self._device, list(self._objs))
+            launch[name] = factory(g, exec_handle(), self._device, list(objs))
+        self._launch, self._objs = launch, objs
 
     def _same_objects(self) -> bool:
-        return all(map(operator.is_, self._buffers(), self._objs))
+        cur = self._buffers()
+        return len(cur) == len(self._objs) and all(map(operator.is_, cur, self._objs))
 
     def __contains__(self, name: str) -> bool:
         return name in self._graphs
@@ -198,7 +208,10 @@ class GraphSet:
             return True
         if check and not self._same_objects():
             self.check()  # a buffer rebound: fine only where it is a new object over the captured storage
-            fast = self._launch[name]
+            fast = self._launch.get(name)
+            if fast is None:  # the re-bind found no launcher: torch's replay (the guard just ran)
+                g.replay()
+                return True
         fast.launch()  # RuntimeError where a captured buffer's storage was replaced in place
         return True
 

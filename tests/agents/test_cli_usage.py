@@ -7,6 +7,7 @@ import sys
 import time
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 
@@ -429,14 +430,32 @@ class _Grid2DActions(gym.Env):
         return self.observation_space.sample(), 0.0, False, False, {}
 
 
-def test_an_action_space_the_agent_cannot_take_is_one_line_without_a_run_folder(tmp_path, capsys):
-    gym.register("mamba_rl_test/Grid2DActions-v0", entry_point=_Grid2DActions)
+class _EmptyMultiDiscrete(_Grid2DActions):
+    action_space = gym.spaces.MultiDiscrete(np.zeros((0,), np.int64))
+
+
+class _TupleActions(_Grid2DActions):
+    action_space = gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3)))
+
+
+@pytest.mark.parametrize("env_cls, flags, message", [
+    (_Grid2DActions, [], "MultiDiscrete action spaces must be 1-D, got nvec shape (2, 2)"),
+    (_EmptyMultiDiscrete, [], "MultiDiscrete action spaces need at least one component and every nvec >= 1, got nvec []"),
+    (_EmptyMultiDiscrete, ["--action-set-coef", "0.5"], "MultiDiscrete action spaces need at least one component"),
+    (_TupleActions, ["--action-set-coef", "0.5"], "unsupported action space Tuple("),
+    (_TupleActions, ["--nproc", "2"], "unsupported action space Tuple("),
+], ids=["2-D", "empty", "empty-action-set", "tuple-action-set", "tuple-nproc"])
+def test_an_action_space_the_agent_cannot_take_is_one_line_without_a_run_folder(env_cls, flags, message, tmp_path,
+                                                                                 capsys):
+    """The env's fault is named as the env's (not an option's), in one line, with exit code 2, before any run
+    folder: also with the action-set loss on, and under --nproc (where the ranks, not this process, would build
+    the agent)."""
+    gym.register("mamba_rl_test/BadActions-v0", entry_point=env_cls)
     try:
-        code = main(["train", "--env-id", "mamba_rl_test/Grid2DActions-v0", *TINY, *_dirs(tmp_path),
-                     "--total-timesteps", "32"])
+        code = main(["train", "--env-id", "mamba_rl_test/BadActions-v0", *TINY, *_dirs(tmp_path),
+                     "--total-timesteps", "32", *flags])
     finally:
-        del gym.registry["mamba_rl_test/Grid2DActions-v0"]
+        del gym.registry["mamba_rl_test/BadActions-v0"]
     err = capsys.readouterr().err
-    assert code == 2 and err.startswith("mamba-rl train: error: the env's action space: MultiDiscrete action "
-                                        "spaces must be 1-D, got nvec shape (2, 2)"), err
+    assert code == 2 and err.startswith("mamba-rl train: error: the env's action space: " + message), err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()

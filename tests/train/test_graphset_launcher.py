@@ -104,3 +104,52 @@ def test_without_a_launcher_or_the_exec_handle_torch_replays_behind_the_pointer_
     o.gs.seal()
     o.gs.clear()
     assert o.gs._launch == {} and not o.gs.replay("step")
+
+
+def test_a_buffer_list_that_grows_or_shrinks_is_refused():
+    for before, after in ((1, 2), (2, 1)):
+        o = Owner()
+        o.n = before
+        o.gs = GraphSet("Owner", lambda: (o.a, o.b)[:o.n], launcher=lambda: FakeLauncher)
+        o.gs._graphs["step"] = FakeGraph()
+        o.gs.seal()
+        o.n = after
+        with pytest.raises(RuntimeError, match="has moved"):
+            o.gs.replay("step")
+        with pytest.raises(RuntimeError, match="has moved"):
+            o.gs.check()
+
+
+def test_a_rebind_that_finds_no_launcher_falls_back_to_torchs_replay():
+    o = Owner()
+    on = [True]
+    o.gs._launcher = lambda: FakeLauncher if on[0] else None
+    o.gs.seal()
+    on[0] = False
+    o.a = o.a.view(4)  # a new object over the captured storage: re-bound, now without a launcher
+    assert o.gs.replay("step") and o.gs._graphs["step"].replays == 1 and o.gs._launch == {}
+    o.a = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="has moved"):
+        o.gs.replay("step")
+
+
+def test_a_seal_whose_launcher_fails_drops_the_graphs():
+    def broken(graph, exec_handle, device, buffers):
+        raise ValueError("graph_launcher: buffer 0: expected a tensor on cuda:0, got cuda:1")
+
+    o = Owner(factory=broken)
+    with pytest.raises(ValueError, match="expected a tensor on cuda:0"):
+        o.gs.seal()
+    assert not o.gs and o.gs._launch == {} and not o.gs.replay("step")
+
+
+def test_without_a_launcher_no_buffer_is_held():
+    import gc
+    import weakref
+
+    o = Owner(factory=None)
+    o.gs.seal()
+    ref = weakref.ref(o.a)
+    o.a = torch.zeros(4)
+    gc.collect()
+    assert ref() is None, "the pointer guard keeps integers, not the owner's tensors"
