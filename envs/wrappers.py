@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 from .envpool_backend import EnvPoolVecEnv
 
-__all__ = ["FlattenObs", "Float32Obs", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
+__all__ = ["FlattenObs", "Float32Obs", "UnsupportedObservationSpace", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
            "finished_episodes", "finished_episode_arrays", "raw_observation_space", "requires_prev_action"]
 
 
@@ -34,14 +34,24 @@ class FlattenObs(gym.ObservationWrapper):
         return spaces.flatten(self._inner_space, observation)
 
 
+class UnsupportedObservationSpace(TypeError):
+    """An env's observation space that does not flatten to a Box (gymnasium's Graph, Sequence, or a space holding
+    one): the agent takes it in no form. A TypeError, as before it had a class of its own; the CLI reports it as
+    bad input."""
+
+
 class Float32Obs(gym.ObservationWrapper):
-    """Cast a Box observation to float32 (``gymnasium.wrappers.DtypeObservation``, picklable)."""
+    """Cast a Box observation to float32 (``gymnasium.wrappers.DtypeObservation``, picklable).
+
+    Raises:
+        UnsupportedObservationSpace: the observation space is not a Box (after any flattening)."""
 
     def __init__(self, env: gym.Env):
         super().__init__(env)
         space = env.observation_space
         if not isinstance(space, spaces.Box):
-            raise TypeError(f"Float32Obs expects a Box observation space, got {space!r}")
+            raise UnsupportedObservationSpace(f"expected one that flattens to a Box (Box, Discrete, MultiDiscrete, "
+                                              f"MultiBinary, Text, Tuple / Dict of them), got {space!r}")
         self.observation_space = spaces.Box(space.low.astype(np.float32), space.high.astype(np.float32),
                                             shape=space.shape, dtype=np.float32)
 

@@ -14,6 +14,8 @@ def check_tensor(name: str, t, *, shape=None, dtype=None, device=None, floating:
     """
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     if shape is not None:
         ok = t.dim() == len(shape) and all(s is None or s == g for s, g in zip(shape, t.shape))
         if not ok:

@@ -459,3 +459,21 @@ def test_an_action_space_the_agent_cannot_take_is_one_line_without_a_run_folder(
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("mamba-rl train: error: the env's action space: " + message), err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+class _GraphObs(_Grid2DActions):
+    observation_space = gym.spaces.Graph(node_space=gym.spaces.Box(-1.0, 1.0, (2,)), edge_space=None)
+    action_space = gym.spaces.Discrete(2)
+
+
+def test_an_observation_space_the_agent_cannot_take_is_one_line_without_a_run_folder(tmp_path, capsys):
+    gym.register("mamba_rl_test/GraphObs-v0", entry_point=_GraphObs)
+    try:
+        code = main(["train", "--env-id", "mamba_rl_test/GraphObs-v0", *TINY, *_dirs(tmp_path),
+                     "--total-timesteps", "32"])
+    finally:
+        del gym.registry["mamba_rl_test/GraphObs-v0"]
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("mamba-rl train: error: the env's observation space: expected one that "
+                                        "flattens to a Box"), err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()

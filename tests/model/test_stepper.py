@@ -107,3 +107,9 @@ def test_stepper_records_no_autograd_graph(backend):
     y, _ = net(x[:, None])
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+    # a state that requires grad is loaded as values: the live buffers stay leaves without a graph
+    s = st.get_state()
+    st.load_state(type(s)(conv=s.conv.requires_grad_() * 1.0, ssm=s.ssm * 1.0))
+    assert st.state.conv.grad_fn is None and not st.state.conv.requires_grad and not st.state.ssm.requires_grad
+    with pytest.raises(ValueError, match="expected a dense"):
+        st.step(x.detach().to_sparse())
