@@ -155,21 +155,23 @@ class Stepper:
         self._cpu_prep = (packed, self.state.conv, self.state.ssm, prep)
         return prep
 
-    @torch.no_grad()
     def reset(self, mask: torch.Tensor | None = None):
         """Zero the state of every env, or of the envs where ``mask`` ([B] bool) is True."""
         self.state.zero_(mask)
 
-    @torch.no_grad()
     def get_state(self) -> RecurrentState:
         """A detached copy of the live state."""
         return self.state.clone()
 
-    @torch.no_grad()
     def load_state(self, state: RecurrentState):
         """Copy ``state`` into the live buffers (shapes must match); a state that requires grad is copied as
-        values (the live buffers stay leaves without a graph: the kernels write them in place)."""
-        self.state.copy_(state)
+        values (the live buffers stay leaves without a graph: the kernels write them in place). No no_grad scope
+        otherwise: the agent's acting path calls this every step, and entering one costs host time."""
+        if state.conv.requires_grad or state.ssm.requires_grad:
+            with torch.no_grad():
+                self.state.copy_(state)
+        else:
+            self.state.copy_(state)
 
     def capture_graph(self, warmup: int = 3):
         """Capture one step as a CUDA graph; later :meth:`step` calls replay it.
