@@ -167,8 +167,8 @@ class Stepper:
         """Copy ``state`` into the live buffers (shapes must match); a state that requires grad is copied as
         values (the live buffers stay leaves without a graph: the kernels write them in place). No no_grad scope
         otherwise: the agent's acting path calls this every step, and entering one costs host time."""
-        if state.conv.requires_grad or state.ssm.requires_grad:
-            with torch.no_grad():
+        if isinstance(state, RecurrentState) and (state.conv.requires_grad or state.ssm.requires_grad):
+            with torch.no_grad():  # (anything else: copy_ below raises the ValueError naming it)
                 self.state.copy_(state)
         else:
             self.state.copy_(state)
