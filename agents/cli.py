@@ -201,15 +201,12 @@ def _user_input() -> Iterator[None]:
     setup of a command runs under it: an error while training is a bug and keeps its traceback."""
     import gymnasium as gym
 
-    from mamba_rl.agents.heads import UnsupportedActionSpace
-    from mamba_rl.envs import UnsupportedObservationSpace
+    from mamba_rl.envs import UnsupportedSpace
 
     try:
         yield
-    except UnsupportedActionSpace as err:
-        raise UsageError(f"the env's action space: {err}") from err
-    except UnsupportedObservationSpace as err:
-        raise UsageError(f"the env's observation space: {err}") from err
+    except UnsupportedSpace as err:
+        raise UsageError(f"the env's {err.kind} space: {err}") from err
     except (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ImportError,
             gym.error.Error) as err:  # mamba_rl.CheckpointError is a ValueError
         raise UsageError(_flag_names(str(err).strip() or type(err).__name__)) from err
@@ -227,14 +224,12 @@ def _checkpoint_input() -> Iterator[None]:
     """Turn what only building the agent can find out about the user's input into :class:`UsageError`: a
     checkpoint the loader refuses (:class:`mamba_rl.CheckpointError`: a truncated, mixed or unfit file), an
     env whose optional dependency is missing (gymnasium's DependencyNotInstalled, e.g. Box2D), an env that
-    fails on its first reset (:class:`mamba_rl.envs.EnvFailure`) and an env whose action space the agent takes
-    in no form (:class:`mamba_rl.agents.heads.UnsupportedActionSpace`, e.g. a 2-D MultiDiscrete, and
-    :class:`mamba_rl.envs.UnsupportedObservationSpace`, e.g. a Graph); every other error passes with its
-    traceback."""
+    fails on its first reset (:class:`mamba_rl.envs.EnvFailure`) and an env whose action or observation space
+    the agent takes in no form (:class:`mamba_rl.envs.UnsupportedSpace`, e.g. a 2-D MultiDiscrete action, a Graph
+    observation); every other error passes with its traceback."""
     import gymnasium as gym
 
-    from mamba_rl.agents.heads import UnsupportedActionSpace
-    from mamba_rl.envs import EnvFailure, UnsupportedObservationSpace
+    from mamba_rl.envs import EnvFailure, UnsupportedSpace
 
     from mamba_rl.train.checkpoint import CheckpointError
 
@@ -242,10 +237,8 @@ def _checkpoint_input() -> Iterator[None]:
         yield
     except (CheckpointError, gym.error.DependencyNotInstalled, EnvFailure) as err:
         raise UsageError(str(err).strip()) from err
-    except UnsupportedActionSpace as err:
-        raise UsageError(f"the env's action space: {err}") from err
-    except UnsupportedObservationSpace as err:
-        raise UsageError(f"the env's observation space: {err}") from err
+    except UnsupportedSpace as err:
+        raise UsageError(f"the env's {err.kind} space: {err}") from err
 
 
 def _train_arguments(p: argparse.ArgumentParser) -> None:

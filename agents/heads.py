@@ -22,16 +22,10 @@ import torch
 from gymnasium import spaces
 from torch import nn
 
-from mamba_rl.envs import MAX_JOINT_ACTIONS
+from mamba_rl.envs import MAX_JOINT_ACTIONS, UnsupportedActionSpace
 
 __all__ = ["ActionDist", "ActorHead", "CriticHead", "UnsupportedActionSpace", "action_dim", "action_input_dim",
            "action_set_size"]
-
-
-class UnsupportedActionSpace(TypeError):
-    """An env's action space that the agent takes in no form (a gymnasium space other than Discrete, 1-D
-    MultiDiscrete or Box; a discrete one without any action). A TypeError, as before it had a class of its own;
-    the CLI reports it as bad input."""
 
 
 def _check_action_space(space: spaces.Space) -> None:

@@ -380,7 +380,7 @@ def check_action_options(env_id: str, joint_action: bool, action_set_coef: float
         ValueError: naming the field: ``joint_action`` for an action space that is not a 1-D MultiDiscrete of at
             most ``mamba_rl.envs.MAX_JOINT_ACTIONS`` combinations, the action-set loss for a Box action space or
             too many (joint) actions.
-        mamba_rl.agents.heads.UnsupportedActionSpace: an action space the agent takes in no form (the env's
+        mamba_rl.envs.UnsupportedActionSpace: an action space the agent takes in no form (the env's
             fault, not an option's).
     """
     if not joint_action and action_set_coef <= 0 and not check_space:

@@ -20,14 +20,14 @@ from .parts import PartedStep, env_part_rows
 from .stats import VecEpisodeStatistics, VecNormalizeObservation, VecNormalizeReward
 from .vector import check_start_method, make_env, make_vec_env, resolve_env_backend
 from .wrappers import (MAX_JOINT_ACTIONS, FlattenObs, FlattenVecObs, Float32Obs, JointAction,
-                       UnsupportedObservationSpace, find_vector_wrapper,
+                       UnsupportedActionSpace, UnsupportedObservationSpace, UnsupportedSpace, find_vector_wrapper,
                        joined_already, finished_episode_arrays,
                        finished_episodes, flatten_vec_obs, needs_flatten, raw_observation_space,
                        requires_prev_action)
 
 __all__ = [
     "make_env", "make_vec_env", "check_start_method", "check_env_id", "list_env_ids", "finished_episodes",
-    "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "requires_prev_action", "FlattenObs", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "Float32Obs", "UnsupportedObservationSpace",
+    "finished_episode_arrays", "find_vector_wrapper", "flatten_vec_obs", "needs_flatten", "raw_observation_space", "requires_prev_action", "FlattenObs", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "Float32Obs", "UnsupportedSpace", "UnsupportedObservationSpace", "UnsupportedActionSpace",
     "MaskObservation", "POMDP_ENV_IDS", "make_masked_env", "register_pomdp_envs", "EnvGuard", "EnvFailure", "EnvStepError", "EnvWorkerDied",
     "NonFiniteEnvError", "flatten_observation", "ENV_BACKENDS", "EnvPoolVecEnv", "envpool_available", "envpool_task",
     "resolve_env_backend", "VecEpisodeStatistics", "VecNormalizeReward", "VecNormalizeObservation", "PartedStep",

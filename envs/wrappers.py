@@ -16,7 +16,7 @@ from gymnasium import spaces
 
 from .envpool_backend import EnvPoolVecEnv
 
-__all__ = ["FlattenObs", "Float32Obs", "UnsupportedObservationSpace", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
+__all__ = ["FlattenObs", "Float32Obs", "UnsupportedSpace", "UnsupportedObservationSpace", "UnsupportedActionSpace", "JointAction", "MAX_JOINT_ACTIONS", "joined_already", "FlattenVecObs", "needs_flatten", "flatten_vec_obs", "find_vector_wrapper",
            "finished_episodes", "finished_episode_arrays", "raw_observation_space", "requires_prev_action"]
 
 
@@ -34,10 +34,24 @@ class FlattenObs(gym.ObservationWrapper):
         return spaces.flatten(self._inner_space, observation)
 
 
-class UnsupportedObservationSpace(TypeError):
-    """An env's observation space that does not flatten to a Box (gymnasium's Graph, Sequence, or a space holding
-    one): the agent takes it in no form. A TypeError, as before it had a class of its own; the CLI reports it as
-    bad input."""
+class UnsupportedSpace(TypeError):
+    """An env's space that the agent takes in no form; ``kind`` says which ("action" / "observation"). A
+    TypeError, as before these had classes of their own; the CLI reports it as bad input, naming the kind."""
+
+    kind = "env"
+
+
+class UnsupportedObservationSpace(UnsupportedSpace):
+    """An observation space that does not flatten to a Box (gymnasium's Graph, Sequence, or a space holding one)."""
+
+    kind = "observation"
+
+
+class UnsupportedActionSpace(UnsupportedSpace):
+    """An action space other than Discrete, 1-D MultiDiscrete or Box, or a discrete one without any action (the
+    agent's heads: mamba_rl.agents.heads)."""
+
+    kind = "action"
 
 
 class Float32Obs(gym.ObservationWrapper):
