@@ -6,7 +6,7 @@ builds (e.g. before / after a kernel change) can be timed by two processes on th
 Where the build has ``scan_set_segments``, each shape is also timed with the time split forced off (1
 segment), and the segment counts are recorded.
 
-``--bwd-blocks 0,3,4`` times the backward's builds (``ext.scan_set_bwd_blocks``) instead, ``--coop MASK`` sets
+``--bwd-blocks 0,2,3,4`` times the backward's builds (``ext.scan_set_bwd_blocks``) instead, ``--coop MASK`` sets
 ``ext.set_coop`` for the run (0: every pass as its own launch).
 
 Usage (device): python3 benchmarks/scan_kernels.py [--tree PATH] [--label NAME] [--shape 16x64 ...]
@@ -35,7 +35,7 @@ def main(argv=None):
                     help="comma-separated forced segment counts to time instead of auto / one_segment, e.g. 1,2,3")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: both")
     ap.add_argument("--bwd-blocks", default=None,
-                    help="comma-separated backward builds to time (0 = automatic, 3, 4: blocks per SM with the split "
+                    help="comma-separated backward builds to time (0 = automatic, 3, 4, 2 (the pair build): blocks per SM with the split "
                     "sized for it; ext.scan_set_bwd_blocks), each as its own mode")
     ap.add_argument("--coop", type=int, default=None, help="ext.set_coop mask for the whole run (default: the build's)")
     a = ap.parse_args(argv)

@@ -66,7 +66,9 @@ struct ScanBwdParams {
   bool accumulate;                       // add into dA_log / dD / ddt_bias instead of writing
   float* dinit;                          // [B, D, N] or nullptr
   float* ws;                             // workspace: scan_bwd_workspace() floats
-  bool wide;                             // the 4-blocks-per-SM build (set by scan_bwd, see scan_common.cuh)
+  // Set by scan_bwd, not by the caller: the build (blocks per SM: SCAN_BWD_MINB 3, SCAN_BWD_MINB_WIDE 4 or
+  // SCAN_BWD_MINB_PAIR 2, scan_common.cuh / scan_bwd.cuh) and the channel tiles of the dB / dC partials.
+  int build, bc_tiles;
 };
 int scan_chunk();                        // checkpoint interval (steps)
 int64_t scan_fwd_workspace(int B, int T, int D, int N);

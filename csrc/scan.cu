@@ -30,17 +30,23 @@ static ScanSplit scan_split(int B, int T, int D, int N, int minb) {
 }
 
 static int g_bwd_blocks = 0;  // scan_set_bwd_blocks(): 0 = automatic
-void scan_set_bwd_blocks(int n) { g_bwd_blocks = (n == SCAN_BWD_MINB || n == SCAN_BWD_MINB_WIDE) ? n : 0; }  // binding checks n
+void scan_set_bwd_blocks(int n) {  // the binding checks n
+  g_bwd_blocks = (n == SCAN_BWD_MINB || n == SCAN_BWD_MINB_WIDE || n == SCAN_BWD_MINB_PAIR) ? n : 0;
+}
 
-// The backward's build (blocks per SM: the 3-block one, or at d_state 16 the 4-block "wide" one) and its split.
-// Automatic: the wide build where one segment's grid overfills 3 blocks per SM (nseg is 1 either way), else
-// the 3-block build; scan_set_bwd_blocks() forces either (the wide one with the split sized for 4 blocks).
-struct ScanBwdConfig { ScanSplit sp; bool wide; };
+// The backward's build (blocks per SM: the 3-block one, at d_state 16 the 4-block "wide" one or the 2-block
+// "pair" one with 8 states a thread, scan_bwd.cuh) and its split. Automatic: the wide build where one segment's
+// grid overfills 3 blocks per SM (nseg is 1 either way), else the 3-block build; scan_set_bwd_blocks() forces
+// any (the wide and the pair builds with the split sized for them: the pair build's blocks hold twice the
+// channels at half the blocks per SM, so the same count as the wide build's).
+struct ScanBwdConfig { ScanSplit sp; int build; };
 static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
-  const bool can_wide = N == 16;
-  bool wide = can_wide && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count();
-  if (g_bwd_blocks != 0) wide = can_wide && g_bwd_blocks == SCAN_BWD_MINB_WIDE;
-  return {scan_split(B, T, D, N, wide && g_bwd_blocks != 0 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB), wide};
+  const bool d16 = N == 16;
+  int build = d16 && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count() ? SCAN_BWD_MINB_WIDE
+                                                                                         : SCAN_BWD_MINB;
+  if (g_bwd_blocks != 0) build = d16 ? g_bwd_blocks : SCAN_BWD_MINB;
+  const bool forced16 = g_bwd_blocks != 0 && build != SCAN_BWD_MINB;
+  return {scan_split(B, T, D, N, forced16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB), build};
 }
 
 int scan_segments(int B, int T, int D, int N, bool bwd) {
@@ -74,7 +80,7 @@ const char* scan_bwd(int dtype, const ScanBwdParams& q0, cudaStream_t s) {
   ScanBwdParams q = q0;
   const ScanBwdConfig cfg = scan_bwd_config(q.f.B, q.f.T, q.f.D, q.f.N);
   q.f.nseg = cfg.sp.nseg; q.f.seg_len = cfg.sp.seg_len;
-  q.wide = cfg.wide;
+  q.build = cfg.build;
   const char* err = nullptr;
   switch (dtype) {
     case kF32: err = scan_bwd_f32(q, s); break;

@@ -5,15 +5,16 @@
 
 namespace mrl {
 
-// Sum 8 values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
-// each lane ends with ONE sum; *idx says which of the 8 it is. Lanes whose bits 1..G-1 in the "plain add"
-// levels duplicate a sum report dup = true.
-template <int G>
-__device__ __forceinline__ float transpose_reduce8(const float (&v)[8], int lane, int& idx, bool& dup) {
-  float w[8];
+// Sum NV values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
+// each lane ends with ONE sum; *idx says which of the NV it is. Lanes whose bits 1..G-1 in the "plain add"
+// levels duplicate a sum report dup = true. (The pair build takes transpose_reduce_cx: the same sums, in the
+// same order.)
+template <int G, int NV>
+__device__ __forceinline__ float transpose_reduce(const float (&v)[NV], int lane, int& idx, bool& dup) {
+  float w[NV];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) w[k] = v[k];
-  int cnt = 8;
+  for (int k = 0; k < NV; ++k) w[k] = v[k];
+  int cnt = NV;
   idx = 0;
   dup = false;
 #pragma unroll
@@ -34,6 +35,38 @@ __device__ __forceinline__ float transpose_reduce8(const float (&v)[8], int lane
       dup = dup || hb;
     }
   }
+  return w[0];
+}
+
+// transpose_reduce with its levels unrolled by templates (lane bit O, CNT values left): in the pair build's
+// cooperative kernel ptxas left the loop above rolled (w in local memory, 168 local loads and stores), and the
+// loop's form is kept for the 4-state builds, whose registers this form changes (d_state 8 then spills).
+template <int G, int CNT, int O>
+__device__ __forceinline__ void transpose_level(float* w, int lane, int& idx, bool& dup) {
+  if constexpr (O >= G) {
+    const int hb = (lane & O) ? 1 : 0;
+    if constexpr (CNT > 1) {
+      constexpr int half = CNT / 2;
+#pragma unroll
+      for (int k = 0; k < half; ++k) {
+        const float send = hb ? w[k] : w[k + half];
+        const float keep = hb ? w[k + half] : w[k];
+        w[k] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      idx = idx * 2 + hb;
+      transpose_level<G, half, O / 2>(w, lane, idx, dup);
+    } else {
+      w[0] += __shfl_xor_sync(0xffffffffu, w[0], O);
+      dup = dup || hb;
+      transpose_level<G, 1, O / 2>(w, lane, idx, dup);
+    }
+  }
+}
+template <int G, int NV>
+__device__ __forceinline__ float transpose_reduce_cx(float (&w)[NV], int lane, int& idx, bool& dup) {
+  idx = 0;
+  dup = false;
+  transpose_level<G, NV, 16>(w, lane, idx, dup);
   return w[0];
 }
 
@@ -129,7 +162,7 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
     __syncthreads();
   }
   if (act) {
-    const ScanBwdLayout<N> L(q.ws, gridDim.x, p.B, T_, D, nz);
+    const ScanBwdLayout<N> L(q.ws, q.bc_tiles, p.B, T_, D, nz);
     seg_st(L.seg_e, b, nz, k, D, d, N, gi, make_float4(hc[0], hc[1], hc[2], hc[3]));
     seg_st(L.seg_P, b, nz, k, D, d, N, gi, make_float4(P[0], P[1], P[2], P[3]));
   }
@@ -148,13 +181,68 @@ struct ScanBwdSmem {
   __align__(16) bool st[TC];  // read as words by chunk_has_start
 };
 
+// Stage one chunk of the main pass in shared memory from the registers of its loads (ScanChunkRegs): x,
+// softplus(dt + bias) and its derivative, the output gradient's two gate factors, B, C and the episode starts; a
+// step past T is staged as padding (decay 1, no input, zero gradient). SM: ScanBwdSmem or ScanBwdPairSmem.
+template <int N, int NP, typename SM, typename R>
+__device__ __forceinline__ void scan_bwd_stage(SM& sm, const R& r, const float* dt_bias, int t0, int tid, int d0,
+                                               int D, int T_) {
+  constexpr int EA = ScanGeom<N, NP>::EA, EB = ScanGeom<N, NP>::EB, CPB = ScanGeom<N, NP>::CPB, TC = SCAN_TC;
+#pragma unroll
+  for (int e_ = 0; e_ < EA; ++e_) {
+    const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+    const int dd = min(d0 + ch, D - 1);
+    const bool ok = t0 + i < T_;  // pad: decay 1, no input, zero gradient
+    // dr is used under ok only, so to_f would give the same bits; with it ptxas spills 4 bytes in the 4-block
+    // build (sm_90, CUDA 13.0); a 4-byte spill there cost +4 % in the twenty-second session (benchmarks/NOTES.md)
+    const float dr = pad_f(r.dt[e_], ok) + dt_bias[dd];
+    const float zf = pad_f(r.z[e_], ok);
+    const float sgz = sigmoidf_(zf);
+    const float gv = pad_f(r.g[e_], ok);
+    sm.x[i][ch] = pad_f(r.x[e_], ok);
+    sm.dl[i][ch] = ok ? softplusf_(dr) : 0.f;
+    sm.sig[i][ch] = ok ? dsoftplusf_(dr) : 0.f;
+    sm.gs[i][ch] = gv * (zf * sgz);                          // d loss / d y_pre
+    sm.gd[i][ch] = gv * (sgz * (1.f + zf * (1.f - sgz)));    // d loss / d y_pre-gate * SiLU'(z)
+  }
+#pragma unroll
+  for (int e_ = 0; e_ < EB; ++e_) {
+    const int e = tid + e_ * SCAN_THREADS;
+    const bool ok = t0 + e / N < T_;
+    sm.Bv[e / N][e % N] = pad_f(r.Bv[e_], ok);
+    sm.Cv[e / N][e % N] = pad_f(r.Cv[e_], ok);
+  }
+  if (tid < TC) sm.st[tid] = r.st;
+}
+
+// Write one chunk's dx, ddt and dz (staged over x, dl and gs by the reverse steps) of a main-pass block.
+template <typename T, int N, int NP, typename SM>
+__device__ __forceinline__ void scan_bwd_store(const ScanBwdParams& q, const SM& sm, int b, int t0, int len, int d0,
+                                               int tid) {
+  constexpr int EA = ScanGeom<N, NP>::EA, CPB = ScanGeom<N, NP>::CPB;
+  const int T_ = q.f.T, D = q.f.D;
+  T* dxb = reinterpret_cast<T*>(q.dx) + (int64_t)b * T_ * D;
+  T* ddtb = reinterpret_cast<T*>(q.ddt) + (int64_t)b * T_ * D;
+  T* dzb = reinterpret_cast<T*>(q.dz) + b * q.dz_sb;
+#pragma unroll
+  for (int e_ = 0; e_ < EA; ++e_) {
+    const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
+    if (i < len && d0 + ch < D) {
+      const int64_t o = (int64_t)(t0 + i) * D + d0 + ch;
+      dxb[o] = from_f<T>(sm.x[i][ch]);
+      ddtb[o] = from_f<T>(sm.dl[i][ch]);
+      dzb[(int64_t)(t0 + i) * q.dz_st + d0 + ch] = from_f<T>(sm.gs[i][ch]);
+    }
+  }
+}
+
 // The main pass of segment k: the adjoint entering it from the local pass's results (k < nseg - 1), then
 // every per-step gradient and the partial sums that scan_bwd_reduce() adds up.
 template <typename T, int N>
 __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const int k) {
   using Gm = ScanGeom<N>;
   using SM = ScanBwdSmem<N>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NW = Gm::NW, NP = SCAN_NPT;
+  constexpr int G = Gm::G, CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW, NP = SCAN_NPT;
   extern __shared__ float4 scan_bwd_smem[];
   SM& sm = *reinterpret_cast<SM*>(scan_bwd_smem);
   const ScanFwdParams& p = q.f;
@@ -186,33 +274,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
     pck = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
     r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
   };
-  auto commit = [&](int t0) {
-#pragma unroll
-    for (int e_ = 0; e_ < EA; ++e_) {
-      const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int dd = min(d0 + ch, D - 1);
-      const bool ok = t0 + i < T_;  // pad: decay 1, no input, zero gradient
-      // dr is used under ok only, so to_f would give the same bits; with it ptxas spills 4 bytes in the 4-block
-      // build (sm_90, CUDA 13.0); a 4-byte spill there cost +4 % in the twenty-second session (benchmarks/NOTES.md)
-      const float dr = pad_f(r.dt[e_], ok) + p.dt_bias[dd];
-      const float zf = pad_f(r.z[e_], ok);
-      const float sgz = sigmoidf_(zf);
-      const float gv = pad_f(r.g[e_], ok);
-      sm.x[i][ch] = pad_f(r.x[e_], ok);
-      sm.dl[i][ch] = ok ? softplusf_(dr) : 0.f;
-      sm.sig[i][ch] = ok ? dsoftplusf_(dr) : 0.f;
-      sm.gs[i][ch] = gv * (zf * sgz);                          // d loss / d y_pre
-      sm.gd[i][ch] = gv * (sgz * (1.f + zf * (1.f - sgz)));    // d loss / d y_pre-gate * SiLU'(z)
-    }
-#pragma unroll
-    for (int e_ = 0; e_ < EB; ++e_) {
-      const int e = tid + e_ * SCAN_THREADS;
-      const bool ok = t0 + e / N < T_;
-      sm.Bv[e / N][e % N] = pad_f(r.Bv[e_], ok);
-      sm.Cv[e / N][e % N] = pad_f(r.Cv[e_], ok);
-    }
-    if (tid < TC) sm.st[tid] = r.st;
-  };
+  auto commit = [&](int t0) { scan_bwd_stage<N, NP>(sm, r, p.dt_bias, t0, tid, d0, D, T_); };
 
   float hc[NP], dAacc[NP];
 #pragma unroll
@@ -301,7 +363,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
         dDacc = fmaf(amg, xv, dDacc);
         ddbacc = fmaf(ddt, am, ddbacc);
         int idx; bool dup;
-        const float rr = transpose_reduce8<G>(v8, lane, idx, dup);
+        const float rr = transpose_reduce<G, 2 * NP>(v8, lane, idx, dup);
         sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
       }
     };
@@ -314,21 +376,196 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
       for (int w = 0; w < NW; ++w) acc += sm.red[i][w][j];
       pBC[(((int64_t)tile * B + b) * T_ + t0 + i) * 2 * N + j] = acc;
     }
-    {
-      T* dxb = reinterpret_cast<T*>(q.dx) + (int64_t)b * T_ * D;
-      T* ddtb = reinterpret_cast<T*>(q.ddt) + (int64_t)b * T_ * D;
-      T* dzb = reinterpret_cast<T*>(q.dz) + b * q.dz_sb;
+    scan_bwd_store<T, N, NP>(q, sm, b, t0, len, d0, tid);
+    __syncthreads();
+  }
+  if (act) {
 #pragma unroll
-      for (int e_ = 0; e_ < EA; ++e_) {
-        const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-        if (i < len && d0 + ch < D) {
-          const int64_t o = (int64_t)(t0 + i) * D + d0 + ch;
-          dxb[o] = from_f<T>(sm.x[i][ch]);
-          ddtb[o] = from_f<T>(sm.dl[i][ch]);
-          dzb[(int64_t)(t0 + i) * q.dz_st + d0 + ch] = from_f<T>(sm.gs[i][ch]);
-        }
-      }
+    for (int j = 0; j < NP; ++j) {
+      if (q.dinit && k == 0) q.dinit[bd * N + gi * NP + j] = hc[j];
+      pPar[d * N + gi * NP + j] = dAacc[j] * A[j];   // d/dA_log = d/dA * A
     }
+    if (gi == 0) { pPar[D * N + d] = dDacc; pPar[D * N + D + d] = ddbacc; }
+  }
+}
+
+// ---- The pair build: 8 states a thread at d_state 16 (G = 2 lanes a channel, 64 channels a block) ----
+// The same main pass, per thread twice the states of one channel. Per state-step it needs fewer shuffles
+// (the channel's three sums over 2 lanes instead of 4; the dB / dC transpose-reduce of 16 values over the
+// warp's 16 channels, one sum a lane and no duplicates) and fewer shared-memory wavefronts (the per-channel
+// scalars are read once for 8 states, and s_t is carried in registers from the step before: the reverse step
+// reads only s_{t-1}), at half the threads: ~98 KB of shared memory a block, so 2 blocks (8 warps) an SM and
+// up to 255 registers. The local pass (nseg > 1) is the 4-state one: its results ([B][nseg][D][N]) do not
+// depend on the geometry. A new summation order (the states' partial sums), so its own bits; the same bits
+// in the cooperative and the separate launches.
+template <int N>
+struct ScanBwdPairSmem {
+  using Gm = ScanGeom<N, SCAN_PAIR_NP>;
+  static constexpr int CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW, H = SCAN_PAIR_NP / 4;
+  float4 S[TC][H][SCAN_THREADS];  // S[i][h]: states 4h..4h+3 of this thread entering step i (after step i - 1)
+  float x[TC][CPB], dl[TC][CPB], sig[TC][CPB], gs[TC][CPB], gd[TC][CPB];  // outputs over inputs, as ScanBwdSmem
+  __align__(16) float Bv[TC][N];
+  __align__(16) float Cv[TC][N];
+  float red[TC][NW][2 * N];
+  __align__(16) bool st[TC];  // read as words by chunk_has_start
+};
+
+template <typename T, int N>
+__device__ __forceinline__ void scan_bwd_pair_main_body(const ScanBwdParams& q, const int k) {
+  constexpr int NP = SCAN_PAIR_NP, H = NP / 4;
+  using Gm = ScanGeom<N, NP>;
+  using SM = ScanBwdPairSmem<N>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW;
+  static_assert(G == 2 && H == 2, "the pair build is for d_state 16");
+  extern __shared__ float4 scan_bwd_smem[];
+  SM& sm = *reinterpret_cast<SM*>(scan_bwd_smem);
+  const ScanFwdParams& p = q.f;
+  const int tid = threadIdx.x;
+  const int gi = tid % G, cl = tid / G;
+  const int lane = tid % 32, warp = tid / 32;
+  const int d0 = blockIdx.x * CPB;
+  const bool act = d0 + cl < p.D;
+  const int d = act ? d0 + cl : p.D - 1;
+  const int b = blockIdx.y, tile = blockIdx.x, ntiles = gridDim.x;
+  const int T_ = p.T, D = p.D, B = p.B, nz = p.nseg;
+  const ScanSeg sg(T_, p.seg_len, k);
+  const int nC = sg.nC;
+  float A[NP], A2[NP];
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    A[j] = -expf(p.A_log[d * N + gi * NP + j]);
+    A2[j] = A[j] * 1.4426950408889634f;
+  }
+  const float Dd = p.Dskip[d];
+  const int64_t bd = (int64_t)b * D + d;
+  const ScanBwdLayout<N> L(q.ws, ntiles, B, T_, D, nz);
+  float* pBC = L.pBC;
+  float* pPar = L.pPar + ((int64_t)b * nz + k) * (D * N + 2 * D);
+
+  ScanChunkRegs<T, N, SL_X | SL_Z | SL_G | SL_B | SL_C, NP> r;
+  float4 pck[H];
+  auto prefetch = [&](int c) {
+#pragma unroll
+    for (int h = 0; h < H; ++h)
+      pck[h] = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP + 4 * h);
+    r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
+  };
+  auto commit = [&](int t0) { scan_bwd_stage<N, NP>(sm, r, p.dt_bias, t0, tid, d0, D, T_); };
+
+  float hc[NP], dAacc[NP];
+#pragma unroll
+  for (int j = 0; j < NP; ++j) {
+    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + j] : 0.f;  // d loss / d s from the future
+    dAacc[j] = 0.f;
+  }
+  if (k < nz - 1) {  // the adjoint entering segment k from later ones: fixed-order combine (local pass)
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      const int q4 = gi * H + h;  // this thread's h-th group of 4 states, as the 4-state layout counts them
+      const float4 e0 = seg_ld(L.seg_e, b, nz, nz - 1, D, d, N, q4);  // the last segment started from dfinal
+      float hh[SCAN_NPT] = {e0.x, e0.y, e0.z, e0.w};
+      for (int j = nz - 2; j > k; --j)
+        seg_combine(hh, seg_ld(L.seg_P, b, nz, j, D, d, N, q4), seg_ld(L.seg_e, b, nz, j, D, d, N, q4));
+#pragma unroll
+      for (int j = 0; j < SCAN_NPT; ++j) hc[4 * h + j] = hh[j];
+    }
+  }
+  float dDacc = 0.f, ddbacc = 0.f;
+  const float am = act ? 1.f : 0.f;
+  prefetch(sg.ce - 1);
+  for (int c = sg.ce - 1; c >= sg.cb; --c) {
+    const int t0 = c * TC;
+    const int len = min(TC, T_ - t0);
+    commit(t0);
+    float s[NP];  // this chunk's checkpoint, loaded with the chunk's inputs; after the recompute, s_t of its last step
+#pragma unroll
+    for (int h = 0; h < H; ++h) {
+      s[4 * h] = pck[h].x; s[4 * h + 1] = pck[h].y; s[4 * h + 2] = pck[h].z; s[4 * h + 3] = pck[h].w;
+    }
+    __syncthreads();
+    if (c > sg.cb) prefetch(c - 1);
+    const bool chunk_st = chunk_has_start(sm.st);
+    auto recompute = [&](auto has_start) {  // this thread's own S entries: no barrier needed
+#pragma unroll 4
+      for (int i = 0; i < TC; ++i) {
+#pragma unroll
+        for (int h = 0; h < H; ++h) sm.S[i][h][tid] = make_float4(s[4 * h], s[4 * h + 1], s[4 * h + 2], s[4 * h + 3]);
+        const float dl = sm.dl[i][cl];
+        const float dx_ = dl * sm.x[i][cl];
+        float bx[NP];
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP + 4 * h]);
+          bx[4 * h] = Bv.x; bx[4 * h + 1] = Bv.y; bx[4 * h + 2] = Bv.z; bx[4 * h + 3] = Bv.w;
+        }
+        const bool st = decltype(has_start)::value && sm.st[i];
+#pragma unroll
+        for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
+      }
+    };
+    by_chunk_start(chunk_st, recompute);
+    auto reverse = [&](auto has_start) {  // the chunk's reverse steps; s holds s_t of step i (carried)
+#pragma unroll 2
+      for (int i = TC - 1; i >= 0; --i) {
+        const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
+        float bx[NP], cx[NP], spv[NP];
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP + 4 * h]);
+          const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP + 4 * h]);
+          const float4 Sp = sm.S[i][h][tid];
+          bx[4 * h] = Bv.x; bx[4 * h + 1] = Bv.y; bx[4 * h + 2] = Bv.z; bx[4 * h + 3] = Bv.w;
+          cx[4 * h] = Cv.x; cx[4 * h + 1] = Cv.y; cx[4 * h + 2] = Cv.z; cx[4 * h + 3] = Cv.w;
+          spv[4 * h] = Sp.x; spv[4 * h + 1] = Sp.y; spv[4 * h + 2] = Sp.z; spv[4 * h + 3] = Sp.w;
+        }
+        const bool st = decltype(has_start)::value && sm.st[i];
+        const float g = sm.gs[i][cl];                          // d loss / d y_pre
+        // The same terms as scan_bwd_main_body's reverse step, over 8 states.
+        const float amdx = am * dl * xv, amg = am * g;
+        float ys = 0.f, ddA = 0.f, hB = 0.f;
+        float v16[2 * NP];
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+          const float a = ex2f_(dl * A2[j]);
+          const float sp = st ? 0.f : spv[j];
+          const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
+          ys = fmaf(s[j], cx[j], ys);
+          v16[j] = h * amdx;                                   // dB
+          v16[NP + j] = amg * s[j];                            // dC
+          const float hsa = h * (sp * a);
+          ddA = fmaf(hsa, A[j], ddA);
+          hB = fmaf(h, bx[j], hB);
+          dAacc[j] = fmaf(hsa, dl, dAacc[j]);
+          hc[j] = st ? 0.f : h * a;
+          s[j] = spv[j];                                       // s_t of step i - 1
+        }
+        ys = group_sum<G>(ys);
+        ddA = group_sum<G>(ddA);
+        hB = group_sum<G>(hB);
+        const float ddel = fmaf(xv, hB, ddA), dxp = dl * hB;
+        const float ddt = ddel * sm.sig[i][cl];
+        if (gi == 0) {  // outputs over the consumed inputs (see ScanBwdSmem)
+          sm.x[i][cl] = fmaf(g, Dd, dxp);
+          sm.dl[i][cl] = ddt;
+          sm.gs[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
+        }
+        dDacc = fmaf(amg, xv, dDacc);
+        ddbacc = fmaf(ddt, am, ddbacc);
+        int idx; bool dup;
+        const float rr = transpose_reduce_cx<G, 2 * NP>(v16, lane, idx, dup);
+        sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;
+      }
+    };
+    by_chunk_start(chunk_st, reverse);
+    __syncthreads();
+    for (int idx = tid; idx < len * 2 * N; idx += SCAN_THREADS) {
+      const int i = idx / (2 * N), j = idx % (2 * N);
+      float acc = 0.f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) acc += sm.red[i][w][j];
+      pBC[(((int64_t)tile * B + b) * T_ + t0 + i) * 2 * N + j] = acc;
+    }
+    scan_bwd_store<T, N, NP>(q, sm, b, t0, len, d0, tid);
     __syncthreads();
   }
   if (act) {
@@ -389,13 +626,18 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdPar
   scan_bwd_main_body<T, N>(q, blockIdx.z);
 }
 template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, SCAN_BWD_MINB_PAIR) scan_bwd_pair_kernel(ScanBwdParams q) {
+  scan_bwd_pair_main_body<T, N>(q, blockIdx.z);
+}
+template <typename T, int N>
 __global__ void __launch_bounds__(256) scan_bwd_reduce_kernel(ScanBwdParams q, int ntiles) {
   scan_bwd_reduce<T, N>(q, ntiles, (int64_t)blockIdx.x * blockDim.x + threadIdx.x, (int64_t)gridDim.x * blockDim.x);
 }
 // The whole backward in one cooperative launch (the grid is co-resident): the local pass (nseg > 1, its shared
 // memory carved from the main pass's), a grid barrier, the main pass, a grid barrier, the reductions by every
 // thread of the grid. The same operations in the same order as the separate launches, so the same bits.
-template <typename T, int N, int MINB, bool LOCAL>
+// PAIR: the pair build's main pass (nseg 1 only: its local pass has the 4-state geometry).
+template <typename T, int N, int MINB, bool LOCAL, bool PAIR = false>
 __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanBwdParams q) {
   extern __shared__ float4 scan_bwd_smem[];
   auto grid = cooperative_groups::this_grid();
@@ -404,66 +646,91 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanB
     if (k >= 1) scan_bwd_local_body<T, N>(q, k, *reinterpret_cast<ScanBwdLocalSmem<N>*>(scan_bwd_smem));
     grid.sync();
   }
-  scan_bwd_main_body<T, N>(q, k);
+  if constexpr (PAIR) scan_bwd_pair_main_body<T, N>(q, k);
+  else scan_bwd_main_body<T, N>(q, k);
   grid.sync();
   const int64_t blk = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   scan_bwd_reduce<T, N>(q, gridDim.x, blk * SCAN_THREADS + threadIdx.x,
                         (int64_t)gridDim.x * gridDim.y * gridDim.z * SCAN_THREADS);
 }
 
-// The cooperative kernel for the 3-blocks-per-SM build (with the local pass) or the wide build (d_state 16,
-// where nseg is 1: no local pass, which also keeps its code inside 128 registers).
-// (A wide build with a split, forced by scan_set_bwd_blocks, takes the separate launches.)
+// The cooperative kernel of a build, or nullptr where it has none for a split (then the separate launches run):
+// the 3-blocks-per-SM build (with the local pass); at d_state 16 the wide build and the pair build, without a
+// split only (no local pass, which also keeps the wide build's code inside 128 registers).
 template <typename T, int N>
-const void* scan_bwd_coop_fn(bool wide, bool split) {
+const void* scan_bwd_coop_fn(int build, bool split) {
   if constexpr (N == 16) {
-    if (wide) return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_WIDE, false>;
+    if (build == SCAN_BWD_MINB_WIDE)
+      return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_WIDE, false>;
+    if (build == SCAN_BWD_MINB_PAIR)
+      return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_PAIR, false, true>;
   }
-  return wide ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB, true>;
+  return build == SCAN_BWD_MINB ? (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB, true> : nullptr;
+}
+
+// The > 48 KB dynamic shared memory opt-in of every main-pass kernel of a dtype and d_state, once per device.
+template <typename T, int N>
+const char* scan_bwd_reserve_smem() {
+  static bool attr_set[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
+  if (attr_set[dev]) return nullptr;
+  constexpr int smem = (int)sizeof(ScanBwdSmem<N>);
+  constexpr int wide_minb = N == 16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB;  // d_state 8 spills at 128 registers
+  static_assert(wide_minb * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
+  struct { const void* fn; int bytes; } fns[] = {
+      {(const void*)scan_bwd_kernel<T, N, SCAN_BWD_MINB>, smem}, {(const void*)scan_bwd_kernel<T, N, wide_minb>, smem},
+      {scan_bwd_coop_fn<T, N>(SCAN_BWD_MINB, true), smem}, {scan_bwd_coop_fn<T, N>(SCAN_BWD_MINB_WIDE, false), smem},
+      {nullptr, 0}, {nullptr, 0}};
+  if constexpr (N == 16) {
+    constexpr int psmem = (int)sizeof(ScanBwdPairSmem<N>);
+    static_assert(SCAN_BWD_MINB_PAIR * (psmem + 1024) <= 228 * 1024, "scan bwd: the pair build's shared memory");
+    fns[4] = {(const void*)scan_bwd_pair_kernel<T, N>, psmem};
+    fns[5] = {scan_bwd_coop_fn<T, N>(SCAN_BWD_MINB_PAIR, false), psmem};
+  }
+  for (const auto& f : fns)
+    if (f.fn != nullptr && cudaFuncSetAttribute(f.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f.bytes) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return "selective_scan: the backward's shared memory cannot be reserved on this device";
+    }
+  attr_set[dev] = true;
+  return nullptr;
 }
 
 template <typename T, int N>
-const char* scan_bwd_tn(const ScanBwdParams& q, cudaStream_t s) {
-  constexpr int CPB = ScanGeom<N>::CPB;
-  constexpr int smem = (int)sizeof(ScanBwdSmem<N>);
-  static_assert(sizeof(ScanBwdLocalSmem<N>) <= sizeof(ScanBwdSmem<N>), "scan bwd: the local pass's shared memory");
-  constexpr int wide_minb = N == 16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB;  // d_state 8 spills at 128 registers
-  static_assert(wide_minb * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
-  static bool attr_set[64] = {};  // per device: the > 48 KB dynamic shared memory opt-in, once
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
-  if (!attr_set[dev]) {
-    const void* fns[] = {(const void*)scan_bwd_kernel<T, N, SCAN_BWD_MINB>, (const void*)scan_bwd_kernel<T, N, wide_minb>,
-                         scan_bwd_coop_fn<T, N>(false, true), scan_bwd_coop_fn<T, N>(true, false)};
-    for (const void* fn : fns)
-      if (fn != nullptr && cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return "selective_scan: the backward's shared memory cannot be reserved on this device";
-      }
-    attr_set[dev] = true;
-  }
-  const int tiles = (q.f.D + CPB - 1) / CPB;
+const char* scan_bwd_tn(const ScanBwdParams& q0, cudaStream_t s) {
+  if (const char* err = scan_bwd_reserve_smem<T, N>()) return err;
+  ScanBwdParams q = q0;
+  const bool pair = N == 16 && q.build == SCAN_BWD_MINB_PAIR;
+  int smem = (int)sizeof(ScanBwdSmem<N>);
+  if constexpr (N == 16) if (pair) smem = (int)sizeof(ScanBwdPairSmem<N>);
+  const int cpb = pair ? ScanGeom<N, SCAN_PAIR_NP>::CPB : ScanGeom<N>::CPB;
+  const int tiles = (q.f.D + cpb - 1) / cpb;
+  q.bc_tiles = tiles;
   const dim3 grid(tiles, q.f.B, q.f.nseg);
   // One launch only where the reductions are at most ~4 dB / dC sums per thread of the grid: beyond that the
   // reduction kernel's own, larger grid is faster (the cooperative grid walks them serially; at 16 x 2048 that
   // is ~21 per thread).
-  const void* coop = scan_bwd_coop_fn<T, N>(q.wide, q.f.nseg > 1);
+  const void* coop = scan_bwd_coop_fn<T, N>(q.build, q.f.nseg > 1);
   const int64_t grid_threads = (int64_t)grid.x * grid.y * grid.z * SCAN_THREADS;
   const bool small_reduce = (int64_t)q.f.B * q.f.T * 2 * N <= 4 * grid_threads;
   if (coop != nullptr && small_reduce && coop_fits(COOP_SCAN_BWD, coop, SCAN_THREADS, smem, grid)) {
-    ScanBwdParams a = q;
-    void* args[] = {&a};
+    void* args[] = {&q};
     const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(SCAN_THREADS), args, smem, s);
     return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
-  if (q.f.nseg > 1) {
-    scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
+  if (q.f.nseg > 1) {  // the 4-state local pass for every build
+    const int tiles4 = (q.f.D + ScanGeom<N>::CPB - 1) / ScanGeom<N>::CPB;
+    scan_bwd_local_kernel<T, N><<<dim3(tiles4, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
     MRL_LAUNCH_CHECK();
   }
-  if (q.wide)
-    scan_bwd_kernel<T, N, wide_minb><<<grid, SCAN_THREADS, smem, s>>>(q);
-  else
+  if constexpr (N == 16) {
+    if (pair) scan_bwd_pair_kernel<T, N><<<grid, SCAN_THREADS, smem, s>>>(q);
+    else if (q.build == SCAN_BWD_MINB_WIDE) scan_bwd_kernel<T, N, SCAN_BWD_MINB_WIDE><<<grid, SCAN_THREADS, smem, s>>>(q);
+    else scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
+  } else {
     scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
+  }
   MRL_LAUNCH_CHECK();
   const int64_t work = std::max<int64_t>((int64_t)q.f.B * q.f.T * 2 * N,
                                          (int64_t)(q.f.D * N + 2 * q.f.D) * 8);

@@ -49,6 +49,9 @@ constexpr int SCAN_BWD_MINB = 3;
 // (more blocks of shorter segments) and the 167-register build, with more independent work per thread, is
 // faster per block (measured: one segment at 4 x 4096, 1.31 ms against 1.85 ms).
 constexpr int SCAN_BWD_MINB_WIDE = 4;
+// The backward's pair build at d_state 16: 8 states a thread, 2 blocks per SM (scan_bwd.cuh).
+constexpr int SCAN_PAIR_NP = 8;
+constexpr int SCAN_BWD_MINB_PAIR = 2;
 
 __device__ __forceinline__ float ex2f_(float v) {
   float r;
@@ -56,9 +59,10 @@ __device__ __forceinline__ float ex2f_(float v) {
   return r;
 }
 
-template <int N>
+// NP: states per thread (SCAN_NPT; the backward's pair build takes 8 at d_state 16, scan_bwd.cuh).
+template <int N, int NP = SCAN_NPT>
 struct ScanGeom {
-  static constexpr int G = N / SCAN_NPT;                       // lanes per channel
+  static constexpr int G = N / NP;                             // lanes per channel
   static constexpr int CPB = SCAN_THREADS / G;                 // channels per block
   static constexpr int EA = SCAN_TC * CPB / SCAN_THREADS;      // staged [TC][CPB] elements per thread
   static constexpr int EB = SCAN_TC * N / SCAN_THREADS;        // staged [TC][N] elements per thread (per array)
@@ -132,9 +136,9 @@ enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
 // forward, 8.6 vs 4.5 ms backward), and zeroing the padded steps at load time (a select on every loaded value,
 // up to the twenty-second session) held the backward's warps on those selects for ~5 % of its samples (ncu
 // source counters at 64 x 1024 bf16).
-template <typename T, int N, int M>
+template <typename T, int N, int M, int NP = SCAN_NPT>
 struct ScanChunkRegs {
-  static constexpr int EA = ScanGeom<N>::EA, EB = ScanGeom<N>::EB, CPB = ScanGeom<N>::CPB;
+  static constexpr int EA = ScanGeom<N, NP>::EA, EB = ScanGeom<N, NP>::EB, CPB = ScanGeom<N, NP>::CPB;
   T x[(M & SL_X) ? EA : 1], dt[EA], z[(M & SL_Z) ? EA : 1], g[(M & SL_G) ? EA : 1];
   T Bv[(M & SL_B) ? EB : 1], Cv[(M & SL_C) ? EB : 1];
   bool st = false;  // held by threads tid < SCAN_TC: the episode start of step t0 + tid
