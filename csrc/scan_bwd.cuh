@@ -85,9 +85,9 @@ struct ScanBwdLayout {
 
 // Shared memory of the backward's local pass (static in its own kernel; carved from the main pass's dynamic
 // buffer in the cooperative kernel, where the two passes are separated by a grid barrier).
-template <int N>
+template <int N, int NP = SCAN_NPT>
 struct ScanBwdLocalSmem {
-  static constexpr int CPB = ScanGeom<N>::CPB, TC = SCAN_TC;
+  static constexpr int CPB = ScanGeom<N, NP>::CPB, TC = SCAN_TC;
   float dl[TC][CPB], gs[TC][CPB];
   __align__(16) float C[TC][N];
   __align__(16) bool st[TC];  // read as words by chunk_has_start
@@ -95,11 +95,12 @@ struct ScanBwdLocalSmem {
 
 // Local pass of the backward: segment k (1 <= k < nseg) runs the adjoint recurrence in
 // reverse from a zero adjoint (the last segment from grad_final_state) and stores the adjoint leaving its
-// first step (d loss / d state entering the segment, from inside it) and its decay product.
-template <typename T, int N>
-__device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, const int k, ScanBwdLocalSmem<N>& ls) {
-  using Gm = ScanGeom<N>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
+// first step (d loss / d state entering the segment, from inside it) and its decay product. NP states a thread
+// (the pair build's local pass takes 8, in its own geometry; the results' layout is the same).
+template <typename T, int N, int NP = SCAN_NPT>
+__device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, const int k, ScanBwdLocalSmem<N, NP>& ls) {
+  using Gm = ScanGeom<N, NP>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, H = NP / SCAN_NPT;
   auto& sdl = ls.dl;
   auto& sgs = ls.gs;
   auto& sC = ls.C;
@@ -119,7 +120,7 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
     hc[j] = (k == nz - 1 && q.dfinal) ? q.dfinal[bd * N + gi * NP + j] : 0.f;
     P[j] = 1.f;
   }
-  ScanChunkRegs<T, N, SL_Z | SL_G | SL_C> r;
+  ScanChunkRegs<T, N, SL_Z | SL_G | SL_C, NP> r;
   auto commit = [&](int t0) {
 #pragma unroll
     for (int e_ = 0; e_ < EA; ++e_) {
@@ -146,8 +147,12 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
 #pragma unroll 4
       for (int i = TC - 1; i >= 0; --i) {
         const float dl = sdl[i][cl], gs = sgs[i][cl];
-        const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
-        const float cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
+        float cx[NP];
+#pragma unroll
+        for (int h = 0; h < H; ++h) {
+          const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP + 4 * h]);
+          cx[4 * h] = Cv.x; cx[4 * h + 1] = Cv.y; cx[4 * h + 2] = Cv.z; cx[4 * h + 3] = Cv.w;
+        }
         const bool st = decltype(has_start)::value && sst[i];
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
@@ -163,8 +168,11 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
   }
   if (act) {
     const ScanBwdLayout<N> L(q.ws, q.bc_tiles, p.B, T_, D, nz);
-    seg_st(L.seg_e, b, nz, k, D, d, N, gi, make_float4(hc[0], hc[1], hc[2], hc[3]));
-    seg_st(L.seg_P, b, nz, k, D, d, N, gi, make_float4(P[0], P[1], P[2], P[3]));
+#pragma unroll
+    for (int h = 0; h < H; ++h) {  // this thread's h-th group of 4 states, as the 4-state layout counts them
+      seg_st(L.seg_e, b, nz, k, D, d, N, gi * H + h, make_float4(hc[4 * h], hc[4 * h + 1], hc[4 * h + 2], hc[4 * h + 3]));
+      seg_st(L.seg_P, b, nz, k, D, d, N, gi * H + h, make_float4(P[4 * h], P[4 * h + 1], P[4 * h + 2], P[4 * h + 3]));
+    }
   }
 }
 
@@ -395,8 +403,8 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
 // warp's 16 channels, one sum a lane and no duplicates) and fewer shared-memory wavefronts (the per-channel
 // scalars are read once for 8 states, and s_t is carried in registers from the step before: the reverse step
 // reads only s_{t-1}), at half the threads: ~98 KB of shared memory a block, so 2 blocks (8 warps) an SM and
-// up to 255 registers. The local pass (nseg > 1) is the 4-state one: its results ([B][nseg][D][N]) do not
-// depend on the geometry. A new summation order (the states' partial sums), so its own bits; the same bits
+// up to 255 registers. Its local pass (nseg > 1) runs 8 states a thread too, in the same geometry (one cooperative
+// launch at any split). A new summation order (the states' partial sums), so its own bits; the same bits
 // in the cooperative and the separate launches.
 template <int N>
 struct ScanBwdPairSmem {
@@ -616,10 +624,11 @@ __device__ __forceinline__ void scan_bwd_reduce(const ScanBwdParams& q, const in
   }
 }
 
-template <typename T, int N>
-__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_bwd_local_kernel(ScanBwdParams q) {
-  __shared__ ScanBwdLocalSmem<N> ls;
-  scan_bwd_local_body<T, N>(q, blockIdx.z + 1, ls);
+template <typename T, int N, int NP = SCAN_NPT>
+__global__ void __launch_bounds__(SCAN_THREADS, NP == SCAN_NPT ? scan_fwd_minb(N) : SCAN_BWD_MINB)
+    scan_bwd_local_kernel(ScanBwdParams q) {
+  __shared__ ScanBwdLocalSmem<N, NP> ls;
+  scan_bwd_local_body<T, N, NP>(q, blockIdx.z + 1, ls);
 }
 template <typename T, int N, int MINB>
 __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdParams q) {
@@ -636,14 +645,15 @@ __global__ void __launch_bounds__(256) scan_bwd_reduce_kernel(ScanBwdParams q, i
 // The whole backward in one cooperative launch (the grid is co-resident): the local pass (nseg > 1, its shared
 // memory carved from the main pass's), a grid barrier, the main pass, a grid barrier, the reductions by every
 // thread of the grid. The same operations in the same order as the separate launches, so the same bits.
-// PAIR: the pair build's main pass (nseg 1 only: its local pass has the 4-state geometry).
+// PAIR: the pair build's passes (8 states a thread).
 template <typename T, int N, int MINB, bool LOCAL, bool PAIR = false>
 __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanBwdParams q) {
+  constexpr int NP = PAIR ? SCAN_PAIR_NP : SCAN_NPT;
   extern __shared__ float4 scan_bwd_smem[];
   auto grid = cooperative_groups::this_grid();
   const int k = blockIdx.z;
   if (LOCAL && q.f.nseg > 1) {
-    if (k >= 1) scan_bwd_local_body<T, N>(q, k, *reinterpret_cast<ScanBwdLocalSmem<N>*>(scan_bwd_smem));
+    if (k >= 1) scan_bwd_local_body<T, N, NP>(q, k, *reinterpret_cast<ScanBwdLocalSmem<N, NP>*>(scan_bwd_smem));
     grid.sync();
   }
   if constexpr (PAIR) scan_bwd_pair_main_body<T, N>(q, k);
@@ -655,15 +665,14 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanB
 }
 
 // The cooperative kernel of a build, or nullptr where it has none for a split (then the separate launches run):
-// the 3-blocks-per-SM build (with the local pass); at d_state 16 the wide build and the pair build, without a
-// split only (no local pass, which also keeps the wide build's code inside 128 registers).
+// the 3-blocks-per-SM build and the pair build (with the local pass); at d_state 16 the wide build without a
+// split only (no local pass, which keeps its code inside 128 registers).
 template <typename T, int N>
 const void* scan_bwd_coop_fn(int build, bool split) {
   if constexpr (N == 16) {
     if (build == SCAN_BWD_MINB_WIDE)
       return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_WIDE, false>;
-    if (build == SCAN_BWD_MINB_PAIR)
-      return split ? nullptr : (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_PAIR, false, true>;
+    if (build == SCAN_BWD_MINB_PAIR) return (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB_PAIR, true, true>;
   }
   return build == SCAN_BWD_MINB ? (const void*)scan_bwd_coop_kernel<T, N, SCAN_BWD_MINB, true> : nullptr;
 }
@@ -676,6 +685,7 @@ const char* scan_bwd_reserve_smem() {
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return "selective_scan: no current CUDA device";
   if (attr_set[dev]) return nullptr;
   constexpr int smem = (int)sizeof(ScanBwdSmem<N>);
+  static_assert(sizeof(ScanBwdLocalSmem<N>) <= sizeof(ScanBwdSmem<N>), "scan bwd: the local pass's shared memory");
   constexpr int wide_minb = N == 16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB;  // d_state 8 spills at 128 registers
   static_assert(wide_minb * (smem + 1024) <= 228 * 1024, "scan bwd: shared memory for the target occupancy");
   struct { const void* fn; int bytes; } fns[] = {
@@ -687,6 +697,7 @@ const char* scan_bwd_reserve_smem() {
     static_assert(SCAN_BWD_MINB_PAIR * (psmem + 1024) <= 228 * 1024, "scan bwd: the pair build's shared memory");
     fns[4] = {(const void*)scan_bwd_pair_kernel<T, N>, psmem};
     fns[5] = {scan_bwd_coop_fn<T, N>(SCAN_BWD_MINB_PAIR, false), psmem};
+    static_assert(sizeof(ScanBwdLocalSmem<N, SCAN_PAIR_NP>) <= sizeof(ScanBwdPairSmem<N>), "scan bwd: pair local smem");
   }
   for (const auto& f : fns)
     if (f.fn != nullptr && cudaFuncSetAttribute(f.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f.bytes) != cudaSuccess) {
@@ -719,9 +730,9 @@ const char* scan_bwd_tn(const ScanBwdParams& q0, cudaStream_t s) {
     const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(SCAN_THREADS), args, smem, s);
     return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
-  if (q.f.nseg > 1) {  // the 4-state local pass for every build
-    const int tiles4 = (q.f.D + ScanGeom<N>::CPB - 1) / ScanGeom<N>::CPB;
-    scan_bwd_local_kernel<T, N><<<dim3(tiles4, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
+  if (q.f.nseg > 1) {  // the local pass, in the main pass's geometry
+    if (pair) scan_bwd_local_kernel<T, N, (N == 16 ? SCAN_PAIR_NP : SCAN_NPT)><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
+    else scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
     MRL_LAUNCH_CHECK();
   }
   if constexpr (N == 16) {
