@@ -6,8 +6,7 @@ builds (e.g. before / after a kernel change) can be timed by two processes on th
 Where the build has ``scan_set_segments``, each shape is also timed with the time split forced off (1
 segment), and the segment counts are recorded.
 
-``--bwd-blocks 0,2,3,4`` times the backward's builds (``ext.scan_set_bwd_blocks``) instead, ``--fwd-states 4,8``
-the forward's (``ext.scan_set_fwd_states``), ``--coop MASK`` sets
+``--bwd-blocks 0,2,3,4`` times the backward's builds (``ext.scan_set_bwd_blocks``) instead, ``--coop MASK`` sets
 ``ext.set_coop`` for the run (0: every pass as its own launch).
 
 Usage (device): python3 benchmarks/scan_kernels.py [--tree PATH] [--label NAME] [--shape 16x64 ...]
@@ -38,9 +37,6 @@ def main(argv=None):
     ap.add_argument("--bwd-blocks", default=None,
                     help="comma-separated backward builds to time (0 = automatic, 3, 4, 2 (the pair build): blocks per SM with the split "
                     "sized for it; ext.scan_set_bwd_blocks), each as its own mode")
-    ap.add_argument("--fwd-states", default=None,
-                    help="comma-separated forward builds to time (0 = automatic, 4, 8 (the pair build): states a "
-                    "thread; ext.scan_set_fwd_states), each as its own mode")
     ap.add_argument("--coop", type=int, default=None, help="ext.set_coop mask for the whole run (default: the build's)")
     a = ap.parse_args(argv)
     sys.path.insert(0, a.tree)
@@ -104,11 +100,9 @@ def main(argv=None):
                 modes = [(f"forced_{n}", int(n)) for n in a.segments.split(",")]
             if a.bwd_blocks:
                 modes = [(f"bwd_blocks_{n}", ("bb", int(n))) for n in a.bwd_blocks.split(",")]
-            if a.fwd_states:
-                modes = [(f"fwd_states_{n}", ("fs", int(n))) for n in a.fwd_states.split(",")]
             for mode, forced in modes:
                 if isinstance(forced, tuple):
-                    (ext.scan_set_bwd_blocks if forced[0] == "bb" else ext.scan_set_fwd_states)(forced[1])
+                    ext.scan_set_bwd_blocks(forced[1])
                     forced = 0
                 if has_seg:
                     ext.scan_set_segments(forced)
@@ -118,9 +112,8 @@ def main(argv=None):
                     r["nseg_fwd"] = ext.scan_segments(B, T, D, N, False)
                     r["nseg_bwd"] = ext.scan_segments(B, T, D, N, True)
                     ext.scan_set_segments(0)
-                if a.bwd_blocks or a.fwd_states:
+                if a.bwd_blocks:
                     ext.scan_set_bwd_blocks(0)
-                    ext.scan_set_fwd_states(0)
                 rows.append(r)
                 print(r, flush=True)
     if a.out:

@@ -54,7 +54,6 @@ struct ScanFwdParams {
   float* ws;                             // forward workspace: scan_fwd_workspace() floats
   int B, T, D, N;
   int nseg, seg_len;                     // time split (set by scan_fwd / scan_bwd, not by the caller)
-  int np;                                // states a thread: 4, or 8 (the pair build; set by scan_fwd)
 };
 struct ScanBwdParams {
   ScanFwdParams f;                       // the forward's inputs (out/final_state unused); ckpt required
@@ -81,8 +80,6 @@ int scan_segments(int B, int T, int D, int N, bool bwd);
 void scan_set_segments(int n);
 // The backward's build: 3 or 4 (d_state 16) blocks per SM with the split sized for it, 0 = automatic (tuning).
 void scan_set_bwd_blocks(int n);
-// The forward's states a thread: 4, or 8 (the pair build, d_state 16), 0 = automatic (tuning).
-void scan_set_fwd_states(int n);
 // Which kernels run their passes as one cooperative launch where the grid is co-resident (a mask of COOP_*;
 // a cleared bit: the separate launches, the same bits; a tuning / testing knob; coop.cu).
 enum : int { COOP_SCAN_FWD = 1, COOP_SCAN_BWD = 2, COOP_CONV_BWD = 4, COOP_ALL = 7 };

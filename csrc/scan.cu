@@ -49,25 +49,12 @@ static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
   return {scan_split(B, T, D, N, forced16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB), build};
 }
 
-static int g_fwd_states = 0;  // scan_set_fwd_states(): 0 = automatic
-void scan_set_fwd_states(int n) { g_fwd_states = (n == SCAN_NPT || n == SCAN_PAIR_NP) ? n : 0; }  // binding checks n
-
-// The forward's states a thread (4, or at d_state 16 the pair build's 8) and its split. Automatic: 4;
-// scan_set_fwd_states() forces either. The pair build's blocks hold twice the channels, so its split counts
-// twice its blocks per SM against the 4-state tiles.
-struct ScanFwdConfig { ScanSplit sp; int np; };
-static ScanFwdConfig scan_fwd_config(int B, int T, int D, int N) {
-  const int np = (N == 16 && g_fwd_states == SCAN_PAIR_NP) ? SCAN_PAIR_NP : SCAN_NPT;
-  const int minb = np == SCAN_PAIR_NP ? 2 * SCAN_FWD_MINB_PAIR : scan_fwd_minb(N);
-  return {scan_split(B, T, D, N, minb), np};
-}
-
 int scan_segments(int B, int T, int D, int N, bool bwd) {
-  return bwd ? scan_bwd_config(B, T, D, N).sp.nseg : scan_fwd_config(B, T, D, N).sp.nseg;
+  return bwd ? scan_bwd_config(B, T, D, N).sp.nseg : scan_split(B, T, D, N, scan_fwd_minb(N)).nseg;
 }
 
 int64_t scan_fwd_workspace(int B, int T, int D, int N) {
-  const ScanSplit sp = scan_fwd_config(B, T, D, N).sp;
+  const ScanSplit sp = scan_split(B, T, D, N, scan_fwd_minb(N));
   return sp.nseg > 1 ? 2 * (int64_t)B * sp.nseg * D * N : 4;
 }
 
@@ -79,8 +66,8 @@ int64_t scan_bwd_workspace(int B, int T, int D, int N) {
 
 const char* scan_fwd(int dtype, const ScanFwdParams& p0, cudaStream_t s) {
   ScanFwdParams p = p0;
-  const ScanFwdConfig cfg = scan_fwd_config(p.B, p.T, p.D, p.N);
-  p.nseg = cfg.sp.nseg; p.seg_len = cfg.sp.seg_len; p.np = cfg.np;
+  const ScanSplit sp = scan_split(p.B, p.T, p.D, p.N, scan_fwd_minb(p.N));
+  p.nseg = sp.nseg; p.seg_len = sp.seg_len;
   switch (dtype) {
     case kF32: return scan_fwd_f32(p, s);
     case kBF16: return scan_fwd_bf16(p, s);

@@ -49,11 +49,9 @@ constexpr int SCAN_BWD_MINB = 3;
 // (more blocks of shorter segments) and the 167-register build, with more independent work per thread, is
 // faster per block (measured: one segment at 4 x 4096, 1.31 ms against 1.85 ms).
 constexpr int SCAN_BWD_MINB_WIDE = 4;
-// The pair builds at d_state 16: 8 states a thread (G = 2 lanes a channel, 64 channels a block); the backward
-// and the forward at 2 blocks per SM (scan_bwd.cuh, scan_fwd.cuh).
+// The backward's pair build at d_state 16: 8 states a thread, 2 blocks per SM (scan_bwd.cuh).
 constexpr int SCAN_PAIR_NP = 8;
 constexpr int SCAN_BWD_MINB_PAIR = 2;
-constexpr int SCAN_FWD_MINB_PAIR = 2;
 
 __device__ __forceinline__ float ex2f_(float v) {
   float r;
@@ -88,15 +86,6 @@ __device__ __forceinline__ float4 seg_ld(const float* base, int b, int nseg, int
 }
 __device__ __forceinline__ void seg_st(float* base, int b, int nseg, int k, int D, int d, int N, int gi, float4 v) {
   *reinterpret_cast<float4*>(base + ((((int64_t)b * nseg + k) * D + d) * N + gi * SCAN_NPT)) = v;
-}
-// NP consecutive floats of shared memory (16-byte aligned) into registers, as NP / 4 float4 loads.
-template <int NP>
-__device__ __forceinline__ void ld_states(float (&v)[NP], const float* src) {
-#pragma unroll
-  for (int h = 0; h < NP / SCAN_NPT; ++h) {
-    const float4 w = reinterpret_cast<const float4*>(src)[h];
-    v[4 * h] = w.x; v[4 * h + 1] = w.y; v[4 * h + 2] = w.z; v[4 * h + 3] = w.w;
-  }
 }
 // s <- P * s + e, where P == 0 (a reset inside the segment) selects e, so a reset clears inf/NaN.
 __device__ __forceinline__ void seg_combine(float (&s)[SCAN_NPT], float4 P, float4 e) {

@@ -6,12 +6,11 @@
 namespace mrl {
 
 // Local pass of the forward: segment k (blockIdx.z, k < nseg - 1) from a zero state (segment 0 from the
-// initial state). Writes its end state e and decay product P ([B][nseg][D][N] each, at p.ws). NP states a
-// thread (scan_common.cuh: 4, or 8 in the pair build at d_state 16).
-template <typename T, int N, int NP = SCAN_NPT>
+// initial state). Writes its end state e and decay product P ([B][nseg][D][N] each, at p.ws).
+template <typename T, int N>
 __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, const int k) {
-  using Gm = ScanGeom<N, NP>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, H = NP / SCAN_NPT;
+  using Gm = ScanGeom<N>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sdl[TC][CPB], sdx[TC][CPB];
   __shared__ __align__(16) float sB[TC][N];
   __shared__ __align__(16) bool sst[TC];
@@ -29,7 +28,7 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
     s[j] = (k == 0 && p.init) ? p.init[bd * N + gi * NP + j] : 0.f;
     P[j] = 1.f;
   }
-  ScanChunkRegs<T, N, SL_X | SL_B, NP> r;
+  ScanChunkRegs<T, N, SL_X | SL_B> r;
   auto commit = [&](int t0) {
 #pragma unroll
     for (int e_ = 0; e_ < EA; ++e_) {
@@ -56,8 +55,8 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
 #pragma unroll 4
       for (int i = 0; i < TC; ++i) {
         const float dl = sdl[i][cl], dx_ = sdx[i][cl];
-        float bx[NP];
-        ld_states<NP>(bx, &sB[i][gi * NP]);
+        const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
+        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
         const bool st = decltype(has_start)::value && sst[i];
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
@@ -72,21 +71,17 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
   }
   if (act) {
     const int nz = p.nseg;
-#pragma unroll
-    for (int h = 0; h < H; ++h) {  // this thread's h-th group of 4 states, as the 4-state layout counts them
-      seg_st(p.ws, b, nz, k, D, d, N, gi * H + h, make_float4(s[4 * h], s[4 * h + 1], s[4 * h + 2], s[4 * h + 3]));
-      seg_st(p.ws + (int64_t)p.B * nz * D * N, b, nz, k, D, d, N, gi * H + h,
-             make_float4(P[4 * h], P[4 * h + 1], P[4 * h + 2], P[4 * h + 3]));
-    }
+    seg_st(p.ws, b, nz, k, D, d, N, gi, make_float4(s[0], s[1], s[2], s[3]));
+    seg_st(p.ws + (int64_t)p.B * nz * D * N, b, nz, k, D, d, N, gi, make_float4(P[0], P[1], P[2], P[3]));
   }
 }
 
 // The main pass of segment k: its entering state from the local pass's results (k > 0), then outputs,
-// checkpoints and (last segment) the final state. NP states a thread, as scan_fwd_local_body.
-template <typename T, int N, int NP = SCAN_NPT>
+// checkpoints and (last segment) the final state.
+template <typename T, int N>
 __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const int k) {
-  using Gm = ScanGeom<N, NP>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, H = NP / SCAN_NPT;
+  using Gm = ScanGeom<N>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, NP = SCAN_NPT;
   __shared__ float sx[TC][CPB], sdl[TC][CPB], sz[TC][CPB], sy[TC][CPB];
   __shared__ __align__(16) float sB[TC][N], sC[TC][N];
   __shared__ __align__(16) bool sst[TC];
@@ -110,19 +105,13 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
     const int nz = p.nseg;
     const float* eh = p.ws;
     const float* eP = p.ws + (int64_t)p.B * nz * D * N;
-#pragma unroll
-    for (int h = 0; h < H; ++h) {
-      const int q4 = gi * H + h;
-      const float4 e0 = seg_ld(eh, b, nz, 0, D, d, N, q4);  // segment 0 started from the initial state
-      float s4[SCAN_NPT] = {e0.x, e0.y, e0.z, e0.w};
-      for (int j = 1; j < k; ++j) seg_combine(s4, seg_ld(eP, b, nz, j, D, d, N, q4), seg_ld(eh, b, nz, j, D, d, N, q4));
-#pragma unroll
-      for (int j = 0; j < SCAN_NPT; ++j) s[4 * h + j] = s4[j];
-    }
+    const float4 e0 = seg_ld(eh, b, nz, 0, D, d, N, gi);  // segment 0 started from the initial state
+    s[0] = e0.x; s[1] = e0.y; s[2] = e0.z; s[3] = e0.w;
+    for (int j = 1; j < k; ++j) seg_combine(s, seg_ld(eP, b, nz, j, D, d, N, gi), seg_ld(eh, b, nz, j, D, d, N, gi));
   }
   const float Dd = p.Dskip[d];
 
-  ScanChunkRegs<T, N, SL_X | SL_Z | SL_B | SL_C, NP> r;
+  ScanChunkRegs<T, N, SL_X | SL_Z | SL_B | SL_C> r;
   auto prefetch = [&](int c) { r.load(p, nullptr, 0, 0, b, d0, c, tid); };
   auto commit = [&](int t0) {
 #pragma unroll
@@ -152,16 +141,15 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
     if (c + 1 < sg.ce) prefetch(c + 1);
     if (p.ckpt && act) {
       float4* ck = reinterpret_cast<float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
-#pragma unroll
-      for (int h = 0; h < H; ++h) ck[h] = make_float4(s[4 * h], s[4 * h + 1], s[4 * h + 2], s[4 * h + 3]);
+      *ck = make_float4(s[0], s[1], s[2], s[3]);
     }
     auto steps = [&](auto has_start) {  // the chunk's steps (chunk_has_start: the same bits either way)
 #pragma unroll 4
       for (int i = 0; i < TC; ++i) {
         const float xv = sx[i][cl], dl = sdl[i][cl];
-        float bx[NP], cx[NP];
-        ld_states<NP>(bx, &sB[i][gi * NP]);
-        ld_states<NP>(cx, &sC[i][gi * NP]);
+        const float4 Bv = *reinterpret_cast<const float4*>(&sB[i][gi * NP]);
+        const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP]);
+        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
         const bool st = decltype(has_start)::value && sst[i];
         const float dx_ = dl * xv;
         float y = 0.f;
@@ -189,58 +177,47 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
   }
 }
 
-// Blocks per SM of a forward build: the 4-state one's scan_fwd_minb(N), the pair build's SCAN_FWD_MINB_PAIR.
-template <int N, int NP>
-constexpr int scan_fwd_minb_np() { return NP == SCAN_NPT ? scan_fwd_minb(N) : SCAN_FWD_MINB_PAIR; }
-
-template <typename T, int N, int NP>
-__global__ void __launch_bounds__(SCAN_THREADS, (scan_fwd_minb_np<N, NP>())) scan_fwd_local_kernel(ScanFwdParams p) {
-  scan_fwd_local_body<T, N, NP>(p, blockIdx.z);
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_local_kernel(ScanFwdParams p) {
+  scan_fwd_local_body<T, N>(p, blockIdx.z);
 }
-template <typename T, int N, int NP>
-__global__ void __launch_bounds__(SCAN_THREADS, (scan_fwd_minb_np<N, NP>())) scan_fwd_kernel(ScanFwdParams p) {
-  scan_fwd_main_body<T, N, NP>(p, blockIdx.z);
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_kernel(ScanFwdParams p) {
+  scan_fwd_main_body<T, N>(p, blockIdx.z);
 }
 // Both passes in one cooperative launch (the grid is co-resident): the local pass, a grid barrier (which also
 // orders the local results' stores before the main pass's loads), then the main pass. The same operations in
 // the same order as the two launches, so the same bits.
-template <typename T, int N, int NP>
-__global__ void __launch_bounds__(SCAN_THREADS, (scan_fwd_minb_np<N, NP>())) scan_fwd_coop_kernel(ScanFwdParams p) {
+template <typename T, int N>
+__global__ void __launch_bounds__(SCAN_THREADS, scan_fwd_minb(N)) scan_fwd_coop_kernel(ScanFwdParams p) {
   const int k = blockIdx.z;
-  if (k < p.nseg - 1) scan_fwd_local_body<T, N, NP>(p, k);
+  if (k < p.nseg - 1) scan_fwd_local_body<T, N>(p, k);
   cooperative_groups::this_grid().sync();
-  scan_fwd_main_body<T, N, NP>(p, k);
+  scan_fwd_main_body<T, N>(p, k);
 }
 
-template <typename T, int N, int NP>
-const char* scan_fwd_tnp(const ScanFwdParams& p, cudaStream_t s) {
-  constexpr int CPB = ScanGeom<N, NP>::CPB;
+template <typename T, int N>
+const char* scan_fwd_tn(const ScanFwdParams& p, cudaStream_t s) {
+  constexpr int CPB = ScanGeom<N>::CPB;
   const int tiles = (p.D + CPB - 1) / CPB;
   const dim3 grid(tiles, p.B, p.nseg);
   // One launch only for short segments (<= 2 chunks): measured in one process on the H200, 16 x 2048 bf16 (segments
   // of 32 chunks) took 3107-3126 µs a step this way against 3043-3045 with two launches; 16 x 64 (1 chunk) the same.
   if (p.nseg > 1 && p.seg_len <= 2 &&
-      coop_fits(COOP_SCAN_FWD, (const void*)scan_fwd_coop_kernel<T, N, NP>, SCAN_THREADS, 0, grid)) {
+      coop_fits(COOP_SCAN_FWD, (const void*)scan_fwd_coop_kernel<T, N>, SCAN_THREADS, 0, grid)) {
     ScanFwdParams a = p;
     void* args[] = {&a};
     const cudaError_t e =
-        cudaLaunchCooperativeKernel((const void*)scan_fwd_coop_kernel<T, N, NP>, grid, dim3(SCAN_THREADS), args, 0, s);
+        cudaLaunchCooperativeKernel((const void*)scan_fwd_coop_kernel<T, N>, grid, dim3(SCAN_THREADS), args, 0, s);
     return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
   if (p.nseg > 1) {
-    scan_fwd_local_kernel<T, N, NP><<<dim3(tiles, p.B, p.nseg - 1), SCAN_THREADS, 0, s>>>(p);
+    scan_fwd_local_kernel<T, N><<<dim3(tiles, p.B, p.nseg - 1), SCAN_THREADS, 0, s>>>(p);
     MRL_LAUNCH_CHECK();
   }
-  scan_fwd_kernel<T, N, NP><<<grid, SCAN_THREADS, 0, s>>>(p);
+  scan_fwd_kernel<T, N><<<grid, SCAN_THREADS, 0, s>>>(p);
   MRL_LAUNCH_CHECK();
   return nullptr;
-}
-template <typename T, int N>
-const char* scan_fwd_tn(const ScanFwdParams& p, cudaStream_t s) {
-  if constexpr (N == 16) {
-    if (p.np == SCAN_PAIR_NP) return scan_fwd_tnp<T, N, SCAN_PAIR_NP>(p, s);
-  }
-  return scan_fwd_tnp<T, N, SCAN_NPT>(p, s);
 }
 template <typename T>
 const char* scan_fwd_t(const ScanFwdParams& p, cudaStream_t s) {

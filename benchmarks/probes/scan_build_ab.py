@@ -1,11 +1,10 @@
-"""The training step (bench.py's ``bench_train``: graph replay, median µs) with the scan's builds alternating
-in one process, round by round, so a build is timed against another on the same GPU with the same drift. A
-build is ``FWD/BWD``: ``ext.scan_set_fwd_states(FWD)`` (0 = automatic, 4, or 8 = the forward's pair build) and
-``ext.scan_set_bwd_blocks(BWD)`` (0 = automatic, 3 / 4 = the 4-state builds, 2 = the backward's pair build with
-8 states a thread; csrc/scan_bwd.cuh). Prints per row and build the median over rounds and its ratio to the
-first build; writes ``--out`` (JSON with every round).
+"""The training step (bench.py's ``bench_train``: graph replay, median µs) with the scan backward's builds
+alternating in one process: ``ext.scan_set_bwd_blocks(n)`` for each n of ``--builds`` (0 = the automatic
+choice, 2 = the pair build with 8 states a thread, 3 / 4 = the 4-state builds; csrc/scan_bwd.cuh), round by
+round, so a build is timed against another on the same GPU with the same drift. Prints per row and build the
+median over rounds and its ratio to the first build; writes ``--out`` (JSON with every round).
 
-Usage (device): python3 benchmarks/probes/scan_build_ab.py --builds 0/0 0/2 8/2 --rows 128x16x64 128x64x128 \\
+Usage (device): python3 benchmarks/probes/scan_build_ab.py --builds 0,2 --rows 128x16x64 128x64x128 \\
     --dtypes bf16 f32 --rounds 3 --out ab.json
 """
 import argparse
@@ -26,8 +25,7 @@ DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--builds", nargs="+", default=["0/0", "0/2", "8/2"],
-                    help="FWD/BWD: scan_set_fwd_states (0, 4, 8) / scan_set_bwd_blocks (0, 2, 3, 4)")
+    ap.add_argument("--builds", default="0,2", help="comma-separated scan_set_bwd_blocks values (0, 2, 3, 4)")
     ap.add_argument("--rows", nargs="+", default=["128x16x64", "128x64x128", "128x256x32", "128x16x512",
                                                   "128x64x1024"], help="DMxBxT")
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "f32"])
@@ -35,15 +33,13 @@ def main():
     ap.add_argument("--iters", type=int, default=0, help="calls per timing (0: 100, or 40 from 16,384 tokens)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    builds = []
-    for v in a.builds:
-        try:
-            fwd, bwd = (int(x) for x in v.split("/"))
-        except ValueError:
-            ap.error(f"--builds expects FWD/BWD integers (e.g. 8/2), got {v!r}")
-        if fwd not in (0, 4, 8) or bwd not in (0, 2, 3, 4):
-            ap.error(f"--builds expects FWD in 0, 4, 8 and BWD in 0, 2, 3, 4, got {v!r}")
-        builds.append((v, fwd, bwd))
+    try:
+        builds = [int(v) for v in a.builds.split(",")]
+    except ValueError:
+        ap.error(f"--builds expects comma-separated integers from 0, 2, 3, 4, got {a.builds!r}")
+    bad = [b for b in builds if b not in (0, 2, 3, 4)]
+    if bad:
+        ap.error(f"--builds expects values from 0, 2, 3, 4, got {bad}")
     rows = parse_rows(ap, a.rows)
     from mamba_rl.ops.extension import extension
     ext = extension("cuda")
@@ -53,14 +49,12 @@ def main():
     for rnd in range(a.rounds):
         for dm, B, T in rows:
             for dt in a.dtypes:
-                for bld, fwd, bwd in builds:
+                for bld in builds:
                     n = a.iters or (40 if B * T >= 16384 else 100)
-                    ext.scan_set_fwd_states(fwd)
-                    ext.scan_set_bwd_blocks(bwd)
+                    ext.scan_set_bwd_blocks(bld)
                     try:
                         r = bench.bench_train(dm, B, T, DTYPES[dt], n)
                     finally:
-                        ext.scan_set_fwd_states(0)
                         ext.scan_set_bwd_blocks(0)
                     meas.append(dict(round=rnd, d_model=dm, B=B, T=T, dtype=dt, build=bld, us=r["us"],
                                      kernels=r["kernels"]))
@@ -70,17 +64,16 @@ def main():
         for dt in a.dtypes:
             med = {bld: statistics.median(m["us"] for m in meas if (m["d_model"], m["B"], m["T"], m["dtype"],
                                                                       m["build"]) == (dm, B, T, dt, bld))
-                   for bld, _, _ in builds}
-            first = builds[0][0]
+                   for bld in builds}
             table.append(dict(d_model=dm, B=B, T=T, dtype=dt, median_us=med,
-                              ratio={bld: med[bld] / med[first] for bld in med}))
-            print(f"{dm}x{B}x{T} {dt}: " + "  ".join(f"{bld}: {med[bld]:.1f} µs ({med[bld] / med[first]:.3f})"
-                                                     for bld in med), flush=True)
+                              ratio={bld: med[bld] / med[builds[0]] for bld in builds}))
+            print(f"{dm}x{B}x{T} {dt}: " + "  ".join(f"build {bld}: {med[bld]:.1f} µs ({med[bld] / med[builds[0]]:.3f})"
+                                                     for bld in builds), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                           builds=[b[0] for b in builds], rounds=a.rounds, measurements=meas, medians=table), f, indent=1)
+                           builds=builds, rounds=a.rounds, measurements=meas, medians=table), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -478,10 +478,9 @@ def test_conv_bwd_cooperative_launch_gives_the_same_bits(ext, B, T, D, K, dtype)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("B,T,N", [(16, 64, 16), (3, 257, 16), (5, 100, 8)])
 def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
-    """Every build gives the float64 reference's values, cooperative launch or not: the backward's (3 blocks per
-    SM; at d_state 16 also the 4-block one and the 2-block pair build with 8 states a thread, each with the split
-    sized for it: ext.scan_set_bwd_blocks) after either forward (4 states a thread, or at d_state 16 the pair
-    build's 8: ext.scan_set_fwd_states). d_state 8 takes the 4-state builds whatever is forced."""
+    """Every backward build (3 blocks per SM; at d_state 16 also the 4-block one and the 2-block pair build with 8
+    states a thread, each with the split sized for it: ext.scan_set_bwd_blocks) gives the float64 reference's
+    values, cooperative launch or not (d_state 8 takes the 3-block build whatever is forced)."""
     from mamba_rl.ops import scan as scanmod
     D = 256 if B == 16 else 48
     ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=7 * B + T + N)
@@ -489,29 +488,24 @@ def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
     ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
     ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
     try:
-        for states in (4, 8):
-            for blocks in (2, 3, 4):
-                for coop in (0, 7):
-                    ext.scan_set_fwd_states(states)
-                    ext.scan_set_bwd_blocks(blocks)
-                    ext.set_coop(coop)
-                    out = _scan_run(ins, starts, dy, dfin)
-                    for i, (a, r) in enumerate(zip(out, ref)):
-                        assert rel(a, r) <= TOL[dtype], (states, blocks, coop, i, rel(a, r))
+        for blocks in (2, 3, 4):
+            for coop in (0, 7):
+                ext.scan_set_bwd_blocks(blocks)
+                ext.set_coop(coop)
+                out = _scan_run(ins, starts, dy, dfin)
+                for i, (a, r) in enumerate(zip(out, ref)):
+                    assert rel(a, r) <= TOL[dtype], (blocks, coop, i, rel(a, r))
     finally:
-        ext.scan_set_fwd_states(0)
         ext.scan_set_bwd_blocks(0)
         ext.set_coop(7)
 
 
 def test_tuning_knobs_reject_bad_values(ext):
-    """set_coop takes a mask in 0..7, scan_set_bwd_blocks 0, 2, 3 or 4 and scan_set_fwd_states 0, 4 or 8; anything
-    else is a ValueError naming what was expected and what came."""
+    """set_coop takes a mask in 0..7 and scan_set_bwd_blocks 0, 2, 3 or 4; anything else is a ValueError naming what
+    was expected and what came."""
     with pytest.raises(ValueError, match=r"set_coop: expected a mask in 0\.\.7.*got 8"):
         ext.set_coop(8)
     with pytest.raises(ValueError, match=r"set_coop: expected.*got -1"):
         ext.set_coop(-1)
     with pytest.raises(ValueError, match=r"scan_set_bwd_blocks: expected 0 \(automatic\), 2, 3 or 4, got 5"):
         ext.scan_set_bwd_blocks(5)
-    with pytest.raises(ValueError, match=r"scan_set_fwd_states: expected 0 \(automatic\), 4 or 8, got 16"):
-        ext.scan_set_fwd_states(16)
