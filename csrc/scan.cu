@@ -35,15 +35,20 @@ void scan_set_bwd_blocks(int n) {  // the binding checks n
 }
 
 // The backward's build (blocks per SM: the 3-block one, at d_state 16 the 4-block "wide" one or the 2-block
-// "pair" one with 8 states a thread, scan_bwd.cuh) and its split. Automatic: the wide build where one segment's
-// grid overfills 3 blocks per SM (nseg is 1 either way), else the 3-block build; scan_set_bwd_blocks() forces
-// any (the wide and the pair builds with the split sized for them: the pair build's blocks hold twice the
-// channels at half the blocks per SM, so the same count as the wide build's).
+// "pair" one with 8 states a thread, scan_bwd.cuh) and its split. Automatic: where one segment's grid
+// overfills 3 blocks per SM (nseg is 1 either way), the pair build for segments of at least
+// SCAN_PAIR_MIN_CHUNKS chunks, else the wide build; elsewhere the 3-block build. Measured on an H100, the
+// backward alone (benchmarks/NOTES.md, thirty-second session): the pair build -7 % at 64 x 128 and 64 x 1024
+// (8 and 64 chunks), +3 % at 256 x 32 (2 chunks), +1 to +6 % where the grid is split (16 x 64, 16 x 512).
+// scan_set_bwd_blocks() forces any (the wide and the pair builds with the split sized for them: the pair
+// build's blocks hold twice the channels at half the blocks per SM, so the same count as the wide build's).
+constexpr int SCAN_PAIR_MIN_CHUNKS = 8;
 struct ScanBwdConfig { ScanSplit sp; int build; };
 static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
   const bool d16 = N == 16;
-  int build = d16 && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count() ? SCAN_BWD_MINB_WIDE
-                                                                                         : SCAN_BWD_MINB;
+  int build = SCAN_BWD_MINB;
+  if (d16 && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count())
+    build = (T + SCAN_TC - 1) / SCAN_TC >= SCAN_PAIR_MIN_CHUNKS ? SCAN_BWD_MINB_PAIR : SCAN_BWD_MINB_WIDE;
   if (g_bwd_blocks != 0) build = d16 ? g_bwd_blocks : SCAN_BWD_MINB;
   const bool forced16 = g_bwd_blocks != 0 && build != SCAN_BWD_MINB;
   return {scan_split(B, T, D, N, forced16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB), build};

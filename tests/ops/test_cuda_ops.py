@@ -403,6 +403,38 @@ def test_scan_bwd_wide_build_gives_the_same_bits(ext, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_scan_bwd_automatic_build_takes_the_pair_build_for_long_segments(ext, dtype):
+    """Where one segment's grid overfills 3 blocks per SM at d_state 16, the automatic backward takes the pair
+    build (8 states a thread) for segments of >= 8 chunks and the 4-block build for shorter ones (csrc/scan.cu,
+    measured in benchmarks/NOTES.md): bit for bit what forcing that build gives, cooperative launch or not, and
+    the float64 reference's values."""
+    from mamba_rl.ops import scan as scanmod
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    D, N = 256, 16
+    B = 3 * sms // (D // 32) + 1  # 4-state channel tiles of 32: the grid overfills 3 blocks per SM
+    for T, build in ((128, 2), (40, 4)):
+        ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=T)
+        runs = {}
+        try:
+            for forced in (0, build):
+                for coop in (7, 0):
+                    ext.scan_set_bwd_blocks(forced)
+                    ext.set_coop(coop)
+                    runs[forced, coop] = _scan_run(ins, starts, dy, dfin)
+        finally:
+            ext.scan_set_bwd_blocks(0)
+            ext.set_coop(7)
+        for key, out in runs.items():
+            for i, (a, b) in enumerate(zip(out, runs[0, 7])):
+                assert torch.equal(a, b), (T, key, i)
+        rleaves = [t.detach().double().requires_grad_(True) for t in ins]
+        ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
+        ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
+        for i, (a, r) in enumerate(zip(runs[0, 7], ref)):
+            assert rel(a, r) <= TOL[dtype], (T, i, rel(a, r))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("B,T,D,N,forced", [(3, 100, 48, 16, 0), (3, 100, 48, 16, 3), (3, 100, 48, 16, 7),
                                             (16, 64, 256, 16, 0), (2, 33, 40, 16, 1), (3, 300, 48, 8, 0),
                                             (3, 300, 48, 8, 5), (4, 2049, 40, 16, 0), (3, 2049, 48, 16, 129)])
