@@ -15,6 +15,7 @@ Usage (device): python3 benchmarks/scan_kernels.py [--tree PATH] [--label NAME] 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 from pathlib import Path
@@ -117,7 +118,8 @@ def main(argv=None):
                 rows.append(r)
                 print(r, flush=True)
     if a.out:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), open(a.out, "w"),
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows), open(a.out, "w"),
                   indent=1)
 
 
