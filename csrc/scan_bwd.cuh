@@ -1,6 +1,7 @@
 // Selective scan backward: see scan_common.cuh for the layout and the two-level split over T.
 #pragma once
 #include <algorithm>
+#include <type_traits>
 #include "scan_common.cuh"
 
 namespace mrl {
@@ -244,159 +245,6 @@ __device__ __forceinline__ void scan_bwd_store(const ScanBwdParams& q, const SM&
   }
 }
 
-// The main pass of segment k: the adjoint entering it from the local pass's results (k < nseg - 1), then
-// every per-step gradient and the partial sums that scan_bwd_reduce() adds up.
-template <typename T, int N>
-__device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const int k) {
-  using Gm = ScanGeom<N>;
-  using SM = ScanBwdSmem<N>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW, NP = SCAN_NPT;
-  extern __shared__ float4 scan_bwd_smem[];
-  SM& sm = *reinterpret_cast<SM*>(scan_bwd_smem);
-  const ScanFwdParams& p = q.f;
-  const int tid = threadIdx.x;
-  const int gi = tid % G, cl = tid / G;
-  const int lane = tid % 32, warp = tid / 32;
-  const int d0 = blockIdx.x * CPB;
-  const bool act = d0 + cl < p.D;
-  const int d = act ? d0 + cl : p.D - 1;
-  const int b = blockIdx.y, tile = blockIdx.x, ntiles = gridDim.x;
-  const int T_ = p.T, D = p.D, B = p.B, nz = p.nseg;
-  const ScanSeg sg(T_, p.seg_len, k);
-  const int nC = sg.nC;
-  float A[NP], A2[NP];
-#pragma unroll
-  for (int j = 0; j < NP; ++j) {
-    A[j] = -expf(p.A_log[d * N + gi * NP + j]);
-    A2[j] = A[j] * 1.4426950408889634f;
-  }
-  const float Dd = p.Dskip[d];
-  const int64_t bd = (int64_t)b * D + d;
-  const ScanBwdLayout<N> L(q.ws, ntiles, B, T_, D, nz);
-  float* pBC = L.pBC;
-  float* pPar = L.pPar + ((int64_t)b * nz + k) * (D * N + 2 * D);
-
-  ScanChunkRegs<T, N, SL_X | SL_Z | SL_G | SL_B | SL_C> r;
-  float4 pck;
-  auto prefetch = [&](int c) {
-    pck = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP);
-    r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
-  };
-  auto commit = [&](int t0) { scan_bwd_stage<N, NP>(sm, r, p.dt_bias, t0, tid, d0, D, T_); };
-
-  float hc[NP], dAacc[NP];
-#pragma unroll
-  for (int j = 0; j < NP; ++j) {
-    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + j] : 0.f;  // d loss / d s from the future
-    dAacc[j] = 0.f;
-  }
-  if (k < nz - 1) {  // the adjoint entering segment k from later ones: fixed-order combine (local pass)
-    const float4 e0 = seg_ld(L.seg_e, b, nz, nz - 1, D, d, N, gi);  // the last segment started from dfinal
-    hc[0] = e0.x; hc[1] = e0.y; hc[2] = e0.z; hc[3] = e0.w;
-    for (int j = nz - 2; j > k; --j)
-      seg_combine(hc, seg_ld(L.seg_P, b, nz, j, D, d, N, gi), seg_ld(L.seg_e, b, nz, j, D, d, N, gi));
-  }
-  float dDacc = 0.f, ddbacc = 0.f;
-  const float am = act ? 1.f : 0.f;
-  prefetch(sg.ce - 1);
-  for (int c = sg.ce - 1; c >= sg.cb; --c) {
-    const int t0 = c * TC;
-    const int len = min(TC, T_ - t0);
-    commit(t0);
-    float4 s4 = pck;  // this chunk's checkpoint, loaded with the chunk's inputs
-    __syncthreads();
-    if (c > sg.cb) prefetch(c - 1);
-    sm.S[0][tid] = s4;
-    const bool chunk_st = chunk_has_start(sm.st);
-    {  // recompute the chunk's states (this thread's own S entries: no barrier needed)
-      float s[NP] = {s4.x, s4.y, s4.z, s4.w};
-      auto recompute = [&](auto has_start) {
-#pragma unroll 4
-        for (int i = 0; i < TC; ++i) {
-          const float dl = sm.dl[i][cl];
-          const float dx_ = dl * sm.x[i][cl];
-          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
-          const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w};
-          const bool st = decltype(has_start)::value && sm.st[i];
-#pragma unroll
-          for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
-          sm.S[i + 1][tid] = make_float4(s[0], s[1], s[2], s[3]);
-        }
-      };
-      by_chunk_start(chunk_st, recompute);
-    }
-    auto reverse = [&](auto has_start) {  // the chunk's reverse steps (chunk_has_start: the same bits either way)
-#pragma unroll 2
-      for (int i = TC - 1; i >= 0; --i) {
-        const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
-        const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP]);
-        const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP]);
-        const float4 Sc = sm.S[i + 1][tid], Sp = sm.S[i][tid];
-        const float bx[NP] = {Bv.x, Bv.y, Bv.z, Bv.w}, cx[NP] = {Cv.x, Cv.y, Cv.z, Cv.w};
-        const float sc[NP] = {Sc.x, Sc.y, Sc.z, Sc.w}, spv[NP] = {Sp.x, Sp.y, Sp.z, Sp.w};
-        const bool st = decltype(has_start)::value && sm.st[i];
-        const float g = sm.gs[i][cl];                          // d loss / d y_pre
-        // Per state j, with h = d loss / d s_t and a = exp(dl A_j): dB_j = h dl x, dC_j = g s_t, and
-        //   d loss / d dl = sum_j h (s_{t-1} a A_j + x B_j) = sum_j (h s_{t-1} a) A_j + x hB,
-        //   d loss / d x  = dl hB,  with hB = sum_j h B_j,
-        // so h s_{t-1} a (also dA's term) and hB are formed once per state, and the products by x / dl once per
-        // step (am: 0 for a padding channel, whose dB / dC partials must be 0).
-        const float amdx = am * dl * xv, amg = am * g;
-        float ys = 0.f, ddA = 0.f, hB = 0.f;
-        float v8[8];
-#pragma unroll
-        for (int j = 0; j < NP; ++j) {
-          const float a = ex2f_(dl * A2[j]);
-          const float sp = st ? 0.f : spv[j];
-          const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
-          ys = fmaf(sc[j], cx[j], ys);
-          v8[j] = h * amdx;                                    // dB
-          v8[NP + j] = amg * sc[j];                            // dC
-          const float hsa = h * (sp * a);
-          ddA = fmaf(hsa, A[j], ddA);
-          hB = fmaf(h, bx[j], hB);
-          dAacc[j] = fmaf(hsa, dl, dAacc[j]);
-          hc[j] = st ? 0.f : h * a;
-        }
-        ys = group_sum<G>(ys);
-        ddA = group_sum<G>(ddA);
-        hB = group_sum<G>(hB);
-        const float ddel = fmaf(xv, hB, ddA), dxp = dl * hB;
-        const float ddt = ddel * sm.sig[i][cl];
-        if (gi == 0) {  // outputs over the consumed inputs (see ScanBwdSmem)
-          sm.x[i][cl] = fmaf(g, Dd, dxp);
-          sm.dl[i][cl] = ddt;
-          sm.gs[i][cl] = sm.gd[i][cl] * fmaf(Dd, xv, ys);
-        }
-        dDacc = fmaf(amg, xv, dDacc);
-        ddbacc = fmaf(ddt, am, ddbacc);
-        int idx; bool dup;
-        const float rr = transpose_reduce<G, 2 * NP>(v8, lane, idx, dup);
-        sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
-      }
-    };
-    by_chunk_start(chunk_st, reverse);
-    __syncthreads();
-    for (int idx = tid; idx < len * 2 * N; idx += SCAN_THREADS) {
-      const int i = idx / (2 * N), j = idx % (2 * N);
-      float acc = 0.f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) acc += sm.red[i][w][j];
-      pBC[(((int64_t)tile * B + b) * T_ + t0 + i) * 2 * N + j] = acc;
-    }
-    scan_bwd_store<T, N, NP>(q, sm, b, t0, len, d0, tid);
-    __syncthreads();
-  }
-  if (act) {
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {
-      if (q.dinit && k == 0) q.dinit[bd * N + gi * NP + j] = hc[j];
-      pPar[d * N + gi * NP + j] = dAacc[j] * A[j];   // d/dA_log = d/dA * A
-    }
-    if (gi == 0) { pPar[D * N + d] = dDacc; pPar[D * N + D + d] = ddbacc; }
-  }
-}
-
 // ---- The pair build: 8 states a thread at d_state 16 (G = 2 lanes a channel, 64 channels a block) ----
 // The same main pass, per thread twice the states of one channel. Per state-step it needs fewer shuffles
 // (the channel's three sums over 2 lanes instead of 4; the dB / dC transpose-reduce of 16 values over the
@@ -418,13 +266,16 @@ struct ScanBwdPairSmem {
   __align__(16) bool st[TC];  // read as words by chunk_has_start
 };
 
-template <typename T, int N>
-__device__ __forceinline__ void scan_bwd_pair_main_body(const ScanBwdParams& q, const int k) {
-  constexpr int NP = SCAN_PAIR_NP, H = NP / 4;
+// The main pass of segment k: the adjoint entering it from the local pass's results (k < nseg - 1), then
+// every per-step gradient and the partial sums that scan_bwd_reduce() adds up. NP states a thread: 4
+// (ScanBwdSmem; the reverse step reads s_t and s_{t-1} from shared memory), or the pair build's 8
+// (ScanBwdPairSmem; s_t carried in registers from the step before).
+template <typename T, int N, int NP = SCAN_NPT>
+__device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const int k) {
+  constexpr bool PAIR = NP == SCAN_PAIR_NP;
   using Gm = ScanGeom<N, NP>;
-  using SM = ScanBwdPairSmem<N>;
-  constexpr int G = Gm::G, CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW;
-  static_assert(G == 2 && H == 2, "the pair build is for d_state 16");
+  using SM = std::conditional_t<PAIR, ScanBwdPairSmem<N>, ScanBwdSmem<N>>;
+  constexpr int G = Gm::G, CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW, H = NP / SCAN_NPT;
   extern __shared__ float4 scan_bwd_smem[];
   SM& sm = *reinterpret_cast<SM*>(scan_bwd_smem);
   const ScanFwdParams& p = q.f;
@@ -471,7 +322,8 @@ __device__ __forceinline__ void scan_bwd_pair_main_body(const ScanBwdParams& q, 
     for (int h = 0; h < H; ++h) {
       const int q4 = gi * H + h;  // this thread's h-th group of 4 states, as the 4-state layout counts them
       const float4 e0 = seg_ld(L.seg_e, b, nz, nz - 1, D, d, N, q4);  // the last segment started from dfinal
-      float hh[SCAN_NPT] = {e0.x, e0.y, e0.z, e0.w};
+      float hh[SCAN_NPT];
+      put4(hh, e0);
       for (int j = nz - 2; j > k; --j)
         seg_combine(hh, seg_ld(L.seg_P, b, nz, j, D, d, N, q4), seg_ld(L.seg_e, b, nz, j, D, d, N, q4));
 #pragma unroll
@@ -487,65 +339,71 @@ __device__ __forceinline__ void scan_bwd_pair_main_body(const ScanBwdParams& q, 
     commit(t0);
     float s[NP];  // this chunk's checkpoint, loaded with the chunk's inputs; after the recompute, s_t of its last step
 #pragma unroll
-    for (int h = 0; h < H; ++h) {
-      s[4 * h] = pck[h].x; s[4 * h + 1] = pck[h].y; s[4 * h + 2] = pck[h].z; s[4 * h + 3] = pck[h].w;
-    }
+    for (int h = 0; h < H; ++h) put4(&s[4 * h], pck[h]);
     __syncthreads();
     if (c > sg.cb) prefetch(c - 1);
+    if constexpr (!PAIR) sm.S[0][tid] = make_float4(s[0], s[1], s[2], s[3]);
     const bool chunk_st = chunk_has_start(sm.st);
-    auto recompute = [&](auto has_start) {  // this thread's own S entries: no barrier needed
+    // Recompute the chunk's states (this thread's own S entries: no barrier needed). ScanBwdSmem: S[i + 1] after
+    // step i; ScanBwdPairSmem: S[i][h] entering step i (s_t of the last step stays in s).
+    auto recompute = [&](auto has_start) {
 #pragma unroll 4
       for (int i = 0; i < TC; ++i) {
+        if constexpr (PAIR) {
 #pragma unroll
-        for (int h = 0; h < H; ++h) sm.S[i][h][tid] = make_float4(s[4 * h], s[4 * h + 1], s[4 * h + 2], s[4 * h + 3]);
+          for (int h = 0; h < H; ++h) sm.S[i][h][tid] = make_float4(s[4 * h], s[4 * h + 1], s[4 * h + 2], s[4 * h + 3]);
+        }
         const float dl = sm.dl[i][cl];
         const float dx_ = dl * sm.x[i][cl];
         float bx[NP];
-#pragma unroll
-        for (int h = 0; h < H; ++h) {
-          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP + 4 * h]);
-          bx[4 * h] = Bv.x; bx[4 * h + 1] = Bv.y; bx[4 * h + 2] = Bv.z; bx[4 * h + 3] = Bv.w;
-        }
+        ld_states<NP>(bx, &sm.Bv[i][gi * NP]);
         const bool st = decltype(has_start)::value && sm.st[i];
 #pragma unroll
         for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
+        if constexpr (!PAIR) sm.S[i + 1][tid] = make_float4(s[0], s[1], s[2], s[3]);
       }
     };
     by_chunk_start(chunk_st, recompute);
-    auto reverse = [&](auto has_start) {  // the chunk's reverse steps; s holds s_t of step i (carried)
+    auto reverse = [&](auto has_start) {  // the chunk's reverse steps (chunk_has_start: the same bits either way)
 #pragma unroll 2
       for (int i = TC - 1; i >= 0; --i) {
         const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
-        float bx[NP], cx[NP], spv[NP];
+        float bx[NP], cx[NP], spv[NP], sc[NP];
+        ld_states<NP>(bx, &sm.Bv[i][gi * NP]);
+        ld_states<NP>(cx, &sm.Cv[i][gi * NP]);
+        if constexpr (PAIR) {
 #pragma unroll
-        for (int h = 0; h < H; ++h) {
-          const float4 Bv = *reinterpret_cast<const float4*>(&sm.Bv[i][gi * NP + 4 * h]);
-          const float4 Cv = *reinterpret_cast<const float4*>(&sm.Cv[i][gi * NP + 4 * h]);
-          const float4 Sp = sm.S[i][h][tid];
-          bx[4 * h] = Bv.x; bx[4 * h + 1] = Bv.y; bx[4 * h + 2] = Bv.z; bx[4 * h + 3] = Bv.w;
-          cx[4 * h] = Cv.x; cx[4 * h + 1] = Cv.y; cx[4 * h + 2] = Cv.z; cx[4 * h + 3] = Cv.w;
-          spv[4 * h] = Sp.x; spv[4 * h + 1] = Sp.y; spv[4 * h + 2] = Sp.z; spv[4 * h + 3] = Sp.w;
+          for (int h = 0; h < H; ++h) put4(&spv[4 * h], sm.S[i][h][tid]);
+#pragma unroll
+          for (int j = 0; j < NP; ++j) sc[j] = s[j];             // s_t, carried
+        } else {
+          put4(sc, sm.S[i + 1][tid]);
+          put4(spv, sm.S[i][tid]);
         }
         const bool st = decltype(has_start)::value && sm.st[i];
         const float g = sm.gs[i][cl];                          // d loss / d y_pre
-        // The same terms as scan_bwd_main_body's reverse step, over 8 states.
+        // Per state j, with h = d loss / d s_t and a = exp(dl A_j): dB_j = h dl x, dC_j = g s_t, and
+        //   d loss / d dl = sum_j h (s_{t-1} a A_j + x B_j) = sum_j (h s_{t-1} a) A_j + x hB,
+        //   d loss / d x  = dl hB,  with hB = sum_j h B_j,
+        // so h s_{t-1} a (also dA's term) and hB are formed once per state, and the products by x / dl once per
+        // step (am: 0 for a padding channel, whose dB / dC partials must be 0).
         const float amdx = am * dl * xv, amg = am * g;
         float ys = 0.f, ddA = 0.f, hB = 0.f;
-        float v16[2 * NP];
+        float v[2 * NP];
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
           const float a = ex2f_(dl * A2[j]);
           const float sp = st ? 0.f : spv[j];
           const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
-          ys = fmaf(s[j], cx[j], ys);
-          v16[j] = h * amdx;                                   // dB
-          v16[NP + j] = amg * s[j];                            // dC
+          ys = fmaf(sc[j], cx[j], ys);
+          v[j] = h * amdx;                                     // dB
+          v[NP + j] = amg * sc[j];                             // dC
           const float hsa = h * (sp * a);
           ddA = fmaf(hsa, A[j], ddA);
           hB = fmaf(h, bx[j], hB);
           dAacc[j] = fmaf(hsa, dl, dAacc[j]);
           hc[j] = st ? 0.f : h * a;
-          s[j] = spv[j];                                       // s_t of step i - 1
+          if constexpr (PAIR) s[j] = spv[j];                   // s_t of step i - 1
         }
         ys = group_sum<G>(ys);
         ddA = group_sum<G>(ddA);
@@ -560,8 +418,10 @@ __device__ __forceinline__ void scan_bwd_pair_main_body(const ScanBwdParams& q, 
         dDacc = fmaf(amg, xv, dDacc);
         ddbacc = fmaf(ddt, am, ddbacc);
         int idx; bool dup;
-        const float rr = transpose_reduce_cx<G, 2 * NP>(v16, lane, idx, dup);
-        sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;
+        float rr;
+        if constexpr (PAIR) rr = transpose_reduce_cx<G, 2 * NP>(v, lane, idx, dup);
+        else rr = transpose_reduce<G, 2 * NP>(v, lane, idx, dup);
+        sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
       }
     };
     by_chunk_start(chunk_st, reverse);
@@ -636,7 +496,7 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdPar
 }
 template <typename T, int N>
 __global__ void __launch_bounds__(SCAN_THREADS, SCAN_BWD_MINB_PAIR) scan_bwd_pair_kernel(ScanBwdParams q) {
-  scan_bwd_pair_main_body<T, N>(q, blockIdx.z);
+  scan_bwd_main_body<T, N, SCAN_PAIR_NP>(q, blockIdx.z);
 }
 template <typename T, int N>
 __global__ void __launch_bounds__(256) scan_bwd_reduce_kernel(ScanBwdParams q, int ntiles) {
@@ -656,8 +516,7 @@ __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_coop_kernel(ScanB
     if (k >= 1) scan_bwd_local_body<T, N, NP>(q, k, *reinterpret_cast<ScanBwdLocalSmem<N, NP>*>(scan_bwd_smem));
     grid.sync();
   }
-  if constexpr (PAIR) scan_bwd_pair_main_body<T, N>(q, k);
-  else scan_bwd_main_body<T, N>(q, k);
+  scan_bwd_main_body<T, N, NP>(q, k);
   grid.sync();
   const int64_t blk = ((int64_t)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   scan_bwd_reduce<T, N>(q, gridDim.x, blk * SCAN_THREADS + threadIdx.x,

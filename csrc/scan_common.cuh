@@ -87,6 +87,14 @@ __device__ __forceinline__ float4 seg_ld(const float* base, int b, int nseg, int
 __device__ __forceinline__ void seg_st(float* base, int b, int nseg, int k, int D, int d, int N, int gi, float4 v) {
   *reinterpret_cast<float4*>(base + ((((int64_t)b * nseg + k) * D + d) * N + gi * SCAN_NPT)) = v;
 }
+// A float4 into 4 consecutive floats of a register array (v points into it at a compile-time offset).
+__device__ __forceinline__ void put4(float* v, float4 w) { v[0] = w.x; v[1] = w.y; v[2] = w.z; v[3] = w.w; }
+// NP consecutive floats of shared memory (16-byte aligned) into registers, as NP / 4 float4 loads.
+template <int NP>
+__device__ __forceinline__ void ld_states(float (&v)[NP], const float* src) {
+#pragma unroll
+  for (int h = 0; h < NP / SCAN_NPT; ++h) put4(&v[4 * h], reinterpret_cast<const float4*>(src)[h]);
+}
 // s <- P * s + e, where P == 0 (a reset inside the segment) selects e, so a reset clears inf/NaN.
 __device__ __forceinline__ void seg_combine(float (&s)[SCAN_NPT], float4 P, float4 e) {
   const float p4[SCAN_NPT] = {P.x, P.y, P.z, P.w}, e4[SCAN_NPT] = {e.x, e.y, e.z, e.w};
