@@ -10,7 +10,7 @@ segment), and the segment counts are recorded.
 ``ext.set_coop`` for the run (0: every pass as its own launch).
 
 Usage (device): python3 benchmarks/scan_kernels.py [--tree PATH] [--label NAME] [--shape 16x64 ...]
-    [--segments 1,2] [--bwd-blocks 0,3,4] [--coop 0] --out scan.json
+    [--segments 1,2] [--bwd-blocks 0,2,3,4] [--coop 0] --out scan.json
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def main(argv=None):
                     help="comma-separated forced segment counts to time instead of auto / one_segment, e.g. 1,2,3")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: both")
     ap.add_argument("--bwd-blocks", default=None,
-                    help="comma-separated backward builds to time (0 = automatic, 3, 4, 2 (the pair build): blocks per SM with the split "
-                    "sized for it; ext.scan_set_bwd_blocks), each as its own mode")
+                    help="comma-separated backward builds to time (0 = automatic; 3, 4, or 2 = the pair build: blocks "
+                    "per SM with the split sized for it; ext.scan_set_bwd_blocks), each as its own mode")
     ap.add_argument("--coop", type=int, default=None, help="ext.set_coop mask for the whole run (default: the build's)")
     a = ap.parse_args(argv)
     sys.path.insert(0, a.tree)
@@ -118,9 +118,10 @@ def main(argv=None):
                 rows.append(r)
                 print(r, flush=True)
     if a.out:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), rows=rows), open(a.out, "w"),
-                  indent=1)
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        with open(a.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=date, rows=rows), f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -1050,9 +1050,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_segments", &mrl::scan_segments, "time segments of the scan's two-level split for (B, T, D, N, bwd)");
   m.def("scan_set_segments", &mrl::scan_set_segments, "force the scan's segment count (0: automatic; tests)");
   m.def("scan_set_bwd_blocks", [](int64_t n) {
-          MRL_CHECK(n == 0 || n == 2 || n == 3 || n == 4, "scan_set_bwd_blocks: expected 0 (automatic), 2, 3 or 4, got ", n);
+          MRL_CHECK(n == 0 || n == 2 || n == 3 || n == 4,
+                    "scan_set_bwd_blocks: expected 0 (automatic), 2, 3 or 4, got ", n);
           mrl::scan_set_bwd_blocks((int)n);
-        }, "force the scan backward's build: 3 or 4 (d_state 16) blocks per SM, its split sized for it; 0: automatic");
+        }, "force the scan backward's build: 3, or at d_state 16 4 or 2 (the pair build: 8 states a thread) "
+           "blocks per SM, its split sized for it; 0: automatic");
   m.def("set_coop", [](int64_t mask) {
           MRL_CHECK(mask >= 0 && mask <= mrl::COOP_ALL, "set_coop: expected a mask in 0..", (int)mrl::COOP_ALL,
                     " (1 scan forward, 2 scan backward, 4 conv backward), got ", mask);

@@ -171,8 +171,9 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
     const ScanBwdLayout<N> L(q.ws, q.bc_tiles, p.B, T_, D, nz);
 #pragma unroll
     for (int h = 0; h < H; ++h) {  // this thread's h-th group of 4 states, as the 4-state layout counts them
-      seg_st(L.seg_e, b, nz, k, D, d, N, gi * H + h, make_float4(hc[4 * h], hc[4 * h + 1], hc[4 * h + 2], hc[4 * h + 3]));
-      seg_st(L.seg_P, b, nz, k, D, d, N, gi * H + h, make_float4(P[4 * h], P[4 * h + 1], P[4 * h + 2], P[4 * h + 3]));
+      const int q4 = gi * H + h;
+      seg_st(L.seg_e, b, nz, k, D, d, N, q4, make_float4(hc[4 * h], hc[4 * h + 1], hc[4 * h + 2], hc[4 * h + 3]));
+      seg_st(L.seg_P, b, nz, k, D, d, N, q4, make_float4(P[4 * h], P[4 * h + 1], P[4 * h + 2], P[4 * h + 3]));
     }
   }
 }
@@ -559,7 +560,8 @@ const char* scan_bwd_reserve_smem() {
     static_assert(sizeof(ScanBwdLocalSmem<N, SCAN_PAIR_NP>) <= sizeof(ScanBwdPairSmem<N>), "scan bwd: pair local smem");
   }
   for (const auto& f : fns)
-    if (f.fn != nullptr && cudaFuncSetAttribute(f.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f.bytes) != cudaSuccess) {
+    if (f.fn != nullptr &&
+        cudaFuncSetAttribute(f.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, f.bytes) != cudaSuccess) {
       (void)cudaGetLastError();
       return "selective_scan: the backward's shared memory cannot be reserved on this device";
     }
@@ -590,13 +592,15 @@ const char* scan_bwd_tn(const ScanBwdParams& q0, cudaStream_t s) {
     return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
   }
   if (q.f.nseg > 1) {  // the local pass, in the main pass's geometry
-    if (pair) scan_bwd_local_kernel<T, N, (N == 16 ? SCAN_PAIR_NP : SCAN_NPT)><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
-    else scan_bwd_local_kernel<T, N><<<dim3(tiles, q.f.B, q.f.nseg - 1), SCAN_THREADS, 0, s>>>(q);
+    const dim3 lgrid(tiles, q.f.B, q.f.nseg - 1);
+    if (pair) scan_bwd_local_kernel<T, N, (N == 16 ? SCAN_PAIR_NP : SCAN_NPT)><<<lgrid, SCAN_THREADS, 0, s>>>(q);
+    else scan_bwd_local_kernel<T, N><<<lgrid, SCAN_THREADS, 0, s>>>(q);
     MRL_LAUNCH_CHECK();
   }
   if constexpr (N == 16) {
     if (pair) scan_bwd_pair_kernel<T, N><<<grid, SCAN_THREADS, smem, s>>>(q);
-    else if (q.build == SCAN_BWD_MINB_WIDE) scan_bwd_kernel<T, N, SCAN_BWD_MINB_WIDE><<<grid, SCAN_THREADS, smem, s>>>(q);
+    else if (q.build == SCAN_BWD_MINB_WIDE)
+      scan_bwd_kernel<T, N, SCAN_BWD_MINB_WIDE><<<grid, SCAN_THREADS, smem, s>>>(q);
     else scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);
   } else {
     scan_bwd_kernel<T, N, SCAN_BWD_MINB><<<grid, SCAN_THREADS, smem, s>>>(q);

@@ -1,6 +1,7 @@
 // Selective scan (Mamba-1 S6) with fused softplus(dt + bias), D skip, SiLU(z) gate and per-row resets.
 // Thread layout: G = N / 4 consecutive lanes own one (b, d) channel, 4 states each (float4 loads of B and
-// C, few shuffles per state); a block holds CPB = 128 / G channels of one row b. Time advances in chunks of
+// C, few shuffles per state); a block holds CPB = 128 / G channels of one row b. (The backward's pair build
+// at d_state 16: G = 2 lanes a channel, 8 states each; scan_bwd.cuh.) Time advances in chunks of
 // SCAN_TC steps: the block stages a chunk's inputs in shared memory with coalesced loads (the next chunk's
 // loads are issued before the current chunk is computed, so memory latency is paid once per chunk), and
 // per-(t, channel) terms (softplus, SiLU, sigmoid) are computed once by the staging thread.

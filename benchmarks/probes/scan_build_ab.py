@@ -67,8 +67,8 @@ def main():
                    for bld in builds}
             table.append(dict(d_model=dm, B=B, T=T, dtype=dt, median_us=med,
                               ratio={bld: med[bld] / med[builds[0]] for bld in builds}))
-            print(f"{dm}x{B}x{T} {dt}: " + "  ".join(f"build {bld}: {med[bld]:.1f} µs ({med[bld] / med[builds[0]]:.3f})"
-                                                     for bld in builds), flush=True)
+            cells = [f"build {bld}: {med[bld]:.1f} µs ({med[bld] / med[builds[0]]:.3f})" for bld in builds]
+            print(f"{dm}x{B}x{T} {dt}: " + "  ".join(cells), flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
