@@ -149,11 +149,7 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
       for (int i = TC - 1; i >= 0; --i) {
         const float dl = sdl[i][cl], gs = sgs[i][cl];
         float cx[NP];
-#pragma unroll
-        for (int h = 0; h < H; ++h) {
-          const float4 Cv = *reinterpret_cast<const float4*>(&sC[i][gi * NP + 4 * h]);
-          cx[4 * h] = Cv.x; cx[4 * h + 1] = Cv.y; cx[4 * h + 2] = Cv.z; cx[4 * h + 3] = Cv.w;
-        }
+        ld_states<NP>(cx, &sC[i][gi * NP]);
         const bool st = decltype(has_start)::value && sst[i];
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
