@@ -34,7 +34,10 @@ class Stepper:
             raise ValueError(f"Stepper: batch must be an int >= 1, got {batch!r}")
         self.net = net
         self.batch = batch
-        self.state = net.initial_state(batch)
+        # The stepper's own buffers are normal tensors even when it is built under torch.inference_mode():
+        # reset / load_state write them in place, which torch refuses on inference tensors outside that mode.
+        with torch.inference_mode(False):
+            self.state = net.initial_state(batch)
         self.x_buf = None
         self.starts_buf = None
         self._starts_zero = False  # starts_buf is known to be all False (skip re-zeroing it)
@@ -127,7 +130,8 @@ class Stepper:
             self._graphs.replay("step", check=False)
             return self._out
         if self.state.ssm.dtype != self.net.arena.dtype:  # the net changed dtype
-            self.state = self.state.to(self.net.arena.dtype)
+            with torch.inference_mode(False):
+                self.state = self.state.to(self.net.arena.dtype)
         return self.net.step(x_t, self.state, episode_starts)
 
     def _cpu_prepared(self):
@@ -187,8 +191,9 @@ class Stepper:
             raise RuntimeError(f"Stepper.capture_graph needs a CUDA device, the backbone is on {self.device}")
         self._fast = None
         B = self.batch
-        self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
-        self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
+        with torch.inference_mode(False):  # normal tensors, as the state (__init__)
+            self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
+            self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
         self._starts_zero = True
 
         def body():

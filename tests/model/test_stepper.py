@@ -113,3 +113,27 @@ def test_stepper_records_no_autograd_graph(backend):
     assert st.state.conv.grad_fn is None and not st.state.conv.requires_grad and not st.state.ssm.requires_grad
     with pytest.raises(ValueError, match="expected a dense"):
         st.step(x.detach().to_sparse())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_stepper_built_under_inference_mode_works_outside_it(backend):
+    """A stepper built inside torch.inference_mode() owns normal tensors: outside that mode its steps, reset and
+    load_state run (torch refuses in-place writes to inference tensors there) and it steps as one built outside."""
+    net = MambaBackbone(MambaConfig(d_model=16, n_layers=2, d_state=4), IN, seed=2, backend=backend)
+    with torch.inference_mode():
+        st = net.stepper(3)
+    ref = net.stepper(3)
+    assert not st.state.ssm.is_inference() and not st.state.conv.is_inference()
+    gen = torch.Generator().manual_seed(3)
+    for t in range(5):
+        x = torch.randn(3, IN, generator=gen)
+        starts = torch.tensor([t == 2, False, t == 4])
+        torch.testing.assert_close(st.step(x, starts), ref.step(x, starts), rtol=0, atol=0)
+    mask = torch.tensor([True, False, False])
+    st.reset(mask)
+    ref.reset(mask)
+    st.load_state(ref.get_state())
+    torch.testing.assert_close(st.get_state().ssm, ref.get_state().ssm, rtol=0, atol=0)
+    with torch.inference_mode():  # and inside the mode as well
+        x = torch.randn(3, IN, generator=gen)
+        torch.testing.assert_close(st.step(x), ref.step(x), rtol=0, atol=0)
