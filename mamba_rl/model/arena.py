@@ -152,13 +152,18 @@ class ArenaModule(nn.Module):
     def _apply(self, fn, recurse=True):
         # .to(device) / .double() etc.: move the arena once and re-bind the views, keeping the Parameter
         # objects (so optimizers holding them stay valid).
+        # A move the module cannot take raises before anything changes (the old arena stays bound).
         new = fn(self.arena)
         if new.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"{type(self).__name__}: master dtype must stay float32 or float64, got {new.dtype}")
+        self._check_arena_move(new)
         self._bind_arena(new)
         self.compute_dtype = new.dtype if self.compute_arena is None else self.compute_dtype
         self._arena_moved()
         return self
+
+    def _check_arena_move(self, new: torch.Tensor):
+        """Hook for subclasses: raise if the arena cannot move to ``new``'s device and dtype (nothing moved yet)."""
 
     def _arena_moved(self):
         """Hook for subclasses: the arena changed device or dtype."""

@@ -162,11 +162,16 @@ class MambaBackbone(ArenaModule):
         self.input_proj = nn.Module()
 
     # --------------------------------------------------------------------------------------- backend
+    def _check_arena_move(self, new: torch.Tensor):
+        # an explicit "cpu" / "cuda" backend refuses float64 or another device before the arena moves
+        self._resolve_backend(self._requested_backend, new.device, new.dtype)
+
     def _arena_moved(self):
         self.backend = self._resolve_backend(self._requested_backend)
 
-    def _resolve_backend(self, backend: str) -> str:
-        dev, dt = self.arena.device, self.arena.dtype
+    def _resolve_backend(self, backend: str, dev: torch.device | None = None, dt: torch.dtype | None = None) -> str:
+        dev = self.arena.device if dev is None else dev
+        dt = self.arena.dtype if dt is None else dt
         if backend == "reference":
             return "reference"
         if backend in ("cuda", "cpu"):

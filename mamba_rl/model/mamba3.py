@@ -331,14 +331,15 @@ class Mamba3Backbone(MambaBackbone):
                          m3_is_no_decay, device, dtype)
         self.backend = self._resolve_backend(backend)
 
-    def _resolve_backend(self, backend: str) -> str:
+    def _resolve_backend(self, backend: str, dev: torch.device | None = None, dt: torch.dtype | None = None) -> str:
         if backend != "auto":  # the device, dtype and load checks of every layer kind
-            resolved = super()._resolve_backend(backend)
+            resolved = super()._resolve_backend(backend, dev, dt)
             if resolved != "reference" and not hasattr(extension(resolved), "m3_fwd"):
                 raise RuntimeError(f"MambaBackbone: the loaded {resolved} extension has no Mamba-3 kernels (m3_fwd); "
                                    f"rebuild it with `python -m mamba_rl.build --kind {resolved}`")
             return resolved
-        dev, dt = self.arena.device, self.arena.dtype
+        dev = self.arena.device if dev is None else dev
+        dt = self.arena.dtype if dt is None else dt
         if dev.type in ("cuda", "cpu") and dt == torch.float32:
             ext = extension(dev.type)
             if ext is not None and hasattr(ext, "m3_fwd"):

@@ -227,3 +227,19 @@ def test_whole_backbone_entry_refuses_bad_arguments_by_name():
         ext.backbone_fwd(x, iw, ib, nf, [layers[0], layers[1][:4] + [layers[1][4][:-1]] + layers[1][5:]], conv0,
                          ssm0, None, 1e-5)
 
+
+
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba3"])
+def test_a_refused_dtype_move_leaves_the_backbone_as_it_was(layer):
+    """backend="cpu" takes float32 masters only: ``.double()`` raises the ValueError naming it before anything
+    moves, so the arena, the parameters and the backend stay float32 / "cpu" and the outputs are unchanged
+    (before, the arena was float64 when the error came)."""
+    cfg = CFG if layer == "Mamba1" else MambaConfig(d_model=32, n_layers=1, layer="Mamba3")
+    net = MambaBackbone(cfg, IN, backend="cpu", seed=3)
+    x = torch.randn(2, 7, IN, generator=torch.Generator().manual_seed(3))
+    y0 = net(x)[0].detach()
+    with pytest.raises(ValueError, match="backend='cpu' needs float32 masters, got torch.float64"):
+        net.double()
+    assert net.arena.dtype == torch.float32 and net.backend == "cpu"
+    assert all(p.dtype == torch.float32 and p.data_ptr() >= net.arena.data_ptr() for p in net.parameters())
+    assert torch.equal(net(x)[0], y0)
