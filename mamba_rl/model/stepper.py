@@ -191,17 +191,19 @@ class Stepper:
             raise RuntimeError(f"Stepper.capture_graph needs a CUDA device, the backbone is on {self.device}")
         self._fast = None
         B = self.batch
-        with torch.inference_mode(False):  # normal tensors, as the state (__init__)
+        # Normal tensors (as the state, __init__), the graph's output among them, also when captured under
+        # torch.inference_mode(): step() returns that buffer, and a caller outside the mode may use it in autograd.
+        with torch.inference_mode(False):
             self.x_buf = torch.randn(B, self.net.input_dim, device=self.device, dtype=self.net.arena.dtype)
             self.starts_buf = torch.zeros(B, dtype=torch.bool, device=self.device)
-        self._starts_zero = True
+            self._starts_zero = True
 
-        def body():
-            with torch.no_grad():
-                return self.net.step(self.x_buf, self.state, self.starts_buf)
+            def body():
+                with torch.no_grad():
+                    return self.net.step(self.x_buf, self.state, self.starts_buf)
 
-        self._out = capture_restoring(self._graphs, {"step": body}, snapshot((self.state.conv, self.state.ssm)),
-                                      warmup)["step"]
+            self._out = capture_restoring(self._graphs, {"step": body},
+                                          snapshot((self.state.conv, self.state.ssm)), warmup)["step"]
         self._fast = self._prepare_fast()
         return self
 

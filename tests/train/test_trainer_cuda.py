@@ -300,6 +300,26 @@ def test_stepper_graph_equals_forward(B):
     assert rel(st.state.ssm, final.ssm) <= 1e-4 and rel(st.state.conv, final.conv) <= 1e-4
 
 
+def test_stepper_built_and_captured_under_inference_mode_gives_normal_tensors():
+    """A stepper built and captured inside torch.inference_mode() owns normal tensors (state, static inputs, the
+    graph's output): outside the mode its output feeds autograd, its state resets, and it steps as one built
+    outside the mode, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    net = MambaBackbone(CFG, IN, device="cuda", seed=1, backend="cuda")
+    with torch.inference_mode():
+        st = net.stepper(4).capture_graph()
+    ref = net.stepper(4).capture_graph()
+    x, starts, _ = random_inputs(4, 6, gen)
+    for t in range(6):
+        out = st.step(x[:, t], starts[:, t])
+        assert torch.equal(out, ref.step(x[:, t], starts[:, t]))
+    assert not out.is_inference() and not st.state.ssm.is_inference() and not st.x_buf.is_inference()
+    w = torch.randn(CFG.d_model, device="cuda", requires_grad=True)
+    (out * w).sum().backward()  # saves out for backward: refused for an inference tensor
+    assert w.grad is not None
+    st.reset(torch.tensor([True, False, True, False], device="cuda"))
+
+
 @pytest.mark.parametrize("B", [1, 16, 256])
 def test_stepper_direct_launch_equals_graph_replay(B):
     """The public step(x) launches the captured kernel directly (PreparedStep): the same bits as the replay, in
