@@ -40,12 +40,23 @@ def main(argv=None):
                     "per SM with the split sized for it; ext.scan_set_bwd_blocks), each as its own mode")
     ap.add_argument("--coop", type=int, default=None, help="ext.set_coop mask for the whole run (default: the build's)")
     a = ap.parse_args(argv)
+    bwd_blocks = []
+    if a.bwd_blocks:
+        try:
+            bwd_blocks = [int(n) for n in a.bwd_blocks.split(",")]
+        except ValueError:
+            ap.error(f"--bwd-blocks expects comma-separated integers from 0, 2, 3, 4, got {a.bwd_blocks!r}")
+        if any(n not in (0, 2, 3, 4) for n in bwd_blocks):
+            ap.error(f"--bwd-blocks expects values from 0, 2, 3, 4, got {a.bwd_blocks!r}")
+        if a.segments:
+            ap.error("--segments and --bwd-blocks are two kinds of modes: give one of them")
     sys.path.insert(0, a.tree)
     import torch
     import mamba_rl
-    from mamba_rl.ops.extension import extension
+    from mamba_rl.ops.extension import extension, extension_error
     ext = extension("cuda")
-    assert ext is not None, "no CUDA extension"
+    if ext is None:
+        sys.exit(f"scan_kernels: no CUDA extension: {extension_error('cuda')}")
     print(f"[{a.label}] mamba_rl from {mamba_rl.__file__}", flush=True)
     D, N, R = 256, 16, 8
     rows = []
@@ -99,22 +110,25 @@ def main(argv=None):
             modes = [("auto", 0), ("one_segment", 1)] if has_seg else [("auto", 0)]
             if has_seg and a.segments:
                 modes = [(f"forced_{n}", int(n)) for n in a.segments.split(",")]
-            if a.bwd_blocks:
-                modes = [(f"bwd_blocks_{n}", ("bb", int(n))) for n in a.bwd_blocks.split(",")]
+            if bwd_blocks:
+                modes = [(f"bwd_blocks_{n}", ("bb", n)) for n in bwd_blocks]
             for mode, forced in modes:
-                if isinstance(forced, tuple):
-                    ext.scan_set_bwd_blocks(forced[1])
-                    forced = 0
-                if has_seg:
-                    ext.scan_set_segments(forced)
-                r = dict(label=a.label, mode=mode, B=B, T=T, D=D, N=N, dtype=str(dtype).split(".")[-1],
-                         fwd_us=round(timed(fwd), 1), bwd_us=round(timed(bwd), 1))
-                if has_seg:
-                    r["nseg_fwd"] = ext.scan_segments(B, T, D, N, False)
-                    r["nseg_bwd"] = ext.scan_segments(B, T, D, N, True)
-                    ext.scan_set_segments(0)
-                if a.bwd_blocks:
-                    ext.scan_set_bwd_blocks(0)
+                try:
+                    if isinstance(forced, tuple):
+                        ext.scan_set_bwd_blocks(forced[1])
+                        forced = 0
+                    if has_seg:
+                        ext.scan_set_segments(forced)
+                    r = dict(label=a.label, mode=mode, B=B, T=T, D=D, N=N, dtype=str(dtype).split(".")[-1],
+                             fwd_us=round(timed(fwd), 1), bwd_us=round(timed(bwd), 1))
+                    if has_seg:
+                        r["nseg_fwd"] = ext.scan_segments(B, T, D, N, False)
+                        r["nseg_bwd"] = ext.scan_segments(B, T, D, N, True)
+                finally:  # the knobs back to automatic, also when a timing fails
+                    if has_seg:
+                        ext.scan_set_segments(0)
+                    if bwd_blocks:
+                        ext.scan_set_bwd_blocks(0)
                 rows.append(r)
                 print(r, flush=True)
     if a.out:

@@ -41,10 +41,14 @@ def main():
     if bad:
         ap.error(f"--builds expects values from 0, 2, 3, 4, got {bad}")
     rows = parse_rows(ap, a.rows)
-    from mamba_rl.ops.extension import extension
+    if a.rounds < 1 or a.iters < 0:
+        ap.error(f"--rounds expects >= 1 and --iters >= 0, got {a.rounds} and {a.iters}")
+    if a.out and not os.path.isdir(os.path.dirname(os.path.abspath(a.out))):
+        ap.error(f"--out: the folder of {a.out!r} does not exist")
+    from mamba_rl.ops.extension import extension, extension_error
     ext = extension("cuda")
     if ext is None:
-        sys.exit("scan_build_ab: the CUDA extension did not build or load")
+        sys.exit(f"scan_build_ab: no CUDA extension: {extension_error('cuda')}")
     meas = []
     for rnd in range(a.rounds):
         for dm, B, T in rows:
