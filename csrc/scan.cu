@@ -11,7 +11,11 @@ const char* scan_bwd_f16(const ScanBwdParams&, cudaStream_t);
 
 int scan_chunk() { return SCAN_TC; }
 
-static int scan_tiles(int D, int N) { const int cpb = SCAN_THREADS / (N / SCAN_NPT); return (D + cpb - 1) / cpb; }
+// Channel tiles of a block geometry: CPB = SCAN_THREADS / (N / np) channels a block, np states a thread.
+static int scan_tiles(int D, int N, int np = SCAN_NPT) {
+  const int cpb = SCAN_THREADS / (N / np);
+  return (D + cpb - 1) / cpb;
+}
 
 static int g_forced_segments = 0;  // scan_set_segments(): 0 = automatic
 void scan_set_segments(int n) { g_forced_segments = n > 0 ? n : 0; }
@@ -20,9 +24,9 @@ void scan_set_segments(int n) { g_forced_segments = n > 0 ? n : 0; }
 // tiles x B x nseg blocks of which minb fit on an SM: nseg is the largest count that still fits the grid in
 // one wave (a second, partial wave would double the time), at least 1, at most the number of chunks.
 struct ScanSplit { int nseg, seg_len; };
-static ScanSplit scan_split(int B, int T, int D, int N, int minb) {
+static ScanSplit scan_split(int B, int T, int D, int N, int minb, int np = SCAN_NPT) {
   const int nC = (T + SCAN_TC - 1) / SCAN_TC;
-  const int64_t base = (int64_t)scan_tiles(D, N) * B;
+  const int64_t base = (int64_t)scan_tiles(D, N, np) * B;
   int64_t want = g_forced_segments > 0 ? g_forced_segments : ((int64_t)sm_count() * minb) / base;
   want = want < 1 ? 1 : (want > nC ? nC : want);
   const int len = (int)((nC + want - 1) / want);
@@ -40,8 +44,8 @@ void scan_set_bwd_blocks(int n) {  // the binding checks n
 // SCAN_PAIR_MIN_CHUNKS chunks, else the wide build; elsewhere the 3-block build. Measured on an H100, the
 // backward alone (benchmarks/NOTES.md, thirty-second session): the pair build -7 % at 64 x 128 and 64 x 1024
 // (8 and 64 chunks), +3 % at 256 x 32 (2 chunks), +1 to +6 % where the grid is split (16 x 64, 16 x 512).
-// scan_set_bwd_blocks() forces any (the wide and the pair builds with the split sized for them: the pair
-// build's blocks hold twice the channels at half the blocks per SM, so the same count as the wide build's).
+// scan_set_bwd_blocks() forces any (the wide and the pair builds with the split sized for their own tiles and
+// blocks per SM).
 constexpr int SCAN_PAIR_MIN_CHUNKS = 8;
 struct ScanBwdConfig { ScanSplit sp; int build; };
 static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
@@ -50,8 +54,9 @@ static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
   if (d16 && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count())
     build = (T + SCAN_TC - 1) / SCAN_TC >= SCAN_PAIR_MIN_CHUNKS ? SCAN_BWD_MINB_PAIR : SCAN_BWD_MINB_WIDE;
   if (g_bwd_blocks != 0) build = d16 ? g_bwd_blocks : SCAN_BWD_MINB;
-  const bool forced16 = g_bwd_blocks != 0 && build != SCAN_BWD_MINB;
-  return {scan_split(B, T, D, N, forced16 ? SCAN_BWD_MINB_WIDE : SCAN_BWD_MINB), build};
+  if (g_bwd_blocks == 0 || build == SCAN_BWD_MINB) return {scan_split(B, T, D, N, SCAN_BWD_MINB), build};
+  return {build == SCAN_BWD_MINB_PAIR ? scan_split(B, T, D, N, SCAN_BWD_MINB_PAIR, SCAN_PAIR_NP)
+                                      : scan_split(B, T, D, N, SCAN_BWD_MINB_WIDE), build};
 }
 
 int scan_segments(int B, int T, int D, int N, bool bwd) {

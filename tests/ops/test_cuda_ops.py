@@ -512,7 +512,9 @@ def test_conv_bwd_cooperative_launch_gives_the_same_bits(ext, B, T, D, K, dtype)
 def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
     """Every backward build (3 blocks per SM; at d_state 16 also the 4-block one and the 2-block pair build with 8
     states a thread, each with the split sized for it: ext.scan_set_bwd_blocks) gives the float64 reference's
-    values, cooperative launch or not (d_state 8 takes the 3-block build whatever is forced)."""
+    values, and the same bits as one cooperative launch or as separate launches (at 16 x 64 the forced builds
+    split T, so the cooperative launch includes the local pass; d_state 8 takes the 3-block build whatever is
+    forced)."""
     from mamba_rl.ops import scan as scanmod
     D = 256 if B == 16 else 48
     ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=7 * B + T + N)
@@ -521,12 +523,15 @@ def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
     ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
     try:
         for blocks in (2, 3, 4):
+            outs = []
             for coop in (0, 7):
                 ext.scan_set_bwd_blocks(blocks)
                 ext.set_coop(coop)
-                out = _scan_run(ins, starts, dy, dfin)
-                for i, (a, r) in enumerate(zip(out, ref)):
+                outs.append(_scan_run(ins, starts, dy, dfin))
+                for i, (a, r) in enumerate(zip(outs[-1], ref)):
                     assert rel(a, r) <= TOL[dtype], (blocks, coop, i, rel(a, r))
+            for i, (a, b) in enumerate(zip(*outs)):  # one cooperative launch or the separate ones: the same bits
+                assert torch.equal(a, b), (blocks, i)
     finally:
         ext.scan_set_bwd_blocks(0)
         ext.set_coop(7)
