@@ -129,10 +129,14 @@ class Stepper:
                 self._starts_zero = False
             self._graphs.replay("step", check=False)
             return self._out
-        if self.state.ssm.dtype != self.net.arena.dtype:  # the net changed dtype
-            with torch.inference_mode(False):
-                self.state = self.state.to(self.net.arena.dtype)
+        self._follow_net_dtype()
         return self.net.step(x_t, self.state, episode_starts)
+
+    def _follow_net_dtype(self):
+        """The live state in the backbone's master dtype, after ``net.double()`` / ``net.float()``."""
+        if self.state.ssm.dtype != self.net.arena.dtype:
+            with torch.inference_mode(False):  # normal tensors, as in __init__
+                self.state = self.state.to(self.net.arena.dtype)
 
     def _cpu_prepared(self):
         """The CPU extension's PreparedStep bound to the live state and the backbone's current packed weights
@@ -171,6 +175,8 @@ class Stepper:
         """Copy ``state`` into the live buffers (shapes must match); a state that requires grad is copied as
         values (the live buffers stay leaves without a graph: the kernels write them in place). No no_grad scope
         otherwise: the agent's acting path calls this every step, and entering one costs host time."""
+        if isinstance(state, RecurrentState) and state.ssm.dtype != self.state.ssm.dtype:
+            self._follow_net_dtype()  # a float64 state after net.double() is not rounded to the old float32 buffers
         if isinstance(state, RecurrentState) and (state.conv.requires_grad or state.ssm.requires_grad):
             with torch.no_grad():  # (anything else: copy_ below raises the ValueError naming it)
                 self.state.copy_(state)

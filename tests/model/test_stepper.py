@@ -91,6 +91,22 @@ def test_stepper_follows_net_double():
     torch.testing.assert_close(ys, net(x)[0], rtol=1e-12, atol=1e-12)
 
 
+def test_stepper_load_state_after_net_double_keeps_float64():
+    """A stepper built before ``net.double()`` takes a float64 state in load_state without rounding it to its
+    old float32 buffers: it then steps bit for bit as a stepper built after the conversion."""
+    net = make_net()
+    st = net.stepper(2)
+    net.double()
+    ref = net.stepper(2)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        ref.step(torch.randn(2, IN, generator=gen, dtype=F64))
+    st.load_state(ref.get_state())
+    assert st.state.ssm.dtype == F64
+    x = torch.randn(2, IN, generator=gen, dtype=F64)
+    torch.testing.assert_close(st.step(x), ref.step(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_stepper_records_no_autograd_graph(backend):
     """step() runs its no_grad scope only on the checked path (no_grad costs host time on every acting step);
