@@ -175,13 +175,14 @@ class Stepper:
         """Copy ``state`` into the live buffers (shapes must match); a state that requires grad is copied as
         values (the live buffers stay leaves without a graph: the kernels write them in place). No no_grad scope
         otherwise: the agent's acting path calls this every step, and entering one costs host time."""
-        if isinstance(state, RecurrentState) and state.ssm.dtype != self.state.ssm.dtype:
-            self._follow_net_dtype()  # a float64 state after net.double() is not rounded to the old float32 buffers
-        if isinstance(state, RecurrentState) and (state.conv.requires_grad or state.ssm.requires_grad):
-            with torch.no_grad():  # (anything else: copy_ below raises the ValueError naming it)
-                self.state.copy_(state)
-        else:
-            self.state.copy_(state)
+        if isinstance(state, RecurrentState):  # (anything else: copy_ below raises the ValueError naming it)
+            if state.ssm.dtype != self.state.ssm.dtype:
+                self._follow_net_dtype()  # a float64 state after net.double() is not rounded to float32 buffers
+            if state.conv.requires_grad or state.ssm.requires_grad:
+                with torch.no_grad():
+                    self.state.copy_(state)
+                return
+        self.state.copy_(state)
 
     def capture_graph(self, warmup: int = 3):
         """Capture one step as a CUDA graph; later :meth:`step` calls replay it.
