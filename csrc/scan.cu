@@ -44,8 +44,7 @@ void scan_set_bwd_blocks(int n) {  // the binding checks n
 // SCAN_PAIR_MIN_CHUNKS chunks, else the wide build; elsewhere the 3-block build. Measured on an H100, the
 // backward alone (benchmarks/NOTES.md, thirty-second session): the pair build -7 % at 64 x 128 and 64 x 1024
 // (8 and 64 chunks), +3 % at 256 x 32 (2 chunks), +1 to +6 % where the grid is split (16 x 64, 16 x 512).
-// scan_set_bwd_blocks() forces any (the wide and the pair builds with the split sized for their own tiles and
-// blocks per SM).
+// scan_set_bwd_blocks() forces any.
 constexpr int SCAN_PAIR_MIN_CHUNKS = 8;
 struct ScanBwdConfig { ScanSplit sp; int build; };
 static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
@@ -54,9 +53,10 @@ static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
   if (d16 && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count())
     build = (T + SCAN_TC - 1) / SCAN_TC >= SCAN_PAIR_MIN_CHUNKS ? SCAN_BWD_MINB_PAIR : SCAN_BWD_MINB_WIDE;
   if (g_bwd_blocks != 0) build = d16 ? g_bwd_blocks : SCAN_BWD_MINB;
-  if (g_bwd_blocks == 0 || build == SCAN_BWD_MINB) return {scan_split(B, T, D, N, SCAN_BWD_MINB), build};
-  return {build == SCAN_BWD_MINB_PAIR ? scan_split(B, T, D, N, SCAN_BWD_MINB_PAIR, SCAN_PAIR_NP)
-                                      : scan_split(B, T, D, N, SCAN_BWD_MINB_WIDE), build};
+  // the split sized for the build's own tiles and blocks per SM (where the automatic rule takes the wide or the
+  // pair build, one segment's grid already overfills the SMs, so nseg is 1 either way)
+  const int np = build == SCAN_BWD_MINB_PAIR ? SCAN_PAIR_NP : SCAN_NPT;
+  return {scan_split(B, T, D, N, build, np), build};
 }
 
 int scan_segments(int B, int T, int D, int N, bool bwd) {
