@@ -3,7 +3,9 @@
 // same pass, an optional bf16/f16 copy of dx for the next GEMM, and dw accumulated into the gradient arena;
 // optionally with the forward in the same pass, for a caller that knows dL/dout first). Warp per row; each lane
 // owns the columns lane + 32 k, so the backward's dw partials stay in registers; the last block to finish
-// sums the block partials in a fixed order (bit-reproducible, one launch).
+// sums the block partials in a fixed order (bit-reproducible for a given device, one launch). The backward's
+// grid is at most NORM_BWD_MINB blocks an SM, each warp walking groups of rows by the grid stride, so blocks of
+// one SM overlap their loads with each other's math and the partials are one row per block, not per 64 rows.
 #include <algorithm>
 #include "common.cuh"
 
@@ -14,9 +16,16 @@ constexpr int NORM_WARPS = NORM_THREADS / 32;
 template <int CPL> struct NormRPW { static constexpr int v = CPL <= 4 ? 4 : (CPL <= 8 ? 2 : 1); };
 static int norm_rpw(int C) { return C <= 128 ? 4 : (C <= 256 ? 2 : 1); }
 
+// The backward: blocks of 8 warps, 2 of them an SM (<= 128 registers a thread: 114-127 without spills; at 3
+// blocks, <= 80, it spilled 128-336 bytes).
+constexpr int NORM_BWD_THREADS = 256;
+constexpr int NORM_BWD_WARPS = NORM_BWD_THREADS / 32;
+constexpr int NORM_BWD_MINB = 2;
+
 int norm_bwd_blocks(int64_t rows, int C) {
-  const int rpw = norm_rpw(C);
-  return (int)((rows + NORM_WARPS * rpw - 1) / (NORM_WARPS * rpw));
+  const int64_t groups = (rows + norm_rpw(C) - 1) / norm_rpw(C);  // a warp's unit of work: rpw rows
+  const int64_t need = (groups + NORM_BWD_WARPS - 1) / NORM_BWD_WARPS;
+  return (int)std::min<int64_t>(need, (int64_t)NORM_BWD_MINB * sm_count());
 }
 
 template <typename T> __device__ __forceinline__ float ld_any(const void* p, int64_t i) {
@@ -120,80 +129,84 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p)
 }
 
 template <typename GT, int CPL>
-__global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p) {
-  constexpr int NORM_ROWS_PER_WARP = NormRPW<CPL>::v;
-  __shared__ float part[NORM_WARPS][CPL * 32];
+__global__ void __launch_bounds__(NORM_BWD_THREADS, NORM_BWD_MINB) norm_bwd_kernel(NormBwdParams p) {
+  constexpr int NORM_ROWS_PER_WARP = NormRPW<CPL>::v, NW = NORM_BWD_WARPS;
+  __shared__ float part[NW][CPL * 32];
   __shared__ bool is_last;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float w[CPL], dw[CPL];
 #pragma unroll
   for (int k = 0; k < CPL; ++k) { const int c = lane + 32 * k; w[k] = c < p.C ? p.w[c] : 0.f; dw[k] = 0.f; }
-  const int64_t r0 = ((int64_t)blockIdx.x * NORM_WARPS + warp) * NORM_ROWS_PER_WARP;
-  // all rows' loads first (one memory latency per warp, not one per row), then the math. The residual
-  // gradient too: loaded in the store loop, each row's load waited behind the previous row's stores (dx may
-  // alias dx_acc as far as the compiler knows), one memory latency per row.
-  float dyv[NORM_ROWS_PER_WARP][CPL], xv[NORM_ROWS_PER_WARP][CPL], av[NORM_ROWS_PER_WARP][CPL],
-      rsv[NORM_ROWS_PER_WARP];
-  const bool has_acc = p.dx_acc != nullptr;
-#pragma unroll
-  for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
-    const int64_t row = r0 + i;
-    const bool rok = row < p.rows;
-    rsv[i] = (rok && !p.fwd_out) ? p.rstd[row] : 0.f;
-#pragma unroll
-    for (int k = 0; k < CPL; ++k) {
-      const int c = lane + 32 * k;
-      const bool ok = rok && c < p.C;
-      dyv[i][k] = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
-      xv[i][k] = ok ? p.x[row * p.C + c] : 0.f;
-      av[i][k] = (ok && has_acc) ? p.dx_acc[row * p.C + c] : 0.f;
-    }
-  }
-  if (p.fwd_out) {  // the forward first: rstd and the normed rows, as norm_fwd_kernel computes them
+  const int64_t groups = (p.rows + NORM_ROWS_PER_WARP - 1) / NORM_ROWS_PER_WARP;
+  for (int64_t grp = (int64_t)blockIdx.x * NW + warp; grp < groups; grp += (int64_t)gridDim.x * NW) {
+    const int64_t r0 = grp * NORM_ROWS_PER_WARP;
+    // all rows' loads first (one memory latency per warp, not one per row), then the math. The residual
+    // gradient too: loaded in the store loop, each row's load waited behind the previous row's stores (dx may
+    // alias dx_acc as far as the compiler knows), one memory latency per row.
+    float dyv[NORM_ROWS_PER_WARP][CPL], xv[NORM_ROWS_PER_WARP][CPL], av[NORM_ROWS_PER_WARP][CPL],
+        rsv[NORM_ROWS_PER_WARP];
+    const bool has_acc = p.dx_acc != nullptr;
 #pragma unroll
     for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
       const int64_t row = r0 + i;
-      float ss = 0.f;
+      const bool rok = row < p.rows;
+      rsv[i] = (rok && !p.fwd_out) ? p.rstd[row] : 0.f;
 #pragma unroll
-      for (int k = 0; k < CPL; ++k) ss = fmaf(xv[i][k], xv[i][k], ss);
-      ss = group_sum<32>(ss);
-      const float rs = rsqrtf(ss / p.C + p.eps);
-      rsv[i] = rs;
+      for (int k = 0; k < CPL; ++k) {
+        const int c = lane + 32 * k;
+        const bool ok = rok && c < p.C;
+        dyv[i][k] = ok ? ld_any<GT>(p.dy, row * p.C + c) : 0.f;
+        xv[i][k] = ok ? p.x[row * p.C + c] : 0.f;
+        av[i][k] = (ok && has_acc) ? p.dx_acc[row * p.C + c] : 0.f;
+      }
+    }
+    if (p.fwd_out) {  // the forward first: rstd and the normed rows, as norm_fwd_kernel computes them
+#pragma unroll
+      for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
+        const int64_t row = r0 + i;
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < CPL; ++k) ss = fmaf(xv[i][k], xv[i][k], ss);
+        ss = group_sum<32>(ss);
+        const float rs = rsqrtf(ss / p.C + p.eps);
+        rsv[i] = rs;
+        if (row < p.rows) {
+#pragma unroll
+          for (int k = 0; k < CPL; ++k) {
+            const int c = lane + 32 * k;
+            if (c < p.C) p.fwd_out[row * p.C + c] = xv[i][k] * rs * w[k];
+          }
+          if (lane == 0) p.fwd_rstd[row] = rs;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
+      const int64_t row = r0 + i;
+      const float rs = rsv[i];
+      float xh[CPL], g[CPL];
+      float dot = 0.f;
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) {
+        xh[k] = xv[i][k] * rs;
+        g[k] = dyv[i][k] * w[k];
+        dot = fmaf(g[k], xh[k], dot);
+        dw[k] = fmaf(dyv[i][k], xh[k], dw[k]);
+      }
+      dot = group_sum<32>(dot) / p.C;
       if (row < p.rows) {
 #pragma unroll
         for (int k = 0; k < CPL; ++k) {
           const int c = lane + 32 * k;
-          if (c < p.C) p.fwd_out[row * p.C + c] = xv[i][k] * rs * w[k];
-        }
-        if (lane == 0) p.fwd_rstd[row] = rs;
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < NORM_ROWS_PER_WARP; ++i) {
-    const int64_t row = r0 + i;
-    const float rs = rsv[i];
-    float xh[CPL], g[CPL];
-    float dot = 0.f;
-#pragma unroll
-    for (int k = 0; k < CPL; ++k) {
-      xh[k] = xv[i][k] * rs;
-      g[k] = dyv[i][k] * w[k];
-      dot = fmaf(g[k], xh[k], dot);
-      dw[k] = fmaf(dyv[i][k], xh[k], dw[k]);
-    }
-    dot = group_sum<32>(dot) / p.C;
-    if (row < p.rows) {
-#pragma unroll
-      for (int k = 0; k < CPL; ++k) {
-        const int c = lane + 32 * k;
-        if (c < p.C) {
-          float d = rs * (g[k] - xh[k] * dot);
-          if (has_acc) d += av[i][k];
-          p.dx[row * p.C + c] = d;
-          if (p.dx_c) {  // uniform branch: the low-precision copy the next GEMM reads (saves a cast pass)
-            if (p.dxc_dtype == kBF16) reinterpret_cast<__nv_bfloat16*>(p.dx_c)[row * p.C + c] = from_f<__nv_bfloat16>(d);
-            else reinterpret_cast<__half*>(p.dx_c)[row * p.C + c] = from_f<__half>(d);
+          if (c < p.C) {
+            float d = rs * (g[k] - xh[k] * dot);
+            if (has_acc) d += av[i][k];
+            p.dx[row * p.C + c] = d;
+            if (p.dx_c) {  // uniform branch: the low-precision copy the next GEMM reads (saves a cast pass)
+              const int64_t o = row * p.C + c;
+              if (p.dxc_dtype == kBF16) reinterpret_cast<__nv_bfloat16*>(p.dx_c)[o] = from_f<__nv_bfloat16>(d);
+              else reinterpret_cast<__half*>(p.dx_c)[o] = from_f<__half>(d);
+            }
           }
         }
       }
@@ -202,10 +215,10 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
 #pragma unroll
   for (int k = 0; k < CPL; ++k) part[warp][lane + 32 * k] = dw[k];
   __syncthreads();
-  for (int c = threadIdx.x; c < p.C; c += NORM_THREADS) {
+  for (int c = threadIdx.x; c < p.C; c += NORM_BWD_THREADS) {
     float s = 0.f;
 #pragma unroll
-    for (int q = 0; q < NORM_WARPS; ++q) s += part[q][c];
+    for (int q = 0; q < NW; ++q) s += part[q][c];
     p.ws[(int64_t)blockIdx.x * p.C + c] = s;
   }
   __threadfence();
@@ -214,23 +227,25 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  // last block: column sums over the block partials; warp w sums partial rows w, w + NW, ... (4 in flight),
-  // then a fixed-order sum over warps.
+  // last block: column sums over the block partials; warp w sums partial rows w, w + NW, ... (U in flight: up to
+  // 2 x 132 partial rows on an H100, so a lane's serial chain of loads is ~nb / (NW x U) long), then a
+  // fixed-order sum over warps.
+  constexpr int U = CPL <= 4 ? 8 : 4;
   const int nb = gridDim.x;
   float cs[CPL];
 #pragma unroll
   for (int k = 0; k < CPL; ++k) cs[k] = 0.f;
-  for (int b0 = warp; b0 < nb; b0 += 4 * NORM_WARPS) {
-    float v[4][CPL];
+  for (int b0 = warp; b0 < nb; b0 += U * NW) {
+    float v[U][CPL];
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int k = 0; k < CPL; ++k) {
-        const int bb = b0 + u * NORM_WARPS, c = lane + 32 * k;
+        const int bb = b0 + u * NW, c = lane + 32 * k;
         v[u][k] = (bb < nb && c < p.C) ? __ldcg(p.ws + (int64_t)bb * p.C + c) : 0.f;
       }
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int k = 0; k < CPL; ++k) cs[k] += v[u][k];
   }
@@ -238,10 +253,10 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_bwd_kernel(NormBwdParams p)
 #pragma unroll
   for (int k = 0; k < CPL; ++k) part[warp][lane + 32 * k] = cs[k];
   __syncthreads();
-  for (int c = threadIdx.x; c < p.C; c += NORM_THREADS) {
+  for (int c = threadIdx.x; c < p.C; c += NORM_BWD_THREADS) {
     float t = 0.f;
 #pragma unroll
-    for (int q = 0; q < NORM_WARPS; ++q) t += part[q][c];
+    for (int q = 0; q < NW; ++q) t += part[q][c];
     if (p.dw_assign) p.dw_acc[c] = t;
     else p.dw_acc[c] += t;
   }
@@ -269,9 +284,9 @@ template <int CPL>
 static const char* norm_bwd_c(const NormBwdParams& p, cudaStream_t s) {
   const unsigned nb = (unsigned)norm_bwd_blocks(p.rows, p.C);
   switch (p.dy_dtype) {
-    case kF32: norm_bwd_kernel<float, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
-    case kBF16: norm_bwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
-    case kF16: norm_bwd_kernel<__half, CPL><<<nb, NORM_THREADS, 0, s>>>(p); break;
+    case kF32: norm_bwd_kernel<float, CPL><<<nb, NORM_BWD_THREADS, 0, s>>>(p); break;
+    case kBF16: norm_bwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_BWD_THREADS, 0, s>>>(p); break;
+    case kF16: norm_bwd_kernel<__half, CPL><<<nb, NORM_BWD_THREADS, 0, s>>>(p); break;
     default: return "rms_norm: unsupported grad dtype";
   }
   MRL_LAUNCH_CHECK();

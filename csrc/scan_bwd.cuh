@@ -123,13 +123,13 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
   }
   ScanChunkRegs<T, N, SL_Z | SL_G | SL_C, NP> r;
   auto commit = [&](int t0) {
+    const float dtb = scan_dt_bias<CPB>(p, d0, tid);
 #pragma unroll
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int dd = min(d0 + ch, D - 1);
       const bool ok = t0 + i < T_;
       const float zf = pad_f(r.z[e_], ok);
-      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
+      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;
       sgs[i][ch] = ok ? to_f(r.g[e_]) * (zf * sigmoidf_(zf)) : 0.f;
     }
 #pragma unroll
@@ -191,17 +191,17 @@ struct ScanBwdSmem {
 // softplus(dt + bias) and its derivative, the output gradient's two gate factors, B, C and the episode starts; a
 // step past T is staged as padding (decay 1, no input, zero gradient). SM: ScanBwdSmem or ScanBwdPairSmem.
 template <int N, int NP, typename SM, typename R>
-__device__ __forceinline__ void scan_bwd_stage(SM& sm, const R& r, const float* dt_bias, int t0, int tid, int d0,
-                                               int D, int T_) {
+__device__ __forceinline__ void scan_bwd_stage(SM& sm, const R& r, const ScanFwdParams& p, int t0, int tid, int d0) {
   constexpr int EA = ScanGeom<N, NP>::EA, EB = ScanGeom<N, NP>::EB, CPB = ScanGeom<N, NP>::CPB, TC = SCAN_TC;
+  const int T_ = p.T;
+  const float dtb = scan_dt_bias<CPB>(p, d0, tid);
 #pragma unroll
   for (int e_ = 0; e_ < EA; ++e_) {
     const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-    const int dd = min(d0 + ch, D - 1);
     const bool ok = t0 + i < T_;  // pad: decay 1, no input, zero gradient
     // dr is used under ok only, so to_f would give the same bits; with it ptxas spills 4 bytes in the 4-block
     // build (sm_90, CUDA 13.0); a 4-byte spill there cost +4 % in the twenty-second session (benchmarks/NOTES.md)
-    const float dr = pad_f(r.dt[e_], ok) + dt_bias[dd];
+    const float dr = pad_f(r.dt[e_], ok) + dtb;
     const float zf = pad_f(r.z[e_], ok);
     const float sgz = sigmoidf_(zf);
     const float gv = pad_f(r.g[e_], ok);
@@ -306,7 +306,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
       pck[h] = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP + 4 * h);
     r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
   };
-  auto commit = [&](int t0) { scan_bwd_stage<N, NP>(sm, r, p.dt_bias, t0, tid, d0, D, T_); };
+  auto commit = [&](int t0) { scan_bwd_stage<N, NP>(sm, r, p, t0, tid, d0); };
 
   float hc[NP], dAacc[NP];
 #pragma unroll

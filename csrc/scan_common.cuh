@@ -131,6 +131,15 @@ __device__ __forceinline__ void by_chunk_start(bool has, F&& f) {
 template <typename T>
 __device__ __forceinline__ float pad_f(T v, bool ok) { return ok ? to_f(v) : 0.f; }
 
+// softplus's bias dt_bias[d] of this thread's staged channel: the staging threads' elements tid + k * SCAN_THREADS
+// all fall in channel tid % CPB (CPB divides SCAN_THREADS), so one load serves a chunk's elements (clamped like the
+// loads' columns: a padding channel past D stages channel D - 1).
+template <int CPB>
+__device__ __forceinline__ float scan_dt_bias(const ScanFwdParams& p, int d0, int tid) {
+  static_assert(SCAN_THREADS % CPB == 0, "scan geometry");
+  return p.dt_bias[min(d0 + tid % CPB, p.D - 1)];
+}
+
 // Which arrays a chunk load reads (dt and the episode starts always).
 enum : int { SL_X = 1, SL_Z = 2, SL_G = 4, SL_B = 8, SL_C = 16 };
 

@@ -30,12 +30,12 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
   }
   ScanChunkRegs<T, N, SL_X | SL_B> r;
   auto commit = [&](int t0) {
+    const float dtb = scan_dt_bias<CPB>(p, d0, tid);
 #pragma unroll
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int dd = min(d0 + ch, D - 1);
       const bool ok = t0 + i < T_;
-      const float dl = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;
+      const float dl = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;
       sdl[i][ch] = dl;
       sdx[i][ch] = dl * pad_f(r.x[e_], ok);
     }
@@ -114,13 +114,13 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
   ScanChunkRegs<T, N, SL_X | SL_Z | SL_B | SL_C> r;
   auto prefetch = [&](int c) { r.load(p, nullptr, 0, 0, b, d0, c, tid); };
   auto commit = [&](int t0) {
+    const float dtb = scan_dt_bias<CPB>(p, d0, tid);
 #pragma unroll
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
-      const int dd = min(d0 + ch, D - 1);
       const bool ok = t0 + i < T_;
       sx[i][ch] = pad_f(r.x[e_], ok);
-      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + p.dt_bias[dd]) : 0.f;  // pad: decay 1, no input
+      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;  // pad: decay 1, no input
       sz[i][ch] = siluf_(pad_f(r.z[e_], ok));
     }
 #pragma unroll

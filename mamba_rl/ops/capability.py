@@ -7,8 +7,8 @@ are those of the kernels in ``csrc/`` (each number below is checked there too, w
 
 - ``rms_norm_fwd``: CUDA at most 1024 channels (one warp per row, 32 columns per lane in registers); CPU any.
   Output dtype float32 / bfloat16 / float16 on CUDA, float32 on the CPU.
-- ``rms_norm_bwd``: CUDA at most 512 channels (the per-warp dw partials live in 32 KB of static shared
-  memory); CPU any.
+- ``rms_norm_bwd``: CUDA at most 512 channels (each lane holds its 16 columns' dw partials in
+  registers); CPU any.
 - ``conv``: CUDA d_conv 2, 3 or 4 (the window is unrolled at compile time); CPU any.
 - ``scan``: CUDA d_state 8 or 16 (4 states per thread, N / 4 lanes per channel); CPU any.
 - ``sequence``: the whole-backbone node of :mod:`mamba_rl.model.fused` (conv and scan as above; the norms
