@@ -20,7 +20,6 @@ __device__ __forceinline__ float sigmoidf_(float v) { return 1.f / (1.f + expf(-
 __device__ __forceinline__ float siluf_(float v) { return v * sigmoidf_(v); }
 // torch.nn.functional.softplus(beta=1, threshold=20)
 __device__ __forceinline__ float softplusf_(float v) { return v > 20.f ? v : log1pf(expf(v)); }
-__device__ __forceinline__ float dsoftplusf_(float v) { return v > 20.f ? 1.f : sigmoidf_(v); }
 
 // Sum over groups of G consecutive lanes (G a power of two <= 32); every lane gets its group's sum.
 template <int G>

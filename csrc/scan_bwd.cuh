@@ -6,6 +6,19 @@
 
 namespace mrl {
 
+// The backward's gate terms, free of branches so that the compiler interleaves a thread's staged elements (ncu at
+// 64 x 1024, thirty-third session: the pair build's staging was ~14 % of its instructions and ~24 % of its stall
+// samples, each element's softplus, its derivative and SiLU's sigmoid a chain of branch regions around two IEEE
+// divisions). softplus keeps softplusf_'s bits (the same expf and log1pf: the chunk's recompute uses the forward's
+// dl); the sigmoids divide with __fdividef (~2 ulp, branch-free), which changes only the gradients' last bits.
+__device__ __forceinline__ float sigmoid_fast_(float v) { return __fdividef(1.f, 1.f + expf(-v)); }
+// dl = softplus(dr) (torch's threshold 20) and sig = d softplus / d dr = sigmoid(dr), from one exponential.
+__device__ __forceinline__ void softplus_and_grad_(float dr, float& dl, float& sig) {
+  const float e = expf(fminf(dr, 20.f));
+  dl = dr > 20.f ? dr : log1pf(e);
+  sig = dr > 20.f ? 1.f : __fdividef(e, 1.f + e);
+}
+
 // Sum NV values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
 // each lane ends with ONE sum; *idx says which of the NV it is. Lanes whose bits 1..G-1 in the "plain add"
 // levels duplicate a sum report dup = true. (The pair build takes transpose_reduce_cx: the same sums, in the
@@ -130,7 +143,7 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
       const bool ok = t0 + i < T_;
       const float zf = pad_f(r.z[e_], ok);
       sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;
-      sgs[i][ch] = ok ? to_f(r.g[e_]) * (zf * sigmoidf_(zf)) : 0.f;
+      sgs[i][ch] = ok ? to_f(r.g[e_]) * (zf * sigmoid_fast_(zf)) : 0.f;
     }
 #pragma unroll
     for (int e_ = 0; e_ < EB; ++e_) {
@@ -203,11 +216,13 @@ __device__ __forceinline__ void scan_bwd_stage(SM& sm, const R& r, const ScanFwd
     // build (sm_90, CUDA 13.0); a 4-byte spill there cost +4 % in the twenty-second session (benchmarks/NOTES.md)
     const float dr = pad_f(r.dt[e_], ok) + dtb;
     const float zf = pad_f(r.z[e_], ok);
-    const float sgz = sigmoidf_(zf);
+    const float sgz = sigmoid_fast_(zf);
     const float gv = pad_f(r.g[e_], ok);
+    float dl, sig;
+    softplus_and_grad_(dr, dl, sig);
     sm.x[i][ch] = pad_f(r.x[e_], ok);
-    sm.dl[i][ch] = ok ? softplusf_(dr) : 0.f;
-    sm.sig[i][ch] = ok ? dsoftplusf_(dr) : 0.f;
+    sm.dl[i][ch] = ok ? dl : 0.f;
+    sm.sig[i][ch] = ok ? sig : 0.f;
     sm.gs[i][ch] = gv * (zf * sgz);                          // d loss / d y_pre
     sm.gd[i][ch] = gv * (sgz * (1.f + zf * (1.f - sgz)));    // d loss / d y_pre-gate * SiLU'(z)
   }
