@@ -14,7 +14,7 @@ namespace mrl {
 __device__ __forceinline__ float sigmoid_fast_(float v) { return __fdividef(1.f, 1.f + expf(-v)); }
 // dl = softplus(dr) (torch's threshold 20) and sig = d softplus / d dr = sigmoid(dr), from one exponential.
 __device__ __forceinline__ void softplus_and_grad_(float dr, float& dl, float& sig) {
-  const float e = expf(fminf(dr, 20.f));
+  const float e = expf(dr > 20.f ? 20.f : dr);  // min(dr, 20) that keeps a NaN a NaN (fminf would return 20)
   dl = dr > 20.f ? dr : log1pf(e);
   sig = dr > 20.f ? 1.f : __fdividef(e, 1.f + e);
 }
