@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 W=$(mktemp -d)
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+. scripts/ncu_summary.sh
 nvcc -arch=sm_90 -O3 -std=c++17 -lineinfo -o "$W/probe" benchmarks/probes/cluster2_probe.cu || exit 1
 S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters"
 for c in $(echo "${CONFIGS:-256 32 3,1 1 2,16 2 2}" | tr ' ,' '_ '); do
@@ -19,12 +20,7 @@ for c in $(echo "${CONFIGS:-256 32 3,1 1 2,16 2 2}" | tr ' ,' '_ '); do
   timeout 200 "$NCU" --clock-control none -k regex:"$name" --launch-skip 4 --launch-count 1 \
     --warp-sampling-interval "${SAMPLING:-auto}" $S -o "$W/rep_$c" \
     "$W/probe" "$B" "$R" "$K" > "$W/ncu_$c.log" 2>&1 || { echo "ncu failed for $c"; tail -5 "$W/ncu_$c.log"; }
-  "$NCU" --import "$W/rep_$c.ncu-rep" --print-summary none > "$W/details_$c.txt" 2>&1
-  "$NCU" --import "$W/rep_$c.ncu-rep" --page source --csv --print-source sass > "$W/src_$c.csv" 2>&1
-  echo "== $B $R $K ($name)"
-  grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|No Eligible|Issued Warp" "$W/details_$c.txt"
-  python3 benchmarks/probes/ncu_regions.py "$W/src_$c.csv" --top 30 > "$W/regions_$c.txt" 2>&1
-  head -60 "$W/regions_$c.txt" | cut -c1-200
+  ncu_summary "$W" "$c" "$B $R $K ($name)" 30
 done
 rm -f "$W/probe" "$W"/rep_*
 tar czf "$OUT/ncu_onetoken.tgz" -C "$W" . && rm -rf "$W"

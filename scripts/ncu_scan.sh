@@ -11,18 +11,14 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
 W=$(mktemp -d)
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+. scripts/ncu_summary.sh
 S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters \
 --section ComputeWorkloadAnalysis --section InstructionStats"
 for k in $(echo "${KERNELS:-scan_bwd_pair,scan_fwd_kernel}" | tr ',' ' '); do
   timeout ${NCU_TIMEOUT:-200} "$NCU" --clock-control none -k regex:"$k" --launch-count 1 $S -o "$W/rep_$k" \
     python3 benchmarks/scan_kernels.py --once --shape "${SHAPE:-64x1024}" --dtype "${DTYPE:-bfloat16}" \
     > "$W/ncu_$k.log" 2>&1 || { echo "ncu failed for $k"; tail -20 "$W/ncu_$k.log"; continue; }
-  "$NCU" --import "$W/rep_$k.ncu-rep" --print-summary none > "$W/details_$k.txt" 2>&1
-  "$NCU" --import "$W/rep_$k.ncu-rep" --page source --csv --print-source sass > "$W/src_$k.csv" 2>&1
-  echo "== $k at ${SHAPE:-64x1024} ${DTYPE:-bfloat16}"
-  grep -E "Duration|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|No Eligible|Issued Warp|Issue Slots Busy|Executed Ipc A" "$W/details_$k.txt"
-  python3 benchmarks/probes/ncu_regions.py "$W/src_$k.csv" --top 25 > "$W/regions_$k.txt" 2>&1
-  head -60 "$W/regions_$k.txt" | cut -c1-220
+  ncu_summary "$W" "$k" "$k at ${SHAPE:-64x1024} ${DTYPE:-bfloat16}" 25
 done
 rm -f "$W"/rep_*
 tar czf "$OUT/ncu_scan.tgz" -C "$W" . && rm -rf "$W"
