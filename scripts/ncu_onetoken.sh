@@ -9,9 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-W=$(mktemp -d)
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-. scripts/ncu_summary.sh
+. scripts/ncu_summary.sh  # sets NCU and the work directory W
 nvcc -arch=sm_90 -O3 -std=c++17 -lineinfo -o "$W/probe" benchmarks/probes/cluster2_probe.cu || exit 1
 S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters"
 for c in $(echo "${CONFIGS:-256 32 3,1 1 2,16 2 2}" | tr ' ,' '_ '); do

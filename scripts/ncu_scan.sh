@@ -9,9 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
-W=$(mktemp -d)
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-. scripts/ncu_summary.sh
+. scripts/ncu_summary.sh  # sets NCU and the work directory W
 S="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SourceCounters \
 --section ComputeWorkloadAnalysis --section InstructionStats"
 for k in $(echo "${KERNELS:-scan_bwd_pair,scan_fwd_kernel}" | tr ',' ' '); do

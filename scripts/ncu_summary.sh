@@ -1,6 +1,9 @@
 # Sourced by the ncu_*.sh scripts: ncu_summary W TAG TITLE TOP prints Nsight Compute's details and the per-region
 # stall summary (benchmarks/probes/ncu_regions.py, TOP instructions) of the report $W/rep_TAG.ncu-rep, keeping
-# $W/details_TAG.txt, $W/src_TAG.csv (the SASS source page) and $W/regions_TAG.txt. Needs $NCU.
+# $W/details_TAG.txt, $W/src_TAG.csv (the SASS source page) and $W/regions_TAG.txt. Sourcing it sets NCU (ncu on
+# the PATH, else CUDA's) and W (a fresh work directory).
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+W=$(mktemp -d)
 ncu_summary() {
   local W=$1 tag=$2 title=$3 top=${4:-25}
   "$NCU" --import "$W/rep_$tag.ncu-rep" --print-summary none > "$W/details_$tag.txt" 2>&1
