@@ -66,8 +66,9 @@ __device__ __forceinline__ bool is_start(const M3Params& a, int b, int t) {
 __device__ __forceinline__ float decay_rate(const M3Params& a, float dA, float* dadd) {
   float f, fp;
   if (a.heavy_tail) {
-    const float lo = fminf(dA, 0.0f);
-    f = fmaxf(dA, 0.0f) + 1.0f / (1.0f - lo);
+    // min(dA, 0) and max(dA, 0) that keep a NaN a NaN, as torch's clamps do (fminf / fmaxf return the 0)
+    const float lo = dA > 0.0f ? 0.0f : dA;
+    f = (dA < 0.0f ? 0.0f : dA) + 1.0f / (1.0f - lo);
     fp = (dA >= 0.0f ? 1.0f : 0.0f) + (dA <= 0.0f ? 1.0f / ((1.0f - lo) * (1.0f - lo)) : 0.0f);
   } else {
     f = softplus_(dA, &fp);

@@ -97,8 +97,9 @@ void head_step(const M3Args& a, int h, const float* row, bool reset, float* __re
   const float dA = hs[H + h];
   float f, fp;
   if (a.heavy_tail) {
-    const float lo = dA < 0.0f ? dA : 0.0f;
-    f = (dA > 0.0f ? dA : 0.0f) + 1.0f / (1.0f - lo);
+    // min(dA, 0) and max(dA, 0) that keep a NaN a NaN, as torch's clamps do (a select on dA < 0 gave 0)
+    const float lo = dA > 0.0f ? 0.0f : dA;
+    f = (dA < 0.0f ? 0.0f : dA) + 1.0f / (1.0f - lo);
     fp = (dA >= 0.0f ? 1.0f : 0.0f) + (dA <= 0.0f ? 1.0f / ((1.0f - lo) * (1.0f - lo)) : 0.0f);
   } else {
     f = softplus_s(dA, &fp);

@@ -194,3 +194,24 @@ def test_trainer_graph_replays_the_eager_steps_bit_for_bit(dtype):
         assert math.isfinite(float(ms[0].grad_norm)) and float(ms[0].grad_norm) > 0
     assert torch.equal(trs[0].net.arena, trs[1].net.arena)
     assert torch.equal(trs[0].state.conv, trs[1].state.conv) and torch.equal(trs[0].state.ssm, trs[1].state.ssm)
+
+
+def test_a_nan_reaching_the_decay_stays_nan_as_in_the_reference():
+    """A NaN in dd_A (one head's row of in_proj, as a corrupted weight would put it there) makes the CUDA
+    backend's features NaN as in the float64 reference (the heavy tail's fminf / fmaxf turned it into a finite
+    decay of 1; tests/model/test_mamba3_cpu.py holds the same case for the CPU kernels and both activations)."""
+    cfg = m3cfg()
+    net, ref = nets(cfg, seed=3)
+    di, n = cfg.expand * cfg.d_model, cfg.d_state
+    H = di // cfg.headdim
+    row = 2 * di + 2 * n + H  # layer 0, head 0: in_proj's rows are [z, x, B, C, dd_dt, dd_A, trap, angles]
+    for m in (net, ref):
+        with torch.no_grad():
+            m.arena_view(m.arena, "layers.0.mixer.in_proj.weight")[row] = float("nan")
+    net.refresh_compute()
+    x = torch.randn(2, 5, IN, dtype=F64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        yr = ref(x)[0]
+        y = net(x.float().cuda())[0]
+    assert torch.isnan(yr).any()
+    assert torch.isnan(y).any(), "the CUDA backend hid a NaN that the reference propagates"
