@@ -199,7 +199,7 @@ def test_trainer_graph_replays_the_eager_steps_bit_for_bit(dtype):
 def test_a_nan_reaching_the_decay_stays_nan_as_in_the_reference():
     """A NaN in dd_A (one head's row of in_proj, as a corrupted weight would put it there) makes the CUDA
     backend's features NaN as in the float64 reference (the heavy tail's fminf / fmaxf turned it into a finite
-    decay of 1; tests/model/test_mamba3_cpu.py holds the same case for the CPU kernels and both activations)."""
+    decay of 1; tests/model/test_nan_propagation.py holds every parameter's case for the CPU kernels)."""
     cfg = m3cfg()
     net, ref = nets(cfg, seed=3)
     di, n = cfg.expand * cfg.d_model, cfg.d_state

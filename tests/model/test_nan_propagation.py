@@ -1,0 +1,57 @@
+"""A NaN anywhere in the parameters reaches the features on the CPU kernel backend exactly where it reaches them
+in the float64 reference (the same NaN mask), for Mamba-1 and Mamba-3 with either decay activation: a kernel
+that turns a NaN into a finite value (a clamp written as a select or fminf / fmaxf) lets a run go on with
+finite, wrong features where the reference would show the corruption. The CUDA kernels' twin cases are in
+tests/model/test_mamba3_cuda.py (the heavy-tail decay). Skips only where the CPU kernels cannot be built."""
+import pytest
+import torch
+
+from mamba_rl import MambaBackbone, MambaConfig
+from tests.helpers import needs_cpu_kernels
+
+pytestmark = needs_cpu_kernels()
+
+F64 = torch.float64
+IN = 3
+CONFIGS = {
+    "mamba1": dict(d_model=8, n_layers=2, d_state=8, expand=2),
+    "mamba3_heavy_tail": dict(layer="Mamba3", d_model=8, n_layers=2, d_state=8, expand=2, headdim=4),
+    "mamba3_softplus": dict(layer="Mamba3", d_model=8, n_layers=2, d_state=8, expand=2, headdim=4,
+                            A_activation="softplus"),
+}
+
+
+def _elements(p: torch.Tensor) -> list[int]:
+    """Flat indices to poison: one element of every row of a matrix (a packed projection's blocks of rows feed
+    different terms, e.g. in_proj's dd_A rows only the decay), every element of a vector."""
+    if p.dim() < 2:
+        return list(range(p.numel()))
+    rows, cols = p.shape[0], p.numel() // p.shape[0]
+    return [r * cols + r % cols for r in range(rows)]
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_nan_parameter_reaches_the_features_as_in_the_reference(kind):
+    """One poisoned element at a time (layer 0's parameters and the outer ones): the CPU backend's NaN mask of
+    the features equals the reference's. Before d5aa67a the heavy-tail decay failed here (in_proj's dd_A rows)."""
+    cfg = MambaConfig(**CONFIGS[kind])
+    base = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=1)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        base.arena.add_(torch.randn(base.arena.shape, generator=g, dtype=F64) * 0.3)
+    x = torch.randn(2, 7, IN, dtype=F64, generator=g)
+    ref = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=1)
+    net = MambaBackbone(cfg, IN, backend="cpu", seed=1)
+    assert net.backend == "cpu"
+    for name, _ in base._layout:
+        if name.startswith("layers.") and not name.startswith("layers.0."):
+            continue  # the other layers hold the same kinds of parameters
+        for idx in _elements(base.arena_view(base.arena, name)):
+            with torch.no_grad():
+                ref.arena.copy_(base.arena)
+                net.arena.copy_(base.arena)
+                ref.arena_view(ref.arena, name).view(-1)[idx] = float("nan")
+                net.arena_view(net.arena, name).view(-1)[idx] = float("nan")
+                yr, y = ref(x)[0], net(x.float())[0]
+            assert torch.isnan(yr).any(), (name, idx)  # every parameter reaches the features
+            assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}]"
