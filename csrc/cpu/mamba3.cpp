@@ -351,7 +351,6 @@ void m3_bwd(const M3Args& a, const M3BwdArgs& g) {
           const float* prev = reset ? nullptr : (i > 0 ? slot(i - 1).S : Sin);
           const float* sc = cs.sc;
           const float alpha = sc[SC_ALPHA], ccur = sc[SC_CCUR], cprev = sc[SC_CPREV];
-          const float gmul = reset ? 0.0f : alpha;
           float dcc = 0.0f, dcp = 0.0f, dal = 0.0f;
           std::fill(gx, gx + P, 0.0f);
           std::fill(gkp, gkp + P, 0.0f);
@@ -374,7 +373,7 @@ void m3_bwd(const M3Args& a, const M3BwdArgs& g) {
                 sa += gvv * Pn[p];
                 gxr[p] += gvv * k;
                 gkr[p] += gvv * kpn;
-                Gn[p] = gvv * gmul;
+                Gn[p] = gvv * alpha;  // prev is set: no episode start at t
               }
             } else {
 #pragma omp simd reduction(+ : sq, sx, sv)
@@ -385,7 +384,9 @@ void m3_bwd(const M3Args& a, const M3BwdArgs& g) {
                 sv += gvv * vpu[p];
                 gxr[p] += gvv * k;
                 gkr[p] += gvv * kpn;
-                Gn[p] = gvv * gmul;
+                // a select, not a product with 0: at an episode start no gradient (a NaN / inf one neither)
+                // reaches the previous episode, as in the reference and the CUDA kernel
+                Gn[p] = reset ? 0.0f : gvv * alpha;
               }
             }
             dqr[n] = sq;

@@ -39,8 +39,10 @@ MRL_NOINLINE void conv_block(float* __restrict p, float* __restrict st, const fl
     float* sj = st + (int64_t)j * S;
     const float* wj = w + (int64_t)j * K;
     float acc = bias[j] + wj[S] * x[j];
-    if (!reset)
-      for (int k = 0; k < S; ++k) acc += wj[k] * sj[k];
+    // at a start the old window reads as zeros (the old episode's values, NaN or not, are never read), but the
+    // taps still multiply them, so a NaN / inf weight reaches the output as in the sequence kernel and the
+    // reference (w * 0)
+    for (int k = 0; k < S; ++k) acc += wj[k] * (reset ? 0.0f : sj[k]);
     for (int k = 0; k + 1 < S; ++k) sj[k] = reset ? 0.0f : sj[k + 1];
     if (S > 0) sj[S - 1] = x[j];
     p[j] = acc;
@@ -88,10 +90,11 @@ MRL_NOINLINE void state_block(float* __restrict state, const float* __restrict A
     const float* a = A + (int64_t)j * N;
     const float dl = delta[j], dxj = dx[j];
     float sum = 0.0f;
-    if (reset) {  // select: the old episode's state (NaN or not) is never read
+    if (reset) {  // select: the old episode's state (NaN or not) is never read; its decay still multiplies the
+                  // zero state, so a NaN A reaches the output as in the sequence kernel and the reference
 #pragma omp simd reduction(+ : sum)
       for (int n = 0; n < N; ++n) {
-        const float v = dxj * Bp[n];
+        const float v = exp_neg_f(dl * a[n]) * 0.0f + dxj * Bp[n];
         s[n] = v;
         sum += v * Cp[n];
       }

@@ -85,6 +85,9 @@ def grad_stats_ref(grad, extra_grad_sq, loss_scale, hyper, scalars):
         sq = sq + extra_grad_sq.double().reshape(())
     norm = sq.sqrt()
     clip = torch.clamp(hyper[5] / (norm + 1e-6), max=1.0)
+    # max_grad_norm None is +inf there: no clipping, a coefficient of 1 also for an infinite norm (inf / inf is
+    # NaN); a NaN norm stays NaN (torch.clamp). The kernels' rule (csrc/cpu/optim.cpp, csrc/optim.cu).
+    clip = torch.where(torch.isinf(hyper[5]) & ~torch.isnan(norm), torch.ones_like(clip), clip)
     skip = found_inf & (hyper[6] > 0)
     step = scalars[STEP] + (~skip).double()
     t = torch.clamp(step, max=MAX_STEP_EXPONENT)

@@ -55,3 +55,63 @@ def test_a_nan_parameter_reaches_the_features_as_in_the_reference(kind):
                 yr, y = ref(x)[0], net(x.float())[0]
             assert torch.isnan(yr).any(), (name, idx)  # every parameter reaches the features
             assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}]"
+
+
+@pytest.mark.parametrize("kind", ["mamba1", "mamba3_heavy_tail"])
+def test_the_stepper_shows_a_nan_parameter_at_episode_starts_as_the_reference_does(kind):
+    """The one-token step at an episode start reads the old window / state as zeros, but its weights and decay
+    still multiply them: a NaN there reaches the output as in the reference's stepper (row 0 starts an episode at
+    every step, so nothing but the start path runs; row 1 at random steps). The CPU step used to skip those
+    products at a start, so a NaN A_log or conv tap gave finite features at every start."""
+    cfg = MambaConfig(**CONFIGS[kind])
+    base = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=2)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        base.arena.add_(torch.randn(base.arena.shape, generator=g, dtype=F64) * 0.3)
+    B, T = 2, 4
+    x = torch.randn(B, T, IN, dtype=F64, generator=g)
+    starts = torch.zeros(B, T, dtype=torch.bool)
+    starts[0] = True
+    starts[1, 2] = True
+    ref = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=2)
+    net = MambaBackbone(cfg, IN, backend="cpu", seed=2)
+    for name, _ in base._layout:
+        if name.startswith("layers.") and not name.startswith("layers.0."):
+            continue
+        for idx in _elements(base.arena_view(base.arena, name)):
+            with torch.no_grad():
+                ref.arena.copy_(base.arena)
+                net.arena.copy_(base.arena)
+                ref.arena_view(ref.arena, name).view(-1)[idx] = float("nan")
+                net.arena_view(net.arena, name).view(-1)[idx] = float("nan")
+            sr, sn = ref.stepper(B), net.stepper(B)
+            for t in range(T):
+                yr, y = sr.step(x[:, t], starts[:, t]), sn.step(x[:, t].float(), starts[:, t])
+                assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}], step {t}"
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("bad", ["dy_inf", "x_nan"])
+def test_no_gradient_crosses_an_episode_start_not_even_a_nan(kind, bad):
+    """A non-finite value after an episode start (an inf in dL/dy at t = 4, or a NaN input at t = 4; the start is
+    at t = 3) leaves the earlier episode's input gradient finite, as in the reference: the backward cuts the
+    carried gradient at a start with a select (Mamba-3's CPU backward multiplied it by 0, so NaN * 0 crossed)."""
+    cfg = MambaConfig(**CONFIGS[kind])
+    g = torch.Generator().manual_seed(8)
+    starts = torch.zeros(1, 6, dtype=torch.bool)
+    starts[0, 3] = True
+    x = torch.randn(1, 6, IN, dtype=F64, generator=g)
+    dy = torch.randn(1, 6, cfg.d_model, dtype=F64, generator=g)
+    if bad == "dy_inf":
+        dy[0, 4, 0] = float("inf")
+    else:
+        x[0, 4, 0] = float("nan")
+    finite = {}
+    for backend, dt in (("reference", F64), ("cpu", torch.float32)):
+        net = MambaBackbone(cfg, IN, backend=backend, dtype=dt, seed=0)
+        xx = x.detach().to(dt).clone().requires_grad_()
+        y, _ = net(xx, None, starts)
+        y.backward(dy.to(dt))
+        finite[backend] = torch.isfinite(xx.grad[0]).all(-1).tolist()
+    assert finite["reference"][:3] == [True, True, True]
+    assert finite["cpu"] == finite["reference"], finite

@@ -205,3 +205,19 @@ def test_zero_grad_in_the_pass_is_the_step_then_a_zeroed_arena(cpu_ext, P, n_dec
                 assert torch.equal(b[0], p) and torch.equal(b[2], m) and torch.equal(b[3], v)
     finally:
         torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("extra,clip,want", [(math.inf, None, 1.0), (math.inf, 0.5, 0.0), (math.nan, None, math.nan),
+                                             (math.nan, 0.5, math.nan)])
+def test_clip_coefficient_of_a_non_finite_norm_matches_the_twin(cpu_ext, extra, clip, want):
+    """max_grad_norm None (no clipping) keeps the coefficient 1 also when the norm is infinite (here through a
+    head's squared norm, which the overflow flag does not see), where inf / inf would give NaN; a finite
+    max_grad_norm gives 0, and a NaN norm a NaN coefficient, in the kernel and the float64 twin alike."""
+    _, grad, _, _ = _case(1000, seed=9)
+    hyper = make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.0, clip, False, "cpu")
+    s, s_ref = _scalars(), _scalars()
+    grad_stats(grad, torch.tensor(extra), torch.ones(1), hyper, s, kernels=cpu_ext)
+    grad_stats_ref(grad.double(), torch.tensor(extra, dtype=torch.float64), torch.ones(1, dtype=torch.float64),
+                   hyper, s_ref)
+    for got in (s[CLIP_COEF].item(), s_ref[CLIP_COEF].item()):
+        assert (math.isnan(got) and math.isnan(want)) or got == want, (got, want)
