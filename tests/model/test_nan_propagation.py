@@ -30,31 +30,38 @@ def _elements(p: torch.Tensor) -> list[int]:
     return [r * cols + r % cols for r in range(rows)]
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
-def test_a_nan_parameter_reaches_the_features_as_in_the_reference(kind):
-    """One poisoned element at a time (layer 0's parameters and the outer ones): the CPU backend's NaN mask of
-    the features equals the reference's. Before d5aa67a the heavy-tail decay failed here (in_proj's dd_A rows)."""
-    cfg = MambaConfig(**CONFIGS[kind])
-    base = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=1)
-    g = torch.Generator().manual_seed(5)
+def _poisoned_pairs(cfg, seed):
+    """(ref, net, name, idx) for every element _elements picks in layer 0's and the outer parameters: a float64
+    reference and a cpu-backend net with equal parameters (moved off the init), both holding one NaN at
+    parameter ``name``, flat index ``idx``. The nets are reused: each yield overwrites their arenas."""
+    base = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=seed)
+    g = torch.Generator().manual_seed(seed + 4)
     with torch.no_grad():
         base.arena.add_(torch.randn(base.arena.shape, generator=g, dtype=F64) * 0.3)
-    x = torch.randn(2, 7, IN, dtype=F64, generator=g)
-    ref = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=1)
-    net = MambaBackbone(cfg, IN, backend="cpu", seed=1)
+    ref = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=seed)
+    net = MambaBackbone(cfg, IN, backend="cpu", seed=seed)
     assert net.backend == "cpu"
     for name, _ in base._layout:
         if name.startswith("layers.") and not name.startswith("layers.0."):
             continue  # the other layers hold the same kinds of parameters
         for idx in _elements(base.arena_view(base.arena, name)):
             with torch.no_grad():
-                ref.arena.copy_(base.arena)
-                net.arena.copy_(base.arena)
-                ref.arena_view(ref.arena, name).view(-1)[idx] = float("nan")
-                net.arena_view(net.arena, name).view(-1)[idx] = float("nan")
-                yr, y = ref(x)[0], net(x.float())[0]
-            assert torch.isnan(yr).any(), (name, idx)  # every parameter reaches the features
-            assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}]"
+                for m in (ref, net):
+                    m.arena.copy_(base.arena)
+                    m.arena_view(m.arena, name).view(-1)[idx] = float("nan")
+            yield ref, net, name, idx
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_a_nan_parameter_reaches_the_features_as_in_the_reference(kind):
+    """One poisoned element at a time (layer 0's parameters and the outer ones): the CPU backend's NaN mask of
+    the features equals the reference's. Before d5aa67a the heavy-tail decay failed here (in_proj's dd_A rows)."""
+    x = torch.randn(2, 7, IN, dtype=F64, generator=torch.Generator().manual_seed(5))
+    for ref, net, name, idx in _poisoned_pairs(MambaConfig(**CONFIGS[kind]), seed=1):
+        with torch.no_grad():
+            yr, y = ref(x)[0], net(x.float())[0]
+        assert torch.isnan(yr).any(), (name, idx)  # every parameter reaches the features
+        assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}]"
 
 
 @pytest.mark.parametrize("kind", ["mamba1", "mamba3_heavy_tail"])
@@ -63,31 +70,16 @@ def test_the_stepper_shows_a_nan_parameter_at_episode_starts_as_the_reference_do
     still multiply them: a NaN there reaches the output as in the reference's stepper (row 0 starts an episode at
     every step, so nothing but the start path runs; row 1 at random steps). The CPU step used to skip those
     products at a start, so a NaN A_log or conv tap gave finite features at every start."""
-    cfg = MambaConfig(**CONFIGS[kind])
-    base = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=2)
-    g = torch.Generator().manual_seed(6)
-    with torch.no_grad():
-        base.arena.add_(torch.randn(base.arena.shape, generator=g, dtype=F64) * 0.3)
     B, T = 2, 4
-    x = torch.randn(B, T, IN, dtype=F64, generator=g)
+    x = torch.randn(B, T, IN, dtype=F64, generator=torch.Generator().manual_seed(6))
     starts = torch.zeros(B, T, dtype=torch.bool)
     starts[0] = True
     starts[1, 2] = True
-    ref = MambaBackbone(cfg, IN, backend="reference", dtype=F64, seed=2)
-    net = MambaBackbone(cfg, IN, backend="cpu", seed=2)
-    for name, _ in base._layout:
-        if name.startswith("layers.") and not name.startswith("layers.0."):
-            continue
-        for idx in _elements(base.arena_view(base.arena, name)):
-            with torch.no_grad():
-                ref.arena.copy_(base.arena)
-                net.arena.copy_(base.arena)
-                ref.arena_view(ref.arena, name).view(-1)[idx] = float("nan")
-                net.arena_view(net.arena, name).view(-1)[idx] = float("nan")
-            sr, sn = ref.stepper(B), net.stepper(B)
-            for t in range(T):
-                yr, y = sr.step(x[:, t], starts[:, t]), sn.step(x[:, t].float(), starts[:, t])
-                assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}], step {t}"
+    for ref, net, name, idx in _poisoned_pairs(MambaConfig(**CONFIGS[kind]), seed=2):
+        sr, sn = ref.stepper(B), net.stepper(B)
+        for t in range(T):
+            yr, y = sr.step(x[:, t], starts[:, t]), sn.step(x[:, t].float(), starts[:, t])
+            assert torch.equal(torch.isnan(y), torch.isnan(yr)), f"{kind}: NaN in {name}[{idx}], step {t}"
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
