@@ -293,4 +293,3 @@ def test_auto_falls_back_to_the_reference_with_one_warning(monkeypatch):
     assert len(msgs) == 1 and "no C++ compiler" in msgs[0] and "Mamba3" in msgs[0], msgs
     with pytest.raises(RuntimeError, match="cpu kernels could not load"):
         MambaBackbone(m3cfg(), IN, backend="cpu")
-
