@@ -10,8 +10,8 @@ namespace mrl {
 // 64 x 1024, thirty-third session: the pair build's staging was ~14 % of its instructions and ~24 % of its stall
 // samples, each element's softplus, its derivative and SiLU's sigmoid a chain of branch regions around two IEEE
 // divisions). softplus keeps softplusf_'s bits (the same expf and log1pf: the chunk's recompute uses the forward's
-// dl); the sigmoids divide with __fdividef (~2 ulp, branch-free), which changes only the gradients' last bits.
-__device__ __forceinline__ float sigmoid_fast_(float v) { return __fdividef(1.f, 1.f + expf(-v)); }
+// dl); the sigmoids divide with __fdividef (sigmoid_fast_, scan_common.cuh), which changes only the gradients' last
+// bits.
 // dl = softplus(dr) (torch's threshold 20) and sig = d softplus / d dr = sigmoid(dr), from one exponential.
 __device__ __forceinline__ void softplus_and_grad_(float dr, float& dl, float& sig) {
   const float e = expf(dr > 20.f ? 20.f : dr);  // min(dr, 20) that keeps a NaN a NaN (fminf would return 20)
@@ -110,8 +110,10 @@ struct ScanBwdLocalSmem {
 // Local pass of the backward: segment k (1 <= k < nseg) runs the adjoint recurrence in
 // reverse from a zero adjoint (the last segment from grad_final_state) and stores the adjoint leaving its
 // first step (d loss / d state entering the segment, from inside it) and its decay product. NP states a thread
-// (the pair build's local pass takes 8, in its own geometry; the results' layout is the same).
-template <typename T, int N, int NP = SCAN_NPT>
+// (the pair build's local pass takes 8, in its own geometry; the results' layout is the same). NB: softplus without
+// a branch (softplus_nb_, the same bits) in the separate local kernel; the cooperative kernels keep the branch (with
+// softplus_nb_ their main pass's registers spilled 8-24 bytes, sm_90, CUDA 13.0).
+template <typename T, int N, int NP = SCAN_NPT, bool NB = false>
 __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, const int k, ScanBwdLocalSmem<N, NP>& ls) {
   using Gm = ScanGeom<N, NP>;
   constexpr int G = Gm::G, CPB = Gm::CPB, EA = Gm::EA, EB = Gm::EB, TC = SCAN_TC, H = NP / SCAN_NPT;
@@ -142,7 +144,8 @@ __device__ __forceinline__ void scan_bwd_local_body(const ScanBwdParams& q, cons
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const bool ok = t0 + i < T_;
       const float zf = pad_f(r.z[e_], ok);
-      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;
+      const float dr = to_f(r.dt[e_]) + dtb;
+      sdl[i][ch] = ok ? (NB ? softplus_nb_(dr) : softplusf_(dr)) : 0.f;
       sgs[i][ch] = ok ? to_f(r.g[e_]) * (zf * sigmoid_fast_(zf)) : 0.f;
     }
 #pragma unroll
@@ -500,7 +503,7 @@ template <typename T, int N, int NP = SCAN_NPT>
 __global__ void __launch_bounds__(SCAN_THREADS, NP == SCAN_NPT ? scan_fwd_minb(N) : SCAN_BWD_MINB)
     scan_bwd_local_kernel(ScanBwdParams q) {
   __shared__ ScanBwdLocalSmem<N, NP> ls;
-  scan_bwd_local_body<T, N, NP>(q, blockIdx.z + 1, ls);
+  scan_bwd_local_body<T, N, NP, true>(q, blockIdx.z + 1, ls);
 }
 template <typename T, int N, int MINB>
 __global__ void __launch_bounds__(SCAN_THREADS, MINB) scan_bwd_kernel(ScanBwdParams q) {

@@ -35,7 +35,7 @@ __device__ __forceinline__ void scan_fwd_local_body(const ScanFwdParams& p, cons
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const bool ok = t0 + i < T_;
-      const float dl = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;
+      const float dl = ok ? softplus_nb_(to_f(r.dt[e_]) + dtb) : 0.f;
       sdl[i][ch] = dl;
       sdx[i][ch] = dl * pad_f(r.x[e_], ok);
     }
@@ -119,9 +119,10 @@ __device__ __forceinline__ void scan_fwd_main_body(const ScanFwdParams& p, const
     for (int e_ = 0; e_ < EA; ++e_) {
       const int e = tid + e_ * SCAN_THREADS, i = e / CPB, ch = e % CPB;
       const bool ok = t0 + i < T_;
+      const float zf = pad_f(r.z[e_], ok);
       sx[i][ch] = pad_f(r.x[e_], ok);
-      sdl[i][ch] = ok ? softplusf_(to_f(r.dt[e_]) + dtb) : 0.f;  // pad: decay 1, no input
-      sz[i][ch] = siluf_(pad_f(r.z[e_], ok));
+      sdl[i][ch] = ok ? softplus_nb_(to_f(r.dt[e_]) + dtb) : 0.f;  // pad: decay 1, no input
+      sz[i][ch] = zf * sigmoid_fast_(zf);  // SiLU(z); its own last bits (siluf_ divides exactly)
     }
 #pragma unroll
     for (int e_ = 0; e_ < EB; ++e_) {
