@@ -1049,6 +1049,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_chunk", &mrl::scan_chunk, "checkpoint interval of the scan backward");
   m.def("scan_segments", &mrl::scan_segments, "time segments of the scan's two-level split for (B, T, D, N, bwd)");
   m.def("scan_set_segments", &mrl::scan_set_segments, "force the scan's segment count (0: automatic; tests)");
+  m.def("norm_set_inreg", &mrl::norm_set_inreg, "whether input_rmsnorm_fwd may keep the input projection's weights "
+        "in registers where in_dim <= 32 and d_model <= 128 (True, the default) or must read them from shared "
+        "memory (False: the same bits; tests)", py::arg("on"));
   m.def("scan_set_bwd_blocks", [](int64_t n) {
           MRL_CHECK(n == 0 || n == 2 || n == 3 || n == 4,
                     "scan_set_bwd_blocks: expected 0 (automatic), 2, 3 or 4, got ", n);

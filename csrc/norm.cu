@@ -32,6 +32,19 @@ template <typename T> __device__ __forceinline__ float ld_any(const void* p, int
   return to_f(reinterpret_cast<const T*>(p)[i]);
 }
 
+// The input projection's last step: v[k] = acc[k] + in_b[c] for c = lane + 32 k < C (0 past C), stored to h_out.
+template <int CPL>
+__device__ __forceinline__ void norm_input_bias(const NormFwdParams& p, const float (&acc)[CPL], int64_t row, int lane,
+                                                float (&v)[CPL]) {
+  float* ho = p.h_out + row * p.C;
+#pragma unroll
+  for (int k = 0; k < CPL; ++k) {
+    const int c = lane + 32 * k;
+    v[k] = c < p.C ? acc[k] + p.in_b[c] : 0.f;
+    if (c < p.C) ho[c] = v[k];
+  }
+}
+
 // The input projection prologue: v[k] = (in_x[row] @ in_w^T)[c] + in_b[c] for c = lane + 32 k, in float32, with
 // in_w^T staged in shared memory (ws [in_dim][C]) and the row's inputs broadcast from the lanes that loaded them.
 template <int CPL>
@@ -55,13 +68,7 @@ __device__ __forceinline__ void norm_input_proj(const NormFwdParams& p, const fl
       }
     }
   }
-  float* ho = p.h_out + row * C;
-#pragma unroll
-  for (int k = 0; k < CPL; ++k) {
-    const int c = lane + 32 * k;
-    v[k] = c < C ? acc[k] + p.in_b[c] : 0.f;
-    if (c < C) ho[c] = v[k];
-  }
+  norm_input_bias<CPL>(p, acc, row, lane, v);
 }
 
 // The input projection's staged weights: in_w^T as [in_dim][ld] floats, ld = C + 1 where that fits the 48 KB
@@ -71,20 +78,9 @@ __host__ __device__ __forceinline__ int norm_in_ld(int in_dim, int C) {
   return (int64_t)in_dim * (C + 1) <= NORM_IN_MAX_WEIGHTS ? C + 1 : C;
 }
 
+// The norm of a row v (the lane's columns c = lane + 32 k, 0 past C): the output, x_copy and rstd.
 template <typename OT, int CPL>
-__device__ __forceinline__ void norm_fwd_row(const NormFwdParams& p, const float* norm_ws, int ld, int64_t row,
-                                             int lane) {
-  float v[CPL];
-  if (p.in_x) {
-    norm_input_proj<CPL>(p, norm_ws, ld, row, lane, v);
-  } else {
-    const float* xr = p.x + row * p.C;
-#pragma unroll
-    for (int k = 0; k < CPL; ++k) {
-      const int c = lane + 32 * k;
-      v[k] = c < p.C ? xr[c] : 0.f;
-    }
-  }
+__device__ __forceinline__ void norm_fwd_tail(const NormFwdParams& p, const float (&v)[CPL], int64_t row, int lane) {
   float ss = 0.f;
 #pragma unroll
   for (int k = 0; k < CPL; ++k) ss = fmaf(v[k], v[k], ss);
@@ -107,6 +103,23 @@ __device__ __forceinline__ void norm_fwd_row(const NormFwdParams& p, const float
   if (lane == 0) p.rstd[row] = rs;
 }
 
+template <typename OT, int CPL>
+__device__ __forceinline__ void norm_fwd_row(const NormFwdParams& p, const float* norm_ws, int ld, int64_t row,
+                                             int lane) {
+  float v[CPL];
+  if (p.in_x) {
+    norm_input_proj<CPL>(p, norm_ws, ld, row, lane, v);
+  } else {
+    const float* xr = p.x + row * p.C;
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) {
+      const int c = lane + 32 * k;
+      v[k] = c < p.C ? xr[c] : 0.f;
+    }
+  }
+  norm_fwd_tail<OT, CPL>(p, v, row, lane);
+}
+
 // Warp per row. With the input projection prologue a block stages in_w^T once and then walks rows
 // blockIdx.x * NORM_WARPS + warp, stepping by the grid (norm_fwd_c sizes that grid to the SMs), so the
 // staging is paid per block, not per 16 rows; each row's arithmetic is the same either way.
@@ -126,6 +139,54 @@ __global__ void __launch_bounds__(NORM_THREADS) norm_fwd_kernel(NormFwdParams p)
   for (int64_t row = (int64_t)blockIdx.x * NORM_WARPS + threadIdx.x / 32; row < p.rows;
        row += (int64_t)gridDim.x * NORM_WARPS)
     norm_fwd_row<OT, CPL>(p, norm_ws, ld, row, lane);
+}
+
+// The first layer's norm with the input projection's weights in registers (in_dim <= IB <= 32 and C <= 128, so
+// CPL = 4): each lane reads w[j][k] = in_w[c = lane + 32 k][j] once from the block's staged in_w^T, then a row is
+// a shuffle and 4 FMAs an input with no shared-memory loads. norm_fwd_kernel reads ws[j * ld + c] for every FMA and
+// was bound by the shared-memory pipe (66 µs at 65,536 rows x 32 inputs, C = 128, against 29 for the later layers'
+// norm; ~45 µs of its cycles by count). The same FMAs in the same order as norm_input_proj, so the same bits: the
+// bucket's inputs j >= in_dim multiply x = -0 by w = +0, and acc + (-0) is acc for every acc (+0 and -0 included),
+// so they change no bit and need no branch; columns c >= C are summed on zero weights and dropped by
+// norm_input_bias. Each warp loads its next row's inputs before this row's math, so that latency overlaps it.
+// Not yet measured on a GPU.
+constexpr int NORM_INREG_THREADS = 128;  // small blocks: at IB = 32 (168 registers) 12 warps fit an SM, 3 blocks
+constexpr int NORM_INREG_WARPS = NORM_INREG_THREADS / 32;
+constexpr int NORM_INREG_LD = 129;       // the staged rows' stride: a column's consecutive j in distinct banks
+template <typename OT, int IB>
+__global__ void __launch_bounds__(NORM_INREG_THREADS) norm_fwd_inreg_kernel(NormFwdParams p) {
+  constexpr int CPL = 4;
+  extern __shared__ float norm_ws[];  // [IB][NORM_INREG_LD]: in_w^T, +0 past in_dim and C (read without tests)
+  const int lane = threadIdx.x % 32, I = p.in_dim;
+  for (int i = threadIdx.x; i < IB * 32 * CPL; i += NORM_INREG_THREADS) {
+    const int c = i / IB, j = i % IB;
+    norm_ws[j * NORM_INREG_LD + c] = (j < I && c < p.C) ? p.in_w[c * I + j] : 0.f;
+  }
+  __syncthreads();
+  float w[IB][CPL];
+#pragma unroll
+  for (int j = 0; j < IB; ++j)
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) w[j][k] = norm_ws[j * NORM_INREG_LD + lane + 32 * k];
+  const int64_t step = (int64_t)gridDim.x * NORM_INREG_WARPS;
+  int64_t row = (int64_t)blockIdx.x * NORM_INREG_WARPS + threadIdx.x / 32;
+  float xl = (row < p.rows && lane < I) ? p.in_x[row * I + lane] : -0.f;
+  for (; row < p.rows; row += step) {
+    const int64_t next = row + step;
+    const float xn = (next < p.rows && lane < I) ? p.in_x[next * I + lane] : -0.f;
+    float acc[CPL], v[CPL];
+#pragma unroll
+    for (int k = 0; k < CPL; ++k) acc[k] = 0.f;
+#pragma unroll
+    for (int j = 0; j < IB; ++j) {
+      const float xv = __shfl_sync(0xffffffffu, xl, j);
+#pragma unroll
+      for (int k = 0; k < CPL; ++k) acc[k] = fmaf(xv, w[j][k], acc[k]);
+    }
+    norm_input_bias<CPL>(p, acc, row, lane, v);
+    norm_fwd_tail<OT, CPL>(p, v, row, lane);
+    xl = xn;
+  }
 }
 
 template <typename GT, int CPL>
@@ -263,6 +324,27 @@ __global__ void __launch_bounds__(NORM_BWD_THREADS, NORM_BWD_MINB) norm_bwd_kern
   if (threadIdx.x == 0) *p.counter = 0u;
 }
 
+static bool g_norm_inreg = true;  // norm_set_inreg()
+void norm_set_inreg(bool on) { g_norm_inreg = on; }
+
+// One wave of blocks (the co-resident count, whatever set_coop says; an SM's worth where that query has no
+// answer), each staging in_w once and walking rows by the grid stride.
+template <typename OT, int IB>
+static void norm_fwd_inreg_launch(const NormFwdParams& p, cudaStream_t s) {
+  const auto kern = norm_fwd_inreg_kernel<OT, IB>;
+  constexpr int smem = sizeof(float) * IB * NORM_INREG_LD;
+  int64_t nb = coop_capacity((const void*)kern, NORM_INREG_THREADS, smem);
+  if (nb < 1) nb = sm_count();
+  nb = std::min<int64_t>(nb, (p.rows + NORM_INREG_WARPS - 1) / NORM_INREG_WARPS);
+  kern<<<(unsigned)nb, NORM_INREG_THREADS, smem, s>>>(p);
+}
+template <typename OT>
+static void norm_fwd_inreg(const NormFwdParams& p, cudaStream_t s) {
+  if (p.in_dim <= 8) norm_fwd_inreg_launch<OT, 8>(p, s);
+  else if (p.in_dim <= 16) norm_fwd_inreg_launch<OT, 16>(p, s);
+  else norm_fwd_inreg_launch<OT, 32>(p, s);
+}
+
 template <int CPL>
 static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
   unsigned nb = (unsigned)((p.rows + NORM_WARPS - 1) / NORM_WARPS);
@@ -271,6 +353,18 @@ static const char* norm_fwd_c(const NormFwdParams& p, cudaStream_t s) {
   // with the prologue: 4 blocks per SM (512 threads at <= 32 registers), each staging the weights once for many rows
   if (p.in_x) nb = std::min(nb, 4u * (unsigned)sm_count());
   const size_t smem = p.in_x ? sizeof(float) * (size_t)p.in_dim * norm_in_ld(p.in_dim, p.C) : 0;
+  if constexpr (CPL == 4) {  // C <= 128
+    if (p.in_x && p.in_dim <= 32 && g_norm_inreg) {
+      switch (p.out_dtype) {
+        case kF32: norm_fwd_inreg<float>(p, s); break;
+        case kBF16: norm_fwd_inreg<__nv_bfloat16>(p, s); break;
+        case kF16: norm_fwd_inreg<__half>(p, s); break;
+        default: return "rms_norm: unsupported output dtype";
+      }
+      MRL_LAUNCH_CHECK();
+      return nullptr;
+    }
+  }
   switch (p.out_dtype) {
     case kF32: norm_fwd_kernel<float, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;
     case kBF16: norm_fwd_kernel<__nv_bfloat16, CPL><<<nb, NORM_THREADS, smem, s>>>(p); break;

@@ -185,6 +185,9 @@ struct NormBwdParams {
 };
 int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);
+// Whether the input projection prologue may keep in_w in registers where in_dim <= 32 and C <= 128 (true, the
+// default) or must read it from shared memory for every FMA (false: the same bits; a testing knob; norm.cu).
+void norm_set_inreg(bool on);
 const char* norm_bwd(const NormBwdParams& p, cudaStream_t s);
 }  // namespace mrl
 

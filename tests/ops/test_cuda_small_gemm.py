@@ -306,8 +306,9 @@ def test_conv_xdt_fwd_bad_input_raises(ext):
 def test_input_rmsnorm_fwd_vs_ref(ext, rows, C, I, odt):
     """input_rmsnorm_fwd: h = x @ W^T + b in float32 and RMSNorm(h) in one pass, within float32 rounding of the
     float64 reference; the norm is the bits of rmsnorm_fwd on the returned h; x_copy receives h. 16 x 1024 x 12
-    stages the weights unpadded (12 x 1025 floats exceed 48 KB), the others padded; 20011 rows are more than
-    the prologue's grid (4 blocks of 16 rows per SM), so its blocks walk several rows each."""
+    stages the weights unpadded (12 x 1025 floats exceed 48 KB), the others padded, and where in_dim <= 32 and
+    C <= 128 keeps them in registers (norm_fwd_inreg_kernel); 20011 rows are more than either prologue's grid
+    (one wave of blocks), so its blocks walk several rows each."""
     from mamba_rl.ops.norm import rms_norm_ref
     gen = torch.Generator().manual_seed(rows + C + I)
     x = torch.randn(rows, I, generator=gen).cuda()
@@ -322,6 +323,57 @@ def test_input_rmsnorm_fwd_vs_ref(ext, rows, C, I, odt):
     assert torch.equal(cp, h)
     u2, rstd2 = ext.rmsnorm_fwd(h, w, 1e-5, odt)
     assert torch.equal(u, u2) and torch.equal(rstd, rstd2)
+    assert rel(u, rms_norm_ref(h_r, w.double(), 1e-5)) <= (2e-6 if odt == torch.float32 else 1e-2)
+
+
+def _bits(t):
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+@pytest.mark.parametrize("I,C", [(i, c) for i in (1, 4, 17, 32) for c in (64, 96, 128)]
+                         + [(33, 128), (32, 160), (33, 160)])
+@pytest.mark.parametrize("rows", [7, 20011])
+@pytest.mark.parametrize("odt", [torch.float32, torch.bfloat16])
+def test_input_rmsnorm_weights_in_registers_give_the_staged_bits(ext, rows, C, I, odt):
+    """Where in_dim <= 32 and d_model <= 128 the input projection's weights live in registers (csrc/norm.cu
+    norm_fwd_inreg_kernel; the in_dim bucket's inputs past in_dim are -0 x +0 FMAs): h, the norm, rstd and x_copy
+    are bit for bit (signed zeros included) those of the shared-memory path (ext.norm_set_inreg(False)), and within
+    float32 rounding of the float64 reference. Row 0, column 0 sums underflowing products to -0 plus a -0 bias, so h
+    there is -0 only if the padding FMAs keep a -0 sum. 20011 rows are more than one wave of blocks. 33 inputs or
+    160 channels (just outside) take the shared-memory path either way (the kernel names, torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mamba_rl.ops.norm import rms_norm_ref
+    gen = torch.Generator().manual_seed(7 * rows + 131 * C + I)
+    x = torch.randn(rows, I, generator=gen)
+    wi = torch.randn(C, I, generator=gen) / I ** 0.5
+    bi = torch.randn(C, generator=gen)
+    w = 1 + 0.2 * torch.randn(C, generator=gen)
+    x[0], wi[0], bi[0] = 1e-30, -1e-30, -0.0
+    x, wi, bi, w = x.cuda(), wi.cuda(), bi.cuda(), w.cuda()
+    inreg = I <= 32 and C <= 128
+    outs = []
+    try:
+        for on in (True, False):
+            ext.norm_set_inreg(on)
+            cp = torch.full((rows, C), float("nan"), device="cuda")
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                res = ext.input_rmsnorm_fwd(x, wi, bi, w, 1e-5, odt, x_copy=cp)
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            norm = [n for n in names if "norm_fwd" in n]
+            assert len(norm) == 1 and ("norm_fwd_inreg_kernel" in norm[0]) == (on and inreg), names
+            outs.append(list(res) + [cp])
+    finally:
+        ext.norm_set_inreg(True)
+    for name, a, b in zip(["h", "out", "rstd", "x_copy"], *outs):
+        assert torch.equal(_bits(a), _bits(b)), name
+    h, u, _, cp = outs[0]
+    assert torch.signbit(h[0, 0]) and h[0, 0] == 0
+    assert torch.equal(_bits(cp), _bits(h))
+    h_r = x.double() @ wi.double().t() + bi.double()
+    assert rel(h, h_r) <= 2e-6
     assert rel(u, rms_norm_ref(h_r, w.double(), 1e-5)) <= (2e-6 if odt == torch.float32 else 1e-2)
 
 
