@@ -28,7 +28,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
@@ -699,7 +698,13 @@ Tensor backbone_bwd(const std::shared_ptr<BackboneSaved>& sp, const OptT& dfeat,
     mrl_cpu::scan_bwd(sg);
     const Tensor ddt2 = ddt.view({BT, D});
     g[5].addmm_(ddt2.t(), s.dbc[l].narrow(1, 0, R));
-    const Tensor ddbc = at::cat({at::mm(ddt2, w[5]), dB.view({BT, N}), dC.view({BT, N})}, 1);
+    // dL/d[dt_low, B, C] assembled in place as the fused node's Python does it (scan_bwd(dbc_out=) copies dB / dC
+    // into their columns on the CPU): the dt_proj GEMM into the same column block, so the same bits
+    const Tensor ddbc = new_empty({BT, R + 2 * N}, f32);
+    Tensor ddt_low = ddbc.narrow(1, 0, R);
+    at::mm_out(ddt_low, ddt2, w[5]);
+    ddbc.narrow(1, R, N).copy_(dB.view({BT, N}));
+    ddbc.narrow(1, R + N, N).copy_(dC.view({BT, N}));
     const Tensor dxc2 = at::addmm(dxc.view({BT, D}), ddbc, w[4]);
     g[4].addmm_(ddbc.t(), s.xc[l].view({BT, D}));
     const Tensor dcf = dconv_final ? (*dconv_final)[l].contiguous() : Tensor();

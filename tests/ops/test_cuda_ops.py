@@ -592,6 +592,25 @@ def test_scan_bwd_dbc_out_gives_the_same_bits(ext, B, T, N, dtype):
         ext.set_coop(7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("d_model", [16, 48, 64, 128, 200, 256, 512])  # dt_rank 1, 3, 4, 8, 13, 16, 32
+def test_dt_proj_gemm_into_ddbc_columns_keeps_its_bits(dtype, d_model):
+    """The fused backward without the x_proj kernel (B*T > 2048 rows) has torch.mm write ddt @ dt_proj.weight into
+    the first dt_rank columns of ddbc [B*T, dt_rank + 2N] (out=, a row stride of dt_rank + 2N) instead of
+    concatenating a fresh product: cuBLAS takes the strided output as is (the other columns untouched, no copy
+    back), with the bits of the fresh product, so the fused gradients keep theirs."""
+    g = torch.Generator(device="cuda").manual_seed(d_model)
+    di, r = 2 * d_model, -(-d_model // 16)
+    for rows, n in ((2049, 16), (4096, 16), (64 * 1024, 16), (4096, 8)):
+        ddt = torch.randn(rows, di, device="cuda", generator=g).to(dtype)
+        wdt = torch.randn(di, r, device="cuda", generator=g).to(dtype)
+        ddbc = torch.full((rows, r + 2 * n), float("nan"), device="cuda", dtype=dtype)
+        out = torch.mm(ddt, wdt, out=ddbc[:, :r])
+        assert out.data_ptr() == ddbc.data_ptr() and out.stride() == (r + 2 * n, 1)
+        assert torch.equal(ddbc[:, :r], torch.mm(ddt, wdt)), (rows, n)
+        assert torch.isnan(ddbc[:, r:]).all()
+
+
 def test_scan_bwd_dbc_out_rejects_bad_buffers(ext):
     """A dbc_out of the wrong shape, strides, dtype or device is a ValueError naming the expected and the received
     value (csrc/binding_common.h's dbc_out_views; the CPU binding raises the same), raised before anything runs."""
