@@ -6,6 +6,7 @@
 #include <array>
 #include <optional>
 #include <limits>
+#include <tuple>
 #include "binding_common.h"
 #include "ops.h"
 
@@ -190,7 +191,7 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
                              const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
                              const OptT& init, const OptT& starts, const Tensor& ckpt, const Tensor& dout,
                              const OptT& dfinal, bool need_dinit, const OptT& dz_out,
-                             const std::optional<std::vector<Tensor>>& acc) {
+                             const std::optional<std::vector<Tensor>>& acc, const OptT& dbc_out) {
   auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
   const int64_t nC = (s.T + mrl::scan_chunk() - 1) / mrl::scan_chunk();
   check_f32(ckpt, "selective_scan: checkpoints", x, {s.B, nC, s.D, s.N});
@@ -210,9 +211,17 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
     check_f32((*acc)[1], "selective_scan: dD_acc", x, {s.D});
     check_f32((*acc)[2], "selective_scan: ddt_bias_acc", x, {s.D});
   }
+  Tensor dB, dC;
+  if (dbc_out) {  // the reduction writes dB / dC straight into their columns: no concatenation after
+    check_cuda(*dbc_out, "selective_scan: dbc_out", x);
+    MRL_CHECK(dbc_out->scalar_type() == x.scalar_type(), "selective_scan: dbc_out: expected dtype ", x.scalar_type(),
+              " (same as x), got ", dbc_out->scalar_type());
+    std::tie(dB, dC) = mrl_binding::dbc_out_views(*dbc_out, s.B, s.T, s.N);
+  } else {
+    dB = new_empty({s.B, s.T, s.N}, x.options());
+    dC = new_empty({s.B, s.T, s.N}, x.options());
+  }
   auto dz = dz_out ? *dz_out : new_empty({s.B, s.T, s.D}, x.options());
-  auto dB = new_empty({s.B, s.T, s.N}, x.options());
-  auto dC = new_empty({s.B, s.T, s.N}, x.options());
   auto dA = acc ? (*acc)[0] : new_empty({s.D, s.N}, f32);
   auto dD = acc ? (*acc)[1] : new_empty({s.D}, f32);
   auto ddb = acc ? (*acc)[2] : new_empty({s.D}, f32);
@@ -221,6 +230,7 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   q.dout = dout.data_ptr(); q.g_sb = dout.stride(0); q.g_st = dout.stride(1);
   q.dfinal = ptr_or_null<float>(dfinal);
   q.dx = dx.data_ptr(); q.ddt = ddt.data_ptr(); q.dB = dB.data_ptr(); q.dC = dC.data_ptr();
+  q.dBC_st = dbc_out ? dbc_out->stride(0) : s.N;  // dB / dC rows: a buffer row, or N (contiguous)
   q.dz = dz.data_ptr(); q.dz_sb = dz.stride(0); q.dz_st = dz.stride(1); q.accumulate = acc.has_value();
   q.dA_log = dA.data_ptr<float>(); q.dD = dD.data_ptr<float>(); q.ddt_bias = ddb.data_ptr<float>();
   q.dinit = need_dinit ? dinit.data_ptr<float>() : nullptr;
@@ -994,10 +1004,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dt_bias"), py::arg("init"), py::arg("starts"), py::arg("need_ckpt"),
         py::arg("final_out") = py::none());
   m.def("scan_bwd", &scan_bwd, "selective scan backward -> (dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit); "
-        "optional strided dz_out and acc=[dA_log, dD, ddt_bias] (added into)", py::arg("x"), py::arg("dt"),
+        "optional strided dz_out and acc=[dA_log, dD, ddt_bias] (added into); optional dbc_out [B*T, dt_rank + 2N] "
+        "(x's dtype, unit column stride, row stride >= dt_rank + 2N): dB / dC are written into its last 2N columns "
+        "(the others untouched) and returned as [B, T, N] views of them, the same bits; ValueError naming the "
+        "expected and received value for a bad shape, stride, dtype or device", py::arg("x"), py::arg("dt"),
         py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"), py::arg("dt_bias"),
         py::arg("init"), py::arg("starts"), py::arg("ckpt"), py::arg("dout"), py::arg("dfinal"),
-        py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
+        py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none(),
+        py::arg("dbc_out") = py::none());
   m.def("grad_stats", &grad_stats, "global grad norm, clip coef, overflow flag, bias corrections (in place)");
   m.def("adamw_step", &adamw_step, "flat-arena AdamW with decay boundary and compute copy (in place); zero_grad: "
         "grad is zeroed once read", py::arg("param"), py::arg("grad"), py::arg("exp_avg"), py::arg("exp_avg_sq"),

@@ -3,7 +3,8 @@
 // - MRL_CHECK(cond, parts...): a bad argument (shape, dtype, device, stride, size limit) -> ValueError whose
 //   message names the argument, the expected and the received value (c10::ValueError, TORCH_CHECK_VALUE);
 // - MRL_RAISE_IF(err): a launcher's error string (a failed launch) -> RuntimeError;
-// - shape_str, the NaN poisoning of fresh outputs (tests), optional-tensor pointers.
+// - shape_str, the NaN poisoning of fresh outputs (tests), optional-tensor pointers;
+// - dbc_out_views: the shape / stride checks of scan_bwd's dbc_out and its dB / dC views.
 // Header-only; each binding includes it once.
 //
 // No std::ostream formatting of numbers anywhere in a binding: in the CUDA extension as built on
@@ -25,6 +26,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace mrl_binding {
 
@@ -86,6 +88,19 @@ inline at::Tensor new_empty(at::IntArrayRef shape, const at::TensorOptions& opt)
 template <typename T>
 const T* ptr_or_null(const std::optional<at::Tensor>& t) {
   return (t && t->defined() && t->numel()) ? t->data_ptr<T>() : nullptr;
+}
+
+// scan_bwd's dbc_out, the gradient of the x_proj output [B*T, E], E = R + 2N (R = dt_rank >= 0, not otherwise
+// known to the scan): unit column stride, rows at least E elements apart (none overlap). Its dB / dC columns
+// [E - 2N, E - N) and [E - N, E) as [B, T, N] views (rows stride(0) apart). dtype and device: the caller's checks.
+inline std::pair<at::Tensor, at::Tensor> dbc_out_views(const at::Tensor& t, int64_t B, int64_t T, int64_t N) {
+  const int64_t BT = B * T;
+  MRL_CHECK(t.dim() == 2 && t.size(0) == BT && t.size(1) >= 2 * N, "selective_scan: dbc_out: expected shape [", BT,
+            ", dt_rank + ", 2 * N, "], got ", shape_str(t));
+  const int64_t E = t.size(1);
+  MRL_CHECK(t.stride(1) == 1 && (BT == 1 || t.stride(0) >= E), "selective_scan: dbc_out: expected strides [>= ", E,
+            ", 1], got ", t.strides());
+  return {t.narrow(1, E - 2 * N, N).view({B, T, N}), t.narrow(1, E - N, N).view({B, T, N})};
 }
 
 }  // namespace mrl_binding

@@ -61,7 +61,8 @@ struct ScanBwdParams {
   const float* dfinal;                   // [B, D, N] or nullptr
   void* dx; void* ddt;                   // [B, T, D] contiguous
   void* dz; int64_t dz_sb, dz_st;        // [B, T, D], may be a strided view (e.g. half of a dxz buffer)
-  void* dB; void* dC;                    // [B, T, N] contiguous
+  void* dB; void* dC;                    // [B, T, N], rows (b, t) dBC_st elements apart, unit last stride
+  int64_t dBC_st;                        // N (contiguous), or R + 2N: columns of a [B*T, R + 2N] buffer
   float* dA_log; float* dD; float* ddt_bias;  // [D, N], [D], [D]
   bool accumulate;                       // add into dA_log / dD / ddt_bias instead of writing
   float* dinit;                          // [B, D, N] or nullptr

@@ -465,7 +465,8 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
 // (gtid = thread id in the grid), in a fixed order, so any grid gives the same bits: dB / dC of every (b, t)
 // summed over the ntiles channel tiles in tile order, and dA_log / dD / ddt_bias of every column summed
 // over the B * nseg (row, segment) partials as 8 row groups (group g: rows g, g + 8, ...; the 8 group sums
-// then added in group order; 8 lanes of a warp per column). Written (or added, q.accumulate) into the outputs.
+// then added in group order; 8 lanes of a warp per column). Written (or added, q.accumulate) into the outputs;
+// dB / dC rows dBC_st apart (the binding's dbc_out: their columns of the x_proj output's gradient), the same sums.
 template <typename T, int N>
 __device__ __forceinline__ void scan_bwd_reduce(const ScanBwdParams& q, const int ntiles, const int64_t gtid,
                                                 const int64_t nthreads) {
@@ -477,8 +478,8 @@ __device__ __forceinline__ void scan_bwd_reduce(const ScanBwdParams& q, const in
     for (int k = 0; k < ntiles; ++k) a += L.pBC[(int64_t)k * Mbc + i];
     const int64_t bt = i / (2 * N);
     const int j = (int)(i % (2 * N));
-    if (j < N) reinterpret_cast<T*>(q.dB)[bt * N + j] = from_f<T>(a);
-    else reinterpret_cast<T*>(q.dC)[bt * N + j - N] = from_f<T>(a);
+    if (j < N) reinterpret_cast<T*>(q.dB)[bt * q.dBC_st + j] = from_f<T>(a);
+    else reinterpret_cast<T*>(q.dC)[bt * q.dBC_st + j - N] = from_f<T>(a);
   }
   const int D = p.D, M = D * N + 2 * D, rows = p.B * p.nseg;
   const int lane = (int)(gtid & 31);

@@ -14,7 +14,8 @@
 // backend that produced it. CUDA only: the small-GEMM kernels (wgrad_grouped, xdt_fwd, xdt_bwd), the scan's
 // segment control (scan_segments, scan_set_segments), Mamba-3's m3_step, and the optional arguments
 // conv_fwd(final_out) and rmsnorm_fwd(x_copy) (adamw_step(zero_grad) is on both: the pass zeroes the
-// gradient as it reads it). CPU only: m3_backbone_step, the whole Mamba-3 one-token step in one call (on CUDA it is torch
+// gradient as it reads it; so is scan_bwd(dbc_out): here dB / dC are copied into it after the kernel).
+// CPU only: m3_backbone_step, the whole Mamba-3 one-token step in one call (on CUDA it is torch
 // GEMMs around m3_step). Both have backbone_step_prepare; its PreparedStep.launch writes into a given output
 // on CUDA (the captured graph's buffer) and returns a new tensor here (x, starts -> features or None).
 // This file is argument checking and pybind11 glue: nothing in it is hot. At -O3, GCC spends more time
@@ -27,7 +28,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
-#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/sum.h>
@@ -40,6 +40,8 @@
 #include <malloc.h>
 #endif
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "../binding_common.h"
@@ -228,7 +230,7 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
                              const Tensor& Cm, const Tensor& Dp, const Tensor& z, const Tensor& dt_bias,
                              const OptT& init, const OptT& starts, const OptT& ckpt_opt, const Tensor& dout,
                              const OptT& dfinal, bool need_dinit, const OptT& dz_out,
-                             const std::optional<std::vector<Tensor>>& acc) {
+                             const std::optional<std::vector<Tensor>>& acc, const OptT& dbc_out) {
   const auto s = scan_check(x, dt, A_log, Bm, Cm, Dp, z, dt_bias, init, starts);
   // ckpt is optional in the signature only so that None gets this message instead of pybind's TypeError
   MRL_CHECK(ckpt_opt.has_value() && ckpt_opt->defined(), "selective_scan: checkpoints: expected the ckpt "
@@ -244,6 +246,12 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
     check_f32((*acc)[0], "selective_scan: dA_log_acc", {s.D, s.N});
     check_f32((*acc)[1], "selective_scan: dD_acc", {s.D});
     check_f32((*acc)[2], "selective_scan: ddt_bias_acc", {s.D});
+  }
+  std::pair<Tensor, Tensor> bc_views;
+  if (dbc_out) {
+    check_cpu(*dbc_out, "selective_scan: dbc_out");
+    check_dtype_f32(*dbc_out, "selective_scan: dbc_out");
+    bc_views = mrl_binding::dbc_out_views(*dbc_out, s.B, s.T, s.N);
   }
   auto f32 = x.options();
   auto dx = new_empty({s.B, s.T, s.D}, f32);
@@ -267,6 +275,11 @@ std::vector<Tensor> scan_bwd(const Tensor& x, const Tensor& dt, const Tensor& A_
   g.accumulate = acc.has_value();
   g.dinit = need_dinit ? dinit.data_ptr<float>() : nullptr;
   mrl_cpu::scan_bwd(g);
+  if (dbc_out) {  // the CUDA contract; the CPU kernel writes contiguous rows, so here a copy
+    bc_views.first.copy_(dB);
+    bc_views.second.copy_(dC);
+    std::tie(dB, dC) = bc_views;
+  }
   return {dx, ddt, dA, dB, dC, dD, dz, ddb, dinit};
 }
 
@@ -685,7 +698,13 @@ Tensor backbone_bwd(const std::shared_ptr<BackboneSaved>& sp, const OptT& dfeat,
     mrl_cpu::scan_bwd(sg);
     const Tensor ddt2 = ddt.view({BT, D});
     g[5].addmm_(ddt2.t(), s.dbc[l].narrow(1, 0, R));
-    const Tensor ddbc = at::cat({at::mm(ddt2, w[5]), dB.view({BT, N}), dC.view({BT, N})}, 1);
+    // dL/d[dt_low, B, C] assembled in place as the fused node's Python does it (scan_bwd(dbc_out=) copies dB / dC
+    // into their columns on the CPU): the dt_proj GEMM into the same column block, so the same bits
+    const Tensor ddbc = new_empty({BT, R + 2 * N}, f32);
+    Tensor ddt_low = ddbc.narrow(1, 0, R);
+    at::mm_out(ddt_low, ddt2, w[5]);
+    ddbc.narrow(1, R, N).copy_(dB.view({BT, N}));
+    ddbc.narrow(1, R + N, N).copy_(dC.view({BT, N}));
     const Tensor dxc2 = at::addmm(dxc.view({BT, D}), ddbc, w[4]);
     g[4].addmm_(ddbc.t(), s.xc[l].view({BT, D}));
     const Tensor dcf = dconv_final ? (*dconv_final)[l].contiguous() : Tensor();
@@ -966,10 +985,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scan_fwd", &scan_fwd, "selective scan forward -> [y [B,T,D], final_state [B,D,N], ckpt [B,nC,D,N] or "
         "None]; ckpt[b, c] is the state entering step c * scan_chunk()");
   m.def("scan_bwd", &scan_bwd, "selective scan backward -> [dx, ddt, dA_log, dB, dC, dD, dz, ddt_bias, dinit or "
-        "None]; optional strided dz_out (written) and acc=[dA_log, dD, ddt_bias] (added into)", py::arg("x"),
+        "None]; optional strided dz_out (written) and acc=[dA_log, dD, ddt_bias] (added into); optional dbc_out "
+        "[B*T, dt_rank + 2N] float32 (unit column stride, row stride >= dt_rank + 2N): dB / dC are written into its "
+        "last 2N columns (the others untouched) and returned as [B, T, N] views of them (the CUDA contract; copied "
+        "here); ValueError naming the expected and received value for a bad shape, stride, dtype or device",
+        py::arg("x"),
         py::arg("dt"), py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"),
         py::arg("dt_bias"), py::arg("init"), py::arg("starts"), py::arg("ckpt"), py::arg("dout"), py::arg("dfinal"),
-        py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none());
+        py::arg("need_dinit"), py::arg("dz_out") = py::none(), py::arg("acc") = py::none(),
+        py::arg("dbc_out") = py::none());
   py::class_<PreparedStep>(m, "PreparedStep", "one-token step with its weights and states checked and bound once")
       .def("launch", &PreparedStep::launch, "run on x_t [B, in_dim] f32 (starts [B] bool or None) -> features "
            "[B, d_model], or None (nothing run) when x_t or starts does not fit", py::arg("x"), py::arg("starts"));

@@ -601,19 +601,22 @@ class _Backbone(torch.autograd.Function):
             # the left; the small weight grads are accumulated by the kernels straight into the arena.
             dxz = torch.empty(BT, 2 * di, device=dh.device, dtype=xz.dtype)
             dxz3 = dxz.view(B, T, 2 * di)
+            # Without the x_proj kernel, ddbc = dL/d[dt_low, B, C] is assembled in place too: the scan writes dB /
+            # dC into its right columns, the dt_proj GEMM its left ones (no concatenation pass).
+            ddbc = None if use_xdt else torch.empty(BT, r + 2 * n, device=dh.device, dtype=xc.dtype)
             dxc, ddt, _, dB, dC, _, _, _, _ = ext.scan_bwd(
                 xc, dt.view(B, T, di), w(p + "mixer.A_log", M), dbc3[..., r:r + n], dbc3[..., r + n:],
                 w(p + "mixer.D", M), z, w(p + "mixer.dt_proj.bias", M), ctx.ssm0[i], ctx.starts, ckpt,
                 dy.view(B, T, di), dfin, False, dxz3[..., di:],
-                [w(p + "mixer.A_log", G), w(p + "mixer.D", G), w(p + "mixer.dt_proj.bias", G)])
+                [w(p + "mixer.A_log", G), w(p + "mixer.D", G), w(p + "mixer.dt_proj.bias", G)], dbc_out=ddbc)
             ddt2 = ddt.view(BT, di)
             wg.add(w(p + "mixer.dt_proj.weight", G), ddt2, dbc[:, :r])
             if use_xdt:  # one launch: ddbc = [ddt @ Wdt, dB, dC], dxc += ddbc @ Wx (in place)
                 ddbc = ext.xdt_bwd(ddt2, dB.view(BT, n), dC.view(BT, n), w(p + "mixer.x_proj.weight"),
                                    w(p + "mixer.dt_proj.weight"), dxc.view(BT, di))
             else:
-                ddbc = torch.cat([torch.mm(ddt2, w(p + "mixer.dt_proj.weight")), dB.view(BT, n), dC.view(BT, n)],
-                                 dim=1)
+                # a column block of ddbc as out: cuBLAS / the CPU BLAS take its row stride (no copy back)
+                torch.mm(ddt2, w(p + "mixer.dt_proj.weight"), out=ddbc[:, :r])
                 dxc = dxc.view(BT, di).addmm_(ddbc, w(p + "mixer.x_proj.weight"))  # in place: no copy of dxc first
             wg.add(w(p + "mixer.x_proj.weight", G), ddbc, xc.view(BT, di))
             xi = xz.view(B, T, 2 * di)[..., :di]

@@ -210,6 +210,52 @@ def test_scan_bwd_strided_out_and_accumulate(cpu_ext):
         assert rel(a - a0, r) <= TOL, name
 
 
+def test_scan_bwd_dbc_out(cpu_ext):
+    """dbc_out, the fused backward's dL/d[dt_low, B, C] buffer [B*T, R + 2N] (the CUDA contract): dB / dC land
+    in its last 2N columns with the bits of the plain call and come back as [B, T, N] views of them; every other
+    element keeps its contents (NaN in an exact-width buffer, random around a column block of a wider one: a row
+    stride above R + 2N). The other outputs are unchanged. A bad shape, stride, dtype or device raises ValueError
+    naming the expected and the received value."""
+    g = torch.Generator().manual_seed(44)
+    B, T, D, N, R = 6, 37, 24, 5, 3
+    E = R + 2 * N
+    inp = scan_inputs(g, B, T, D, N, R)
+    starts = starts_patterns(T, g)
+    dy, dfin = rn(g, B, T, D), rn(g, B, D, N)
+    args = [inp[k] for k in ("x", "dt", "A_log", "Bm", "Cm", "Dp", "z", "dtb", "s0")]
+    _, _, ckpt = cpu_ext.scan_fwd(*args, starts, True)
+    ref = cpu_ext.scan_bwd(*args, starts, ckpt, dy, dfin, True)
+    for full, c0 in ((torch.full((B * T, E), float("nan")), 0), (rn(g, B * T, E + 6), 2)):
+        buf = full[:, c0:c0 + E]
+        before = full.clone()
+        out = cpu_ext.scan_bwd(*args, starts, ckpt, dy, dfin, True, dbc_out=buf)
+        dB, dC = out[3], out[4]
+        assert dB.shape == (B, T, N) and dC.shape == (B, T, N)
+        assert dB.data_ptr() == buf[:, R:].data_ptr() and dC.data_ptr() == buf[:, R + N:].data_ptr()
+        assert torch.equal(buf[:, R:R + N], ref[3].view(B * T, N))
+        assert torch.equal(buf[:, R + N:], ref[4].view(B * T, N))
+        kept = torch.ones_like(full, dtype=torch.bool)
+        kept[:, c0 + R:c0 + E] = False
+        assert torch.equal(full.view(torch.int32)[kept], before.view(torch.int32)[kept])  # bits: NaN stays NaN
+        for k in (0, 1, 2, 5, 6, 7, 8):
+            assert torch.equal(out[k], ref[k]), k
+    bad = {
+        re.escape("selective_scan: dbc_out: expected shape [222, dt_rank + 10], got [222, 9]"): torch.zeros(B * T, 9),
+        re.escape("selective_scan: dbc_out: expected shape [222, dt_rank + 10], got [221, 13]"):
+            torch.zeros(B * T - 1, E),
+        re.escape("selective_scan: dbc_out: expected shape [222, dt_rank + 10], got [6, 37, 13]"):
+            torch.zeros(B, T, E),
+        re.escape("selective_scan: dbc_out: expected strides [>= 13, 1], got [1, 222]"): torch.zeros(E, B * T).t(),
+        re.escape("selective_scan: dbc_out: expected strides [>= 13, 1], got [4, 1]"):  # overlapping rows
+            torch.zeros(4 * B * T + E).as_strided((B * T, E), (4, 1)),
+        r"selective_scan: dbc_out: expected dtype float32.*got Double": torch.zeros(B * T, E, dtype=torch.float64),
+        r"selective_scan: dbc_out: expected a CPU tensor, got device meta": torch.empty(B * T, E, device="meta"),
+    }
+    for match, t in bad.items():
+        with pytest.raises(ValueError, match=match):
+            cpu_ext.scan_bwd(*args, starts, ckpt, dy, dfin, True, dbc_out=t)
+
+
 def test_results_do_not_depend_on_thread_count(cpu_ext):
     """1 vs 2 OpenMP threads (different task splits and reduction groups) agree to float rounding:
     conv, scan and RMSNorm forward + backward, and a few backbone steps."""

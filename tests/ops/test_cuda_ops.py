@@ -3,6 +3,8 @@
 Fresh random inputs and reset patterns per case; outputs and workspaces are poisoned with NaN before each
 call, so an element the kernel forgot to write fails the check. f32 rel err <= 1e-4, bf16 <= 2e-2.
 """
+import re
+
 import pytest
 import torch
 
@@ -538,6 +540,102 @@ def test_scan_bwd_builds_match_the_reference(ext, B, T, N, dtype):
     finally:
         ext.scan_set_bwd_blocks(0)
         ext.set_coop(7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("B,T,N", [(3, 37, 16), (5, 100, 8), (16, 64, 16)])
+def test_scan_bwd_dbc_out_gives_the_same_bits(ext, B, T, N, dtype):
+    """scan_bwd(dbc_out=) writes dB / dC straight into the last 2N columns of a [B*T, R + 2N] buffer (the fused
+    backward's dL/d[dt_low, B, C]; exact width, and a column block of a wider one: row stride > R + 2N) with the
+    bits of the plain call, through the cooperative launch's reductions and the separate reduction kernel alike,
+    and returns them as [B, T, N] views of it; every other element keeps its contents (NaN, random), the other
+    outputs are unchanged. The call of fused.py too: dz_out, acc and dbc_out together."""
+    D, R = (256 if B == 16 else 48), 8
+    E = R + 2 * N
+    ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=31 * B + T + N)
+    g = torch.Generator(device="cuda").manual_seed(5 * B + T)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    x, dt, A_log, Bm, Cm, Dp, z, dtb, _ = ins
+    try:
+        for coop in (0, 7):
+            ext.set_coop(coop)
+            _, _, ckpt = ext.scan_fwd(*ins, starts, True)
+            ref = ext.scan_bwd(*ins, starts, ckpt, dy, dfin, True)
+            wide = torch.randn(B * T, E + 6, device="cuda", generator=g).to(dtype)
+            for full, c0 in ((torch.full((B * T, E), float("nan"), device="cuda", dtype=dtype), 0), (wide, 2)):
+                buf = full[:, c0:c0 + E]
+                before = full.clone()
+                out = ext.scan_bwd(*ins, starts, ckpt, dy, dfin, True, dbc_out=buf)
+                dB, dC = out[3], out[4]
+                assert dB.shape == (B, T, N) and dC.shape == (B, T, N)
+                assert dB.data_ptr() == buf[:, R:].data_ptr() and dC.data_ptr() == buf[:, R + N:].data_ptr()
+                assert torch.equal(buf[:, R:R + N], ref[3].view(B * T, N)), coop
+                assert torch.equal(buf[:, R + N:], ref[4].view(B * T, N)), coop
+                kept = torch.ones(full.shape, dtype=torch.bool, device="cuda")
+                kept[:, c0 + R:c0 + E] = False
+                assert torch.equal(full.view(bits)[kept], before.view(bits)[kept]), coop  # NaN stays NaN
+                for k in (0, 1, 2, 5, 6, 7, 8):
+                    assert torch.equal(out[k], ref[k]), (coop, k)
+            # fused.py's call: no initial state, dz into half of a dxz buffer, acc added into, dbc_out
+            _, _, ckpt = ext.scan_fwd(x, dt, A_log, Bm, Cm, Dp, z, dtb, None, starts, True)
+            plain = ext.scan_bwd(x, dt, A_log, Bm, Cm, Dp, z, dtb, None, starts, ckpt, dy, None, False)
+            dxz = torch.empty(B, T, 2 * D, device="cuda", dtype=dtype)
+            acc = [torch.zeros(D, N, device="cuda"), torch.zeros(D, device="cuda"), torch.zeros(D, device="cuda")]
+            ddbc = torch.empty(B * T, E, device="cuda", dtype=dtype)
+            out = ext.scan_bwd(x, dt, A_log, Bm, Cm, Dp, z, dtb, None, starts, ckpt, dy, None, False, dxz[..., D:],
+                               acc, dbc_out=ddbc)
+            assert torch.equal(ddbc[:, R:R + N], plain[3].view(B * T, N))
+            assert torch.equal(ddbc[:, R + N:], plain[4].view(B * T, N))
+            assert torch.equal(out[0], plain[0]) and torch.equal(out[1], plain[1])
+            assert torch.equal(dxz[..., D:], plain[6])
+    finally:
+        ext.set_coop(7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("d_model", [16, 48, 64, 128, 200, 256, 512])  # dt_rank 1, 3, 4, 8, 13, 16, 32
+def test_dt_proj_gemm_into_ddbc_columns_keeps_its_bits(dtype, d_model):
+    """The fused backward without the x_proj kernel (B*T > 2048 rows) has torch.mm write ddt @ dt_proj.weight into
+    the first dt_rank columns of ddbc [B*T, dt_rank + 2N] (out=, a row stride of dt_rank + 2N) instead of
+    concatenating a fresh product: cuBLAS takes the strided output as is (the other columns untouched, no copy
+    back), with the bits of the fresh product, so the fused gradients keep theirs."""
+    g = torch.Generator(device="cuda").manual_seed(d_model)
+    di, r = 2 * d_model, -(-d_model // 16)
+    for rows, n in ((2049, 16), (4096, 16), (64 * 1024, 16), (4096, 8)):
+        ddt = torch.randn(rows, di, device="cuda", generator=g).to(dtype)
+        wdt = torch.randn(di, r, device="cuda", generator=g).to(dtype)
+        ddbc = torch.full((rows, r + 2 * n), float("nan"), device="cuda", dtype=dtype)
+        out = torch.mm(ddt, wdt, out=ddbc[:, :r])
+        assert out.data_ptr() == ddbc.data_ptr() and out.stride() == (r + 2 * n, 1)
+        assert torch.equal(ddbc[:, :r], torch.mm(ddt, wdt)), (rows, n)
+        assert torch.isnan(ddbc[:, r:]).all()
+
+
+def test_scan_bwd_dbc_out_rejects_bad_buffers(ext):
+    """A dbc_out of the wrong shape, strides, dtype or device is a ValueError naming the expected and the received
+    value (csrc/binding_common.h's dbc_out_views; the CPU binding raises the same), raised before anything runs."""
+    B, T, D, N, R = 2, 19, 48, 16, 8
+    E = R + 2 * N
+    ins, starts, dy, dfin = _scan_case(B, T, D, N, torch.float32, seed=3)
+    _, _, ckpt = ext.scan_fwd(*ins, starts, True)
+    bad = {
+        re.escape("selective_scan: dbc_out: expected shape [38, dt_rank + 32], got [38, 31]"):
+            torch.zeros(B * T, 31, device="cuda"),
+        re.escape("selective_scan: dbc_out: expected shape [38, dt_rank + 32], got [37, 40]"):
+            torch.zeros(B * T - 1, E, device="cuda"),
+        re.escape("selective_scan: dbc_out: expected shape [38, dt_rank + 32], got [2, 19, 40]"):
+            torch.zeros(B, T, E, device="cuda"),
+        re.escape("selective_scan: dbc_out: expected strides [>= 40, 1], got [1, 38]"):
+            torch.zeros(E, B * T, device="cuda").t(),
+        re.escape("selective_scan: dbc_out: expected strides [>= 40, 1], got [8, 1]"):  # overlapping rows
+            torch.zeros(8 * B * T + E, device="cuda").as_strided((B * T, E), (8, 1)),
+        re.escape("selective_scan: dbc_out: expected dtype Float (same as x), got BFloat16"):
+            torch.zeros(B * T, E, device="cuda", dtype=torch.bfloat16),
+        re.escape("selective_scan: dbc_out: expected a CUDA tensor, got device cpu"): torch.zeros(B * T, E),
+    }
+    for match, t in bad.items():
+        with pytest.raises(ValueError, match=match):
+            ext.scan_bwd(*ins, starts, ckpt, dy, dfin, True, dbc_out=t)
 
 
 def test_tuning_knobs_reject_bad_values(ext):
