@@ -80,12 +80,10 @@ __device__ __forceinline__ float colsum_part(const float* __restrict__ ws, int P
   return acc;
 }
 
-// Blocks of CW columns x RG row groups (threadIdx.x the column, threadIdx.y the row group). part[][] needs no
-// padding: a warp's stores are 32 / CW whole rows of it, consecutive words.
-template <typename F, int RG, int CW>
-__global__ void __launch_bounds__(CW * RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
-  __shared__ float part[RG][CW];
-  const int j = blockIdx.x * CW + threadIdx.x;
+template <typename F, int RG>
+__global__ void __launch_bounds__(32 * RG) colsum_kernel(const float* __restrict__ ws, int P, int M, F f) {
+  __shared__ float part[RG][33];
+  const int j = blockIdx.x * 32 + threadIdx.x;
   const int r = threadIdx.y;
   part[r][threadIdx.x] = j < M ? colsum_part<RG>(ws, P, M, j, r) : 0.f;
   __syncthreads();
@@ -99,9 +97,6 @@ __global__ void __launch_bounds__(CW * RG) colsum_kernel(const float* __restrict
 
 // The same sums by the threads [gtid .. ) of a grid (gtid = thread id in the grid, nthreads a multiple of 32):
 // the RG row groups of a column in RG lanes of one warp, added in group order (the same bits as colsum_kernel).
-// The conv backward runs it only where its grid is co-resident (4-5 blocks of 128 threads an SM: at most ~660
-// partial rows on an H100), its M x RG threads then the grid's first M x RG / 128 blocks, a column a warp: not
-// launch_colsum's few large blocks (at 64 x 1024 the grid is 8,192 blocks, so the separate launch runs there).
 template <typename F, int RG>
 __device__ __forceinline__ void colsum_grid_rg(const float* __restrict__ ws, int P, int M, F f, int64_t gtid,
                                                int64_t nthreads) {
@@ -123,16 +118,9 @@ __device__ __forceinline__ void colsum_grid(const float* __restrict__ ws, int P,
   if (colsum_rg(P) == 32) colsum_grid_rg<F, 32>(ws, P, M, f, gtid, nthreads);
   else colsum_grid_rg<F, 8>(ws, P, M, f, gtid, nthreads);
 }
-// Long columns (32 row groups) in blocks of 8 columns (256 threads), short ones in blocks of 32 (x 8 groups). With
-// 32 columns a block, the conv backward's sums at 64 x 1024, d_inner 256, d_conv 4 (1,280 columns of 4,096 rows,
-// ~21 MB) were 40 blocks of 1,024 threads on a 132-SM H100, ~36 µs a layer (timeline): far off bandwidth with
-// 92 SMs idle. 8 columns give 160 blocks there, at least one per SM, and a warp's load is still 4 rows of 8
-// consecutive floats, one whole 32-byte sector each (4 columns would give 320 blocks, but two blocks would then
-// fetch every sector). Not yet measured after the change. Which thread sums what changed, not the sums: the
-// same bits.
 template <typename F>
 inline void launch_colsum(const float* ws, int P, int M, F f, cudaStream_t s) {
-  if (colsum_rg(P) == 32) colsum_kernel<F, 32, 8><<<(M + 7) / 8, dim3(8, 32), 0, s>>>(ws, P, M, f);
-  else colsum_kernel<F, 8, 32><<<(M + 31) / 32, dim3(32, 8), 0, s>>>(ws, P, M, f);
+  if (colsum_rg(P) == 32) colsum_kernel<F, 32><<<(M + 31) / 32, dim3(32, 32), 0, s>>>(ws, P, M, f);
+  else colsum_kernel<F, 8><<<(M + 31) / 32, dim3(32, 8), 0, s>>>(ws, P, M, f);
 }
 }  // namespace mrl

@@ -472,14 +472,14 @@ def test_scan_cooperative_launch_gives_the_same_bits(ext, B, T, D, N, forced, dt
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("B,T,D,K", [(16, 64, 256, 4), (3, 100, 80, 4), (7, 65, 80, 3), (2, 1, 40, 2),
-                                     (32, 256, 80, 4), (32, 256, 44, 4), (64, 128, 256, 4), (64, 2049, 40, 4)])
+                                     (32, 256, 80, 4), (64, 128, 256, 4), (64, 2049, 40, 4)])
 def test_conv_bwd_cooperative_launch_gives_the_same_bits(ext, B, T, D, K, dtype):
     """The conv backward and its weight-gradient sums as one cooperative launch (grid barrier between them;
     csrc/conv.cuh) give bit for bit the two launches' dx, dweight, dbias and dstate, and the float64
     reference's values; the large grids (64 x 128 at 256 channels, 64 x 2049) may exceed the co-resident
     limit, where both runs take the two launches. 32 x 256 at 80 channels is 512 (row, chunk) partials in 512
     blocks: the long columns' 32 row groups (common.cuh colsum_rg) in both the cooperative sums and
-    colsum_kernel; at 44 channels its 220 columns end in a part-filled block of 8 (launch_colsum)."""
+    colsum_kernel."""
     from mamba_rl.ops import causal_conv1d
     from mamba_rl.ops import conv as convmod
     g = torch.Generator(device="cuda").manual_seed(B * 10000 + T + K)
