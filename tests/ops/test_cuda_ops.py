@@ -598,7 +598,9 @@ def test_dt_proj_gemm_into_ddbc_columns_keeps_its_bits(dtype, d_model):
     """The fused backward without the x_proj kernel (B*T > 2048 rows) has torch.mm write ddt @ dt_proj.weight into
     the first dt_rank columns of ddbc [B*T, dt_rank + 2N] (out=, a row stride of dt_rank + 2N) instead of
     concatenating a fresh product: cuBLAS takes the strided output as is (the other columns untouched, no copy
-    back), with the bits of the fresh product, so the fused gradients keep theirs."""
+    back), with the bits of the fresh product from dt_rank 2 up, so the fused gradients keep theirs there. At
+    dt_rank 1 (d_model <= 16) cuBLAS takes another kernel for a one-column strided output (H100, torch 2.11 +
+    CUDA 13.0: f32 and f16 differ in the last bits, bf16 not), so there the values agree to rounding."""
     g = torch.Generator(device="cuda").manual_seed(d_model)
     di, r = 2 * d_model, -(-d_model // 16)
     for rows, n in ((2049, 16), (4096, 16), (64 * 1024, 16), (4096, 8)):
@@ -607,7 +609,14 @@ def test_dt_proj_gemm_into_ddbc_columns_keeps_its_bits(dtype, d_model):
         ddbc = torch.full((rows, r + 2 * n), float("nan"), device="cuda", dtype=dtype)
         out = torch.mm(ddt, wdt, out=ddbc[:, :r])
         assert out.data_ptr() == ddbc.data_ptr() and out.stride() == (r + 2 * n, 1)
-        assert torch.equal(ddbc[:, :r], torch.mm(ddt, wdt)), (rows, n)
+        fresh = torch.mm(ddt, wdt)
+        if r > 1:
+            assert torch.equal(ddbc[:, :r], fresh), (rows, n)
+        else:
+            tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]  # ~2 ulp of the dtype
+            scale = float(fresh.abs().max())  # another summation order: errors scale with the largest sums
+            torch.testing.assert_close(ddbc[:, :r], fresh, rtol=tol, atol=tol * scale,
+                                       msg=lambda m: f"{(rows, n)}: {m}")
         assert torch.isnan(ddbc[:, r:]).all()
 
 
