@@ -44,14 +44,25 @@ void scan_set_bwd_blocks(int n) {  // the binding checks n
 // SCAN_PAIR_MIN_CHUNKS chunks, else the wide build; elsewhere the 3-block build. Measured on an H100, the
 // backward alone (benchmarks/NOTES.md, thirty-second session): the pair build -7 % at 64 x 128 and 64 x 1024
 // (8 and 64 chunks), +3 % at 256 x 32 (2 chunks), +1 to +6 % where the grid is split (16 x 64, 16 x 512).
-// scan_set_bwd_blocks() forces any.
+// Where the 3-block grid is split over T and runs as separate launches (its reductions too large for the cooperative
+// one, scan_bwd_small_reduce), the 4-block build with its own, finer split, also as separate launches (so the same
+// launch count): measured on an H100, the backward alone bf16 (thirty-fifth session, benchmarks/NOTES.md), 16 x 512
+// 112.8-114.9 -> 108.0-109.7 µs (3 -> 4 segments, two calls), 16 x 2048 412.8 -> 397.0 (3 -> 4), 4 x 4096 230.8 ->
+// 215.0 (12 -> 16). Where the 3-block build runs cooperatively (16 x 64) it stays: the 4-block build's cooperative
+// kernel with a local pass spills at 128 registers and was slower (16 x 512: 124.4 µs), and its separate launches
+// (24.8 against 26.5 µs at 16 x 64) would add two launches a layer. scan_set_bwd_blocks() forces any build.
 constexpr int SCAN_PAIR_MIN_CHUNKS = 8;
 struct ScanBwdConfig { ScanSplit sp; int build; };
 static ScanBwdConfig scan_bwd_config(int B, int T, int D, int N) {
   const bool d16 = N == 16;
   int build = SCAN_BWD_MINB;
-  if (d16 && (int64_t)scan_tiles(D, N) * B > (int64_t)SCAN_BWD_MINB * sm_count())
+  const int64_t tiles_b = (int64_t)scan_tiles(D, N) * B;
+  if (d16 && tiles_b > (int64_t)SCAN_BWD_MINB * sm_count()) {
     build = (T + SCAN_TC - 1) / SCAN_TC >= SCAN_PAIR_MIN_CHUNKS ? SCAN_BWD_MINB_PAIR : SCAN_BWD_MINB_WIDE;
+  } else if (d16) {
+    const ScanSplit s3 = scan_split(B, T, D, N, SCAN_BWD_MINB);
+    if (s3.nseg > 1 && !scan_bwd_small_reduce(B, T, N, tiles_b * s3.nseg * SCAN_THREADS)) build = SCAN_BWD_MINB_WIDE;
+  }
   if (g_bwd_blocks != 0) build = d16 ? g_bwd_blocks : SCAN_BWD_MINB;
   // the split sized for the build's own tiles and blocks per SM (where the automatic rule takes the wide or the
   // pair build, one segment's grid already overfills the SMs, so nseg is 1 either way)

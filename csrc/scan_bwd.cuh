@@ -595,12 +595,10 @@ const char* scan_bwd_tn(const ScanBwdParams& q0, cudaStream_t s) {
   const int tiles = (q.f.D + cpb - 1) / cpb;
   q.bc_tiles = tiles;
   const dim3 grid(tiles, q.f.B, q.f.nseg);
-  // One launch only where the reductions are at most ~4 dB / dC sums per thread of the grid: beyond that the
-  // reduction kernel's own, larger grid is faster (the cooperative grid walks them serially; at 16 x 2048 that
-  // is ~21 per thread).
+  // One launch only where the reductions are small (scan_bwd_small_reduce).
   const void* coop = scan_bwd_coop_fn<T, N>(q.build, q.f.nseg > 1);
   const int64_t grid_threads = (int64_t)grid.x * grid.y * grid.z * SCAN_THREADS;
-  const bool small_reduce = (int64_t)q.f.B * q.f.T * 2 * N <= 4 * grid_threads;
+  const bool small_reduce = scan_bwd_small_reduce(q.f.B, q.f.T, N, grid_threads);
   if (coop != nullptr && small_reduce && coop_fits(COOP_SCAN_BWD, coop, SCAN_THREADS, smem, grid)) {
     void* args[] = {&q};
     const cudaError_t e = cudaLaunchCooperativeKernel(coop, grid, dim3(SCAN_THREADS), args, smem, s);

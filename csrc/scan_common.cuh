@@ -78,6 +78,13 @@ __device__ __forceinline__ float softplus_nb_(float v) {
   return v > 20.f ? v : l;
 }
 
+// Does the backward run its reductions inside its cooperative launch? Only where they are at most ~4 dB / dC sums per
+// thread of its grid (grid_threads): beyond that the reduction kernel's own, larger grid is faster (the cooperative
+// grid walks them serially; at 16 x 2048 that is ~21 per thread). scan_bwd_tn and scan_bwd_config share it.
+__host__ __device__ __forceinline__ bool scan_bwd_small_reduce(int64_t B, int64_t T, int N, int64_t grid_threads) {
+  return B * T * 2 * N <= 4 * grid_threads;
+}
+
 // NP: states per thread (SCAN_NPT; the backward's pair build takes 8 at d_state 16, scan_bwd.cuh).
 template <int N, int NP = SCAN_NPT>
 struct ScanGeom {

@@ -410,14 +410,31 @@ def test_scan_bwd_wide_build_gives_the_same_bits(ext, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_scan_bwd_automatic_build_takes_the_pair_build_for_long_segments(ext, dtype):
     """Where one segment's grid overfills 3 blocks per SM at d_state 16, the automatic backward takes the pair
-    build (8 states a thread) for segments of >= 8 chunks and the 4-block build for shorter ones (csrc/scan.cu,
-    measured in benchmarks/NOTES.md): bit for bit what forcing that build gives, cooperative launch or not, and
-    the float64 reference's values."""
+    build (8 states a thread) for segments of >= 8 chunks and the 4-block build for shorter ones; where the 3-block
+    grid is split over T and its reductions are too large for its cooperative launch (more than 4 dB / dC sums a
+    thread), the 4-block build with its own split (csrc/scan.cu, measured in benchmarks/NOTES.md): bit for bit what
+    forcing that build gives, cooperative launch or not, and the float64 reference's values."""
     from mamba_rl.ops import scan as scanmod
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     D, N = 256, 16
-    B = 3 * sms // (D // 32) + 1  # 4-state channel tiles of 32: the grid overfills 3 blocks per SM
-    for T, build in ((128, 2), (40, 4)):
+    full = 3 * sms // (D // 32) + 1  # 4-state channel tiles of 32: the grid overfills 3 blocks per SM
+    cases = [(full, 128, 2), (full, 40, 4)]
+    for B, T in ((16, 64), (16, 500), (4, 1100)):  # the 3-block grid split over T
+        try:
+            ext.scan_set_bwd_blocks(3)
+            nseg3 = ext.scan_segments(B, T, D, N, True)
+        finally:
+            ext.scan_set_bwd_blocks(0)
+        assert nseg3 > 1, (B, T)
+        cases.append((B, T, 4 if B * T * 2 * N > 4 * (D // 32) * B * nseg3 * 128 else 3))
+    assert {c[2] for c in cases[2:]} == {3, 4}, cases  # both sides of the rule (132 SMs: 3, 4, 3)
+    for B, T, build in cases:
+        try:  # the automatic build's split is the forced build's (the 3- and 4-block builds differ only there)
+            ext.scan_set_bwd_blocks(build)
+            nseg = ext.scan_segments(B, T, D, N, True)
+        finally:
+            ext.scan_set_bwd_blocks(0)
+        assert ext.scan_segments(B, T, D, N, True) == nseg, (B, T, build, nseg)
         ins, starts, dy, dfin = _scan_case(B, T, D, N, dtype, seed=T)
         runs = {}
         try:
@@ -431,12 +448,12 @@ def test_scan_bwd_automatic_build_takes_the_pair_build_for_long_segments(ext, dt
             ext.set_coop(7)
         for key, out in runs.items():
             for i, (a, b) in enumerate(zip(out, runs[0, 7])):
-                assert torch.equal(a, b), (T, key, i)
+                assert torch.equal(a, b), (B, T, key, i)
         rleaves = [t.detach().double().requires_grad_(True) for t in ins]
         ry, rfin = scanmod.selective_scan_ref(*rleaves, starts)
         ref = [ry, rfin] + list(torch.autograd.grad([ry, rfin], rleaves, [dy.double(), dfin.double()]))
         for i, (a, r) in enumerate(zip(runs[0, 7], ref)):
-            assert rel(a, r) <= TOL[dtype], (T, i, rel(a, r))
+            assert rel(a, r) <= TOL[dtype], (B, T, i, rel(a, r))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
