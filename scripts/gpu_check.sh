@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build the extension (cache carried in .build), run every CUDA test, run the benchmark.
-# Usage on the device: scripts/gpu_check.sh [tests|bench|all] ; logs and JSON go to $OUT (or ./gpu_out).
+# Usage on the device: [BENCH_ARGS=...] scripts/gpu_check.sh [tests|bench|all] ; logs and JSON go to $OUT (or ./gpu_out).
 # The wheels the device lacks (gymnasium, popgym, sb3, pytest-xdist): scripts/fetch_wheels.sh here, then carry .whl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +33,9 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   if [ -f benchmarks/bench.py ]; then
-    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    # BENCH_ARGS: e.g. "--no-mamba3 --no-step-kernels --dtypes f32 bf16" (issue 18's table of record)
+    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py ${BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 \
+      | tee "$OUT/bench.log"
   fi
 fi
 exit $rc
