@@ -126,11 +126,11 @@ MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer 
 
 
 # fused-node switches bench_train(fused_flags=...) may set (each restored to its previous value afterwards)
-FUSED_FLAGS = ("CONV_XDT", "INPUT_NORM", "OUT_PROJ_LT", "FINAL_DIRECT", "NORM_F_FUSED")
+FUSED_FLAGS = ("CONV_XDT", "INPUT_NORM", "OUT_PROJ_LT", "FINAL_DIRECT", "NORM_F_FUSED", "WGRAD_SLICE")
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",
-                tensor_cores=True, optim_fused=True, coop=7, fused_flags=None, tag=""):
+                tensor_cores=True, optim_fused=True, coop=7, fused_flags=None, tag="", bwd_blocks=0):
     from mamba_rl import MambaBackbone, MambaConfig
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
@@ -153,6 +153,8 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     has_coop = hasattr(net.kernels, "set_coop")
     if has_coop:
         net.kernels.set_coop(coop)
+    if bwd_blocks:  # the scan backward's build forced (csrc/scan.cu scan_bwd_config; 0: its rule)
+        net.kernels.scan_set_bwd_blocks(bwd_blocks)
     tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
@@ -168,6 +170,8 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
     if has_coop:
         net.kernels.set_coop(7)
+    if bwd_blocks:
+        net.kernels.scan_set_bwd_blocks(0)
     del tr, net, graph
     fused.WGRAD, fused.XDT = VARIANTS[""]
     fused.WGRAD_STREAM = "auto"
@@ -176,7 +180,8 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
         setattr(fused, k, v)
     optim.FUSED = True
     variant += tag + {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
-        ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}")
+        ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}") + \
+        (f"_bwd{bwd_blocks}" if bwd_blocks else "")
     r = dict(kind="train", model=f"{MODEL[layer]}_{dtype}{variant}", d_model=dm, B=B, T=T, graph=True, us=replay,
              api_us=api, eager_us=eager, kernels=nk, peak_mib=round(peak, 1))
     if prof:

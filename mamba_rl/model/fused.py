@@ -146,6 +146,10 @@ _WGRAD_MAX_ROWS = {torch.float32: 4096, torch.bfloat16: 2048, torch.float16: 204
 # The grouped kernel's bf16 / f16 jobs on tensor cores (mma.sync, compute capability >= 8.0) where both operands
 # allow 16-byte row loads; False keeps them on its FFMA path (comparisons: bench.py --tc-ab).
 WGRAD_TENSOR_CORES = True
+# WGRAD_SLICE: the grouped kernel's K slice in rows for every job (0: its plan's choice, csrc/wgrad.cu wg_slice,
+# which splits K until the items fill every SM). A longer slice gives fewer, longer items: on the side stream they
+# leave more SMs to the chain beside them. Benchmarks set it (benchmarks/ab_configs.py).
+WGRAD_SLICE = 0
 # CONV_XDT: where the x_proj + dt_proj kernel runs (XDT), it also computes the conv's rows first (conv_xdt_fwd:
 # one launch a layer fewer, xc written once and not read back); "off": conv_fwd, then xdt_fwd.
 CONV_XDT = "auto"
@@ -241,8 +245,8 @@ class _WGrads:
         """Launch the collected jobs, if their operands hold at least ``if_above`` bytes (0: always)."""
         if self.jobs and self.held >= if_above:
             jobs = self.jobs
-            tc = WGRAD_TENSOR_CORES
-            self._run(lambda: self.ext.wgrad_grouped(jobs, tensor_cores=tc),
+            tc, sl = WGRAD_TENSOR_CORES, WGRAD_SLICE
+            self._run(lambda: self.ext.wgrad_grouped(jobs, sl, tc),
                       *[t for job in jobs for t in job[:2] if t is not None])
             self.jobs, self.held, self.tiles = [], 0, 0
 
