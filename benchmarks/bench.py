@@ -135,50 +135,53 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
     from mamba_rl import MambaTrainer
     from mamba_rl.model import fused
     from mamba_rl.ops import optim
-    optim.FUSED = optim_fused
-    fused.WGRAD, fused.XDT = VARIANTS[variant]
-    fused.WGRAD_STREAM = wgrad_stream
-    fused.WGRAD_TENSOR_CORES = tensor_cores
     fused_flags = fused_flags or {}
     for k in fused_flags:
         if k not in FUSED_FLAGS:
             raise ValueError(f"bench_train: fused_flags: expected names in {sorted(FUSED_FLAGS)}, got {k!r}")
     flags_before = {k: getattr(fused, k) for k in fused_flags}
-    for k, v in fused_flags.items():
-        setattr(fused, k, v)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    net = MambaBackbone(MambaConfig(d_model=dm, n_layers=L, layer=layer), OBS, device="cuda", seed=0, backend="cuda")
-    has_coop = hasattr(net.kernels, "set_coop")
-    if has_coop:
-        net.kernels.set_coop(coop)
-    if bwd_blocks:  # the scan backward's build forced (csrc/scan.cu scan_bwd_config; 0: its rule)
-        net.kernels.scan_set_bwd_blocks(bwd_blocks)
-    tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
-    tr.d_buf.copy_(torch.randn(B, T, dm, device="cuda", generator=g))
-    eager = timeit(lambda: tr.step(None, None), max(5, iters // 3))
-    tr.capture_graph()
-    graph = tr._graphs["step"]
-    api = timeit(lambda: tr.step(None, None), iters)
-    replay = timeit(graph.replay, iters)
-    nk = count_kernels(graph.replay)
-    prof = kernel_profile(graph.replay) if profile_it else None
-    seq = kernel_sequence(graph.replay) if profile_it else None
-    peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    if has_coop:
-        net.kernels.set_coop(7)
-    if bwd_blocks:
-        net.kernels.scan_set_bwd_blocks(0)
-    del tr, net, graph
-    fused.WGRAD, fused.XDT = VARIANTS[""]
-    fused.WGRAD_STREAM = "auto"
-    fused.WGRAD_TENSOR_CORES = True
-    for k, v in flags_before.items():
-        setattr(fused, k, v)
-    optim.FUSED = True
+    ext = None
+    try:  # every switch below is process-wide: restored however the row ends (ab_configs goes on after a failure)
+        optim.FUSED = optim_fused
+        fused.WGRAD, fused.XDT = VARIANTS[variant]
+        fused.WGRAD_STREAM = wgrad_stream
+        fused.WGRAD_TENSOR_CORES = tensor_cores
+        for k, v in fused_flags.items():
+            setattr(fused, k, v)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        net = MambaBackbone(MambaConfig(d_model=dm, n_layers=L, layer=layer), OBS, device="cuda", seed=0,
+                            backend="cuda")
+        ext = net.kernels
+        if hasattr(ext, "set_coop"):
+            ext.set_coop(coop)
+        if bwd_blocks:  # the scan backward's build forced (csrc/scan.cu scan_bwd_config; 0: its rule)
+            ext.scan_set_bwd_blocks(bwd_blocks)
+        tr = MambaTrainer(net, batch=B, seq_len=T, dtype=dtype, lr=1e-3)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        tr.x_buf.copy_(torch.randn(B, T, OBS, device="cuda", generator=g))
+        tr.d_buf.copy_(torch.randn(B, T, dm, device="cuda", generator=g))
+        eager = timeit(lambda: tr.step(None, None), max(5, iters // 3))
+        tr.capture_graph()
+        graph = tr._graphs["step"]
+        api = timeit(lambda: tr.step(None, None), iters)
+        replay = timeit(graph.replay, iters)
+        nk = count_kernels(graph.replay)
+        prof = kernel_profile(graph.replay) if profile_it else None
+        seq = kernel_sequence(graph.replay) if profile_it else None
+        peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    finally:
+        if ext is not None and hasattr(ext, "set_coop"):
+            ext.set_coop(7)
+        if ext is not None and bwd_blocks:
+            ext.scan_set_bwd_blocks(0)
+        fused.WGRAD, fused.XDT = VARIANTS[""]
+        fused.WGRAD_STREAM = "auto"
+        fused.WGRAD_TENSOR_CORES = True
+        for k, v in flags_before.items():
+            setattr(fused, k, v)
+        optim.FUSED = True
     variant += tag + {"off": "_chain", "on": "_streamon"}.get(wgrad_stream, "") + ("" if tensor_cores else "_notc") + \
         ("" if optim_fused else "_optsplit") + ("" if coop == 7 else f"_coop{coop}") + \
         (f"_bwd{bwd_blocks}" if bwd_blocks else "")
