@@ -6,11 +6,11 @@ Each round times every (row, dtype, configuration) once with ``bench.bench_train
 as a difference between rounds, not between configurations. Configurations (``CONFIGS``): ``base`` (the
 defaults), ``optsplit`` (grad_stats and AdamW as two launches: ``mamba_rl.ops.optim.FUSED = False``),
 ``stream_on`` / ``chain`` (the weight gradients on their second stream at every size / never:
-``fused.WGRAD_STREAM``), ``wgrad_on`` (the grouped weight-gradient kernel at every size: ``fused.WGRAD = "on"``), ``wgrad_on_s<K>`` (the
-same with a forced K slice of K rows: ``fused.WGRAD_SLICE``),
-``notc`` (its bf16 jobs on the FFMA path), ``bwd3`` / ``bwd4`` (the scan backward's 3- / 4-block build forced:
-``ext.scan_set_bwd_blocks``), ``nocoop`` (each scan direction and the conv backward as separate launches instead of
-one cooperative launch: ``ext.set_coop(0)``), ``coop_sf`` / ``coop_sb`` / ``coop_cb`` (only the scan forward /
+``fused.WGRAD_STREAM``), ``wgrad_on`` (the grouped weight-gradient kernel at every size: ``fused.WGRAD = "on"``),
+``wgrad_on_s<K>`` (the same with a forced K slice of K rows: ``fused.WGRAD_SLICE``), ``notc`` (its bf16 jobs on the
+FFMA path), ``bwd3`` / ``bwd4`` (the scan backward's 3- / 4-block build forced: ``ext.scan_set_bwd_blocks``),
+``nocoop`` (each scan direction and the conv backward as separate launches instead of one cooperative launch:
+``ext.set_coop(0)``), ``coop_sf`` / ``coop_sb`` / ``coop_cb`` (only the scan forward /
 scan backward / conv backward as one cooperative launch), ``fewer_off`` (the conv inside the x_proj kernel, the
 input projection inside the first norm, the float32 out_proj through cuBLASLt and the final state written into
 the carried state, the final norm's forward and backward as one kernel, all off: ``fused.CONV_XDT`` etc.),
