@@ -5,10 +5,12 @@
 #   writes each revision's source tree to .whl/trees/<i>_<rev> (git archive; gitignored, carried with
 #   run(carry=[".whl"])) and fetches the wheels the device lacks (scripts/fetch_wheels.sh) if .whl has none.
 # On the device: [BUDGET=540] [ROWS="128x16x64 ..."] [F32_ROWS="..."] [SUITE=1] [SCAN_SHAPES="16x64 ..."] \
-#   scripts/ab_call.sh run
+#   [AB_CONFIGS="..."] scripts/ab_call.sh run
 #   builds every tree's CUDA kernels in parallel (each into its own TREE/.build), runs the cuda-marked tests on the
 #   last tree (SUITE=0 skips them), then, as BUDGET seconds allow: benchmarks/ab_trees.py over the trees (bf16 on
-#   ROWS, 2 rounds; f32 on F32_ROWS, 1 round) and benchmarks/scan_kernels.py on every tree (SCAN_SHAPES, bf16).
+#   ROWS, 2 rounds; f32 on F32_ROWS, 1 round), benchmarks/scan_kernels.py on every tree (SCAN_SHAPES, bf16) and,
+#   where AB_CONFIGS holds its arguments (e.g. "--rows 128x64x128 --dtypes bf16 --configs base bwd3 --rounds 2"),
+#   benchmarks/ab_configs.py on the last tree.
 #   Everything goes to $OUT/r and is packed into $OUT/r.tgz (the device returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +28,8 @@ case "${1:-}" in
       name=${i}_$(git rev-parse --short "$rev^{commit}")
       mkdir -p "$TREES/$name"
       git archive "$rev" README.md pyproject.toml mamba_rl csrc agents envs tests scripts benchmarks/bench.py \
-        benchmarks/ab_trees.py benchmarks/scan_kernels.py benchmarks/timeline.py | tar x -C "$TREES/$name" || exit 1
+        benchmarks/ab_trees.py benchmarks/ab_configs.py benchmarks/scan_kernels.py benchmarks/timeline.py \
+        | tar x -C "$TREES/$name" || exit 1
       echo "$rev -> .whl/trees/$name"
       i=$((i + 1))
     done
@@ -85,4 +88,9 @@ for t in "${T[@]}"; do
     > "$O/scan_$(basename "$t").log" 2>&1
   log "scan $(basename "$t")"
 done
+if [ -n "${AB_CONFIGS-}" ] && [ "$(left)" -gt 40 ]; then  # configurations of the last tree in one process
+  MAMBA_RL_BUILD_DIR=$LAST/.build PYTHONPATH=$LAST:/tmp/site timeout $(($(left) - 5)) \
+    python3 "$LAST/benchmarks/ab_configs.py" $AB_CONFIGS --out "$O/ab_configs.json" > "$O/ab_configs.log" 2>&1
+  log "ab_configs"
+fi
 log "end"
