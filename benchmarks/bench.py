@@ -14,8 +14,11 @@ per-kernel profile and the launch-order kernel list (``kernel_seq``) at the ``PR
 also times each training row with the small-GEMM kernels of ``mamba_rl.model.fused`` forced off / partly / fully
 on (models ``mamba_rl_<dtype>_torchgemm`` / ``_xdtonly`` / ``_gemmon``); ``--stream-ab`` times each training row
 again with the weight gradients in the kernel chain instead of on their second stream (``mamba_rl_<dtype>_chain``,
-``fused.WGRAD_STREAM = "off"``). Other configurations side by side: ``benchmarks/ab_configs.py``. The one-token rows add the bare graph replay (``raw_graph_us``) and the host
-time to issue one call (``host_api_us``, ``host_replay_us``). Every row carries ``d_model``.
+``fused.WGRAD_STREAM = "off"``). Other configurations side by side: ``benchmarks/ab_configs.py``. The one-token
+rows add the bare graph replay (``raw_graph_us``), the host time to issue one call (``host_api_us``,
+``host_replay_us``) and, for ours and the peers, the GPU time of one step with the host out of the way (``gpu_us``:
+20 steps in one graph, its replay divided by 20; the replay's ``us`` includes the host's issue time, as the peers'
+method has it). Every row carries ``d_model``.
 
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
     [--variants] [--stream-ab] [--no-step-kernels]
@@ -213,8 +216,18 @@ def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
     host_replay = host_us(lambda: st.step(None), iters)
     nk = count_kernels(lambda: st.step(None))
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+    saved = [(t, t.clone()) for t in (st.state.conv, st.state.ssm)]
+    try:  # the step's graph body (Stepper.capture_graph) GPU_REPS times in one graph
+        with torch.no_grad():
+            gpu = gpu_us(lambda: net.step(st.x_buf, st.state, st.starts_buf), iters)
+    except Exception as e:  # recorded, not fatal to the row
+        traceback.print_exc()
+        gpu = float("nan")
+        print(f"bench_infer: gpu_us failed: {e!r}", flush=True)
+    for t, v in saved:
+        t.copy_(v)
     rows = [dict(kind="infer", model=MODEL[layer], d_model=DM, B=B, T=1, graph=True, us=replay, api_us=api,
-                 raw_graph_us=raw, host_api_us=host, host_replay_us=host_replay,
+                 raw_graph_us=raw, gpu_us=gpu, host_api_us=host, host_replay_us=host_replay,
                  fast_launch=getattr(st, "_fast", None) is not None, kernels=nk, peak_mib=round(peak, 1))]
     if not step_kernels or layer != "Mamba1":
         return rows
@@ -246,6 +259,17 @@ class RNNBackbone(nn.Module):
 
     def forward(self, x, h=None):
         return self.rnn(self.inp(x), h)
+
+
+GPU_REPS = 20  # one-token steps in one graph for gpu_us
+
+
+def gpu_us(fn, iters, reps=GPU_REPS):
+    """Median µs of one call of ``fn`` with the host out of the way: ``reps`` calls captured in one graph, its
+    replay timed (events around it) and divided by ``reps``. ``fn`` must be capturable; it runs 3 x reps times
+    before the capture (warm-up), so a caller restores what it changes. Separates a one-token step's GPU time from
+    the host's issue time, which the events around each single replay (``timeit``) include."""
+    return timeit(_capture(lambda: [fn() for _ in range(reps)]), iters) / reps
 
 
 def _capture(fn):
@@ -294,7 +318,8 @@ def bench_peer_infer(name, B, iters):
         else:
             hc.copy_(hn)
         return y
-    return dict(kind="infer", model=name, d_model=DM, B=B, T=1, graph=True, us=timeit(_capture(f), iters))
+    return dict(kind="infer", model=name, d_model=DM, B=B, T=1, graph=True, us=timeit(_capture(f), iters),
+                gpu_us=gpu_us(f, iters))
 
 
 def _best(*us):
@@ -339,7 +364,8 @@ def table(rows):
             fu, tu, bu = (x["us"] if x else float("nan") for x in (f, t32, b))
             gu = gru["us"] if gru else float("nan")
             lines.append(f"| {dm} | {B} x {T} | {fu:.0f} | {tu:.0f} | {bu:.0f} | {fu / tu:.2f}x | {gu / tu:.2f}x |")
-    lines += ["", "| B | step replay µs | public stepper.step µs | GRU-1L | LSTM-1L | LSTM-3L |", "|---|---|---|---|---|---|"]
+    lines += ["", "| B | step replay µs | public stepper.step µs | GPU µs a step (GRU-1L) | GRU-1L | LSTM-1L | LSTM-3L |",
+              "|---|---|---|---|---|---|---|"]
     for B in INFER_B:
         o = get("infer", "mamba_rl", DM, B, 1)
         if o is None:
@@ -348,7 +374,9 @@ def table(rows):
         for n in PEERS:
             p = get("infer", n, DM, B, 1)
             cells.append("-" if p is None else f"{p['us']:.1f} ({p['us'] / o['us']:.2f}x)")
-        lines.append(f"| {B} | {o['us']:.1f} | {o.get('api_us', float('nan')):.1f} | " + " | ".join(cells) + " |")
+        g = get("infer", "gru1", DM, B, 1) or {}
+        gpu = "-" if "gpu_us" not in o else f"{o['gpu_us']:.1f} ({g.get('gpu_us', float('nan')):.1f})"
+        lines.append(f"| {B} | {o['us']:.1f} | {o.get('api_us', float('nan')):.1f} | {gpu} | " + " | ".join(cells) + " |")
     if any(r["model"].startswith("mamba3") for r in rows):
         lines += ["", "| d_model | B x T | Mamba-1 best | Mamba-3 f32 | Mamba-3 bf16 | GRU-1L | Mamba-3 best / GRU-1L | "
                   "kernels f32/bf16 |", "|---|---|---|---|---|---|---|---|"]
