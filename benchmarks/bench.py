@@ -199,6 +199,7 @@ def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mam
 
 def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
     from mamba_rl import MambaBackbone, MambaConfig
+    from mamba_rl.graphs import restore, snapshot
     from mamba_rl.ops.step import backbone_step
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -216,7 +217,7 @@ def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
     host_replay = host_us(lambda: st.step(None), iters)
     nk = count_kernels(lambda: st.step(None))
     peak = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
-    saved = [(t, t.clone()) for t in (st.state.conv, st.state.ssm)]
+    saved = snapshot((st.state.conv, st.state.ssm))
     try:  # the step's graph body (Stepper.capture_graph) GPU_REPS times in one graph
         with torch.no_grad():
             gpu = gpu_us(lambda: net.step(st.x_buf, st.state, st.starts_buf), iters)
@@ -224,8 +225,7 @@ def bench_infer(B, iters, step_kernels=True, layer="Mamba1"):
         traceback.print_exc()
         gpu = float("nan")
         print(f"bench_infer: gpu_us failed: {e!r}", flush=True)
-    for t, v in saved:
-        t.copy_(v)
+    restore(saved)
     rows = [dict(kind="infer", model=MODEL[layer], d_model=DM, B=B, T=1, graph=True, us=replay, api_us=api,
                  raw_graph_us=raw, gpu_us=gpu, host_api_us=host, host_replay_us=host_replay,
                  fast_launch=getattr(st, "_fast", None) is not None, kernels=nk, peak_mib=round(peak, 1))]

@@ -31,6 +31,29 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def check_dbc_out(call, ref, full, c0, R, N, msg=None):
+    """The contract of ``scan_bwd(..., dbc_out=buf)`` (CPU and CUDA bindings alike): ``call(buf)`` runs it on the
+    column block ``full[:, c0:c0 + R + 2N]``; dB / dC land in the block's last 2N columns with the bits of the plain
+    call's ``ref`` and come back as [B, T, N] views of them, every other element of ``full`` keeps its bits (NaN
+    stays NaN), and the other outputs equal ``ref``'s. Returns the call's outputs."""
+    buf = full[:, c0:c0 + R + 2 * N]
+    before = full.clone()
+    out = call(buf)
+    dB, dC = out[3], out[4]
+    rows = full.shape[0]
+    assert dB.shape == ref[3].shape and dC.shape == ref[4].shape and dB.shape[-1] == N, msg
+    assert dB.data_ptr() == buf[:, R:].data_ptr() and dC.data_ptr() == buf[:, R + N:].data_ptr(), msg
+    assert torch.equal(buf[:, R:R + N], ref[3].view(rows, N)), msg
+    assert torch.equal(buf[:, R + N:], ref[4].view(rows, N)), msg
+    kept = torch.ones(full.shape, dtype=torch.bool, device=full.device)
+    kept[:, c0 + R:c0 + R + 2 * N] = False
+    bits = {4: torch.int32, 2: torch.int16}[full.element_size()]
+    assert torch.equal(full.view(bits)[kept], before.view(bits)[kept]), msg
+    for k in (0, 1, 2, 5, 6, 7, 8):
+        assert torch.equal(out[k], ref[k]), (msg, k)
+    return out
+
+
 def angle_err(a, b) -> float:
     """Largest circular difference of two angle tensors (the wrap at 2 pi may fall differently in f32)."""
     d = a.detach().double().cpu() - b.detach().double().cpu()
