@@ -42,7 +42,7 @@ CONFIGS = {
     "wgrad_on": dict(variant="_wgradon"),
     # the grouped kernel at every size with a forced K slice (fused.WGRAD_SLICE): fewer, longer items
     **{f"wgrad_on_s{k}": dict(variant="_wgradon", fused_flags=dict(WGRAD_SLICE=k), tag=f"_s{k}")
-       for k in (1024, 2048, 4096, 8192, 65536)},
+       for k in (128, 256, 512, 1024, 2048, 4096, 8192, 65536)},
     "notc": dict(tensor_cores=False),
     "nocoop": dict(coop=0),
     "bwd3": dict(bwd_blocks=3),  # the scan backward's 3-block build forced (ext.scan_set_bwd_blocks)
