@@ -21,7 +21,7 @@ __device__ __forceinline__ void softplus_and_grad_(float dr, float& dl, float& s
 
 // Sum NV values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
 // each lane ends with ONE sum; *idx says which of the NV it is. Lanes whose bits 1..G-1 in the "plain add"
-// levels duplicate a sum report dup = true. (The pair build takes transpose_reduce_cx: the same sums, in the
+// levels duplicate a sum report dup = true. (The pair build takes pair_transpose_reduce: the same sums, in the
 // same order.)
 template <int G, int NV>
 __device__ __forceinline__ float transpose_reduce(const float (&v)[NV], int lane, int& idx, bool& dup) {
@@ -52,36 +52,40 @@ __device__ __forceinline__ float transpose_reduce(const float (&v)[NV], int lane
   return w[0];
 }
 
-// transpose_reduce with its levels unrolled by templates (lane bit O, CNT values left): in the pair build's
-// cooperative kernel ptxas left the loop above rolled (w in local memory, 168 local loads and stores), and the
-// loop's form is kept for the 4-state builds, whose registers this form changes (d_state 8 then spills).
-template <int G, int CNT, int O>
-__device__ __forceinline__ void transpose_level(float* w, int lane, int& idx, bool& dup) {
-  if constexpr (O >= G) {
-    const int hb = (lane & O) ? 1 : 0;
-    if constexpr (CNT > 1) {
-      constexpr int half = CNT / 2;
+// The pair build's transpose-reduce of its 16 values (v[2j] = dB, v[2j + 1] = dC of its slot j) over the 16 lanes
+// of a warp that share lane % 2, without selects in the first three levels: every lane keeps its lower half and
+// sends its upper half, which is right because each lane holds its states in its own order (slot j = state
+// j ^ pair_perm(lane), pair_perm below), so that the half a lane sends is the half its partner keeps. The last level
+// (dB or dC) selects as transpose_reduce does. Each lane ends with the sum of state pair_perm(lane) of its half,
+// dB where lane bit 1 is 0, else dC. Every sum adds the same lanes' values in the same tree (lane bit 4, then 3, 2,
+// 1) as transpose_reduce, so the same bits; only which lane ends with which sum differs. (A templated form of
+// transpose_reduce ran here before: ptxas left the loop form rolled in the pair build's cooperative kernel.)
+__device__ __forceinline__ int pair_perm(int lane) { return (lane >> 2) & 7; }
+__device__ __forceinline__ float pair_transpose_reduce(float (&w)[16], int lane) {
 #pragma unroll
-      for (int k = 0; k < half; ++k) {
-        const float send = hb ? w[k] : w[k + half];
-        const float keep = hb ? w[k + half] : w[k];
-        w[k] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-      }
-      idx = idx * 2 + hb;
-      transpose_level<G, half, O / 2>(w, lane, idx, dup);
-    } else {
-      w[0] += __shfl_xor_sync(0xffffffffu, w[0], O);
-      dup = dup || hb;
-      transpose_level<G, 1, O / 2>(w, lane, idx, dup);
-    }
-  }
+  for (int k = 0; k < 8; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k + 8], 16);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k + 4], 8);
+#pragma unroll
+  for (int k = 0; k < 2; ++k) w[k] += __shfl_xor_sync(0xffffffffu, w[k + 2], 4);
+  const bool hb = (lane & 2) != 0;
+  const float send = hb ? w[0] : w[1];
+  const float keep = hb ? w[1] : w[0];
+  return keep + __shfl_xor_sync(0xffffffffu, send, 2);
 }
-template <int G, int NV>
-__device__ __forceinline__ float transpose_reduce_cx(float (&w)[NV], int lane, int& idx, bool& dup) {
-  idx = 0;
-  dup = false;
-  transpose_level<G, NV, 16>(w, lane, idx, dup);
-  return w[0];
+
+// v[j] <- v[j ^ m] for a runtime m < NP (NP a power of two), by selects (no indexing of registers by a runtime value).
+template <int NP>
+__device__ __forceinline__ void xor_permute(float (&v)[NP], int m) {
+#pragma unroll
+  for (int bit = 1; bit < NP; bit <<= 1) {
+    const bool f = (m & bit) != 0;
+    float w[NP];
+#pragma unroll
+    for (int j = 0; j < NP; ++j) w[j] = f ? v[j ^ bit] : v[j];
+#pragma unroll
+    for (int j = 0; j < NP; ++j) v[j] = w[j];
+  }
 }
 
 // Workspace layout (floats): pBC [ntiles][B][T][2N] | seg_e [B][nseg][D][N] | seg_P [B][nseg][D][N]
@@ -233,8 +237,17 @@ __device__ __forceinline__ void scan_bwd_stage(SM& sm, const R& r, const ScanFwd
   for (int e_ = 0; e_ < EB; ++e_) {
     const int e = tid + e_ * SCAN_THREADS;
     const bool ok = t0 + e / N < T_;
-    sm.Bv[e / N][e % N] = pad_f(r.Bv[e_], ok);
-    sm.Cv[e / N][e % N] = pad_f(r.Cv[e_], ok);
+    const float bv = pad_f(r.Bv[e_], ok), cv = pad_f(r.Cv[e_], ok);
+    if constexpr (NP == SCAN_PAIR_NP) {  // ScanBwdPairSmem: the 4 variants
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        sm.Bv[v][e ^ v] = bv;  // e = i * N + n, N a multiple of 4: (i, n ^ v)
+        sm.Cv[v][e ^ v] = cv;
+      }
+    } else {
+      sm.Bv[e / N][e % N] = bv;
+      sm.Cv[e / N][e % N] = cv;
+    }
   }
   if (tid < TC) sm.st[tid] = r.st;
 }
@@ -275,8 +288,12 @@ struct ScanBwdPairSmem {
   static constexpr int CPB = Gm::CPB, TC = SCAN_TC, NW = Gm::NW, H = SCAN_PAIR_NP / 4;
   float4 S[TC][H][SCAN_THREADS];  // S[i][h]: states 4h..4h+3 of this thread entering step i (after step i - 1)
   float x[TC][CPB], dl[TC][CPB], sig[TC][CPB], gs[TC][CPB], gd[TC][CPB];  // outputs over inputs, as ScanBwdSmem
-  __align__(16) float Bv[TC][N];
-  __align__(16) float Cv[TC][N];
+  // B and C in 4 variants: variant v holds step i's state n at [v][i * N + (n ^ v)] (an order within each group of
+  // 4 states), so that a lane reads its own state order (pair_perm) with the float4 loads of the natural one.
+  // Variants 1 and 3 start 16 banks after 0 and 2 (BC_PAD): the lanes of a quarter warp read variants v and v ^ 1.
+  static constexpr int BC_PAD = 16, BC_LEN = TC * N + BC_PAD;
+  __align__(16) float Bv[4][BC_LEN];
+  __align__(16) float Cv[4][BC_LEN];
   float red[TC][NW][2 * N];
   __align__(16) bool st[TC];  // read as words by chunk_has_start
 };
@@ -304,10 +321,12 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
   const int T_ = p.T, D = p.D, B = p.B, nz = p.nseg;
   const ScanSeg sg(T_, p.seg_len, k);
   const int nC = sg.nC;
+  // The pair build's slot j holds state j ^ pm of the thread's half (pair_transpose_reduce); 0 in the 4-state builds.
+  const int pm = PAIR ? pair_perm(lane) : 0;
   float A[NP], A2[NP];
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
-    A[j] = -expf(p.A_log[d * N + gi * NP + j]);
+    A[j] = -expf(p.A_log[d * N + gi * NP + (j ^ pm)]);
     A2[j] = A[j] * 1.4426950408889634f;
   }
   const float Dd = p.Dskip[d];
@@ -317,19 +336,35 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
   float* pPar = L.pPar + ((int64_t)b * nz + k) * (D * N + 2 * D);
 
   ScanChunkRegs<T, N, SL_X | SL_Z | SL_G | SL_B | SL_C, NP> r;
-  float4 pck[H];
+  float4 pck[PAIR ? 1 : H];
+  float pcks[PAIR ? NP : 1];  // the pair build's checkpoint, read in its slots' order
   auto prefetch = [&](int c) {
+    const float* ck = p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP;
+    if constexpr (PAIR) {
 #pragma unroll
-    for (int h = 0; h < H; ++h)
-      pck[h] = *reinterpret_cast<const float4*>(p.ckpt + (((int64_t)b * nC + c) * D + d) * N + gi * NP + 4 * h);
+      for (int j = 0; j < NP; ++j) pcks[j] = ck[j ^ pm];
+    } else {
+#pragma unroll
+      for (int h = 0; h < H; ++h) pck[h] = reinterpret_cast<const float4*>(ck)[h];
+    }
     r.load(p, q.dout, q.g_sb, q.g_st, b, d0, c, tid);
+  };
+  // B or C of step i in this thread's slots (sm.Bv / sm.Cv)
+  auto ld_bc = [&](float (&v)[NP], const auto& arr, int i) {
+    if constexpr (PAIR) {
+      const float4* row = reinterpret_cast<const float4*>(&arr[pm & 3][i * N + gi * NP]);
+      put4(&v[0], row[pm >> 2]);
+      put4(&v[4], row[(pm >> 2) ^ 1]);
+    } else {
+      ld_states<NP>(v, &arr[i][gi * NP]);
+    }
   };
   auto commit = [&](int t0) { scan_bwd_stage<N, NP>(sm, r, p, t0, tid, d0); };
 
   float hc[NP], dAacc[NP];
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
-    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + j] : 0.f;  // d loss / d s from the future
+    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + (j ^ pm)] : 0.f;  // d loss / d s from the future
     dAacc[j] = 0.f;
   }
   if (k < nz - 1) {  // the adjoint entering segment k from later ones: fixed-order combine (local pass)
@@ -344,6 +379,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
 #pragma unroll
       for (int j = 0; j < SCAN_NPT; ++j) hc[4 * h + j] = hh[j];
     }
+    if constexpr (PAIR) xor_permute(hc, pm);
   }
   float dDacc = 0.f, ddbacc = 0.f;
   const float am = act ? 1.f : 0.f;
@@ -353,8 +389,13 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
     const int len = min(TC, T_ - t0);
     commit(t0);
     float s[NP];  // this chunk's checkpoint, loaded with the chunk's inputs; after the recompute, s_t of its last step
+    if constexpr (PAIR) {
 #pragma unroll
-    for (int h = 0; h < H; ++h) put4(&s[4 * h], pck[h]);
+      for (int j = 0; j < NP; ++j) s[j] = pcks[j];
+    } else {
+#pragma unroll
+      for (int h = 0; h < H; ++h) put4(&s[4 * h], pck[h]);
+    }
     __syncthreads();
     if (c > sg.cb) prefetch(c - 1);
     if constexpr (!PAIR) sm.S[0][tid] = make_float4(s[0], s[1], s[2], s[3]);
@@ -371,7 +412,7 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
         const float dl = sm.dl[i][cl];
         const float dx_ = dl * sm.x[i][cl];
         float bx[NP];
-        ld_states<NP>(bx, &sm.Bv[i][gi * NP]);
+        ld_bc(bx, sm.Bv, i);
         const bool st = decltype(has_start)::value && sm.st[i];
 #pragma unroll
         for (int j = 0; j < NP; ++j) s[j] = fmaf(ex2f_(dl * A2[j]), st ? 0.f : s[j], dx_ * bx[j]);
@@ -384,8 +425,8 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
       for (int i = TC - 1; i >= 0; --i) {
         const float xv = sm.x[i][cl], dl = sm.dl[i][cl];
         float bx[NP], cx[NP], spv[NP], sc[NP];
-        ld_states<NP>(bx, &sm.Bv[i][gi * NP]);
-        ld_states<NP>(cx, &sm.Cv[i][gi * NP]);
+        ld_bc(bx, sm.Bv, i);
+        ld_bc(cx, sm.Cv, i);
         if constexpr (PAIR) {
 #pragma unroll
           for (int h = 0; h < H; ++h) put4(&spv[4 * h], sm.S[i][h][tid]);
@@ -411,13 +452,15 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
           const float sp = st ? 0.f : spv[j];
           const float h = fmaf(g, cx[j], hc[j]);               // d loss / d s_t
           ys = fmaf(sc[j], cx[j], ys);
-          v[j] = h * amdx;                                     // dB
-          v[NP + j] = amg * sc[j];                             // dC
-          const float hsa = h * (sp * a);
+          // dB and dC: the pair build interleaves them (pair_transpose_reduce)
+          v[PAIR ? 2 * j : j] = h * amdx;
+          v[PAIR ? 2 * j + 1 : NP + j] = amg * sc[j];
+          const float ha = h * a;
+          const float hsa = ha * sp;
           ddA = fmaf(hsa, A[j], ddA);
           hB = fmaf(h, bx[j], hB);
           dAacc[j] = fmaf(hsa, dl, dAacc[j]);
-          hc[j] = st ? 0.f : h * a;
+          hc[j] = st ? 0.f : ha;
           if constexpr (PAIR) s[j] = spv[j];                   // s_t of step i - 1
         }
         ys = group_sum<G>(ys);
@@ -432,11 +475,13 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
         }
         dDacc = fmaf(amg, xv, dDacc);
         ddbacc = fmaf(ddt, am, ddbacc);
-        int idx; bool dup;
-        float rr;
-        if constexpr (PAIR) rr = transpose_reduce_cx<G, 2 * NP>(v, lane, idx, dup);
-        else rr = transpose_reduce<G, 2 * NP>(v, lane, idx, dup);
-        sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
+        if constexpr (PAIR) {
+          sm.red[i][warp][((lane & 2) ? N : 0) + gi * NP + pm] = pair_transpose_reduce(v, lane);
+        } else {
+          int idx; bool dup;
+          const float rr = transpose_reduce<G, 2 * NP>(v, lane, idx, dup);
+          sm.red[i][warp][(idx >= NP ? N : 0) + gi * NP + (idx % NP)] = rr;  // duplicates write equal values
+        }
       }
     };
     by_chunk_start(chunk_st, reverse);
@@ -454,8 +499,8 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
   if (act) {
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
-      if (q.dinit && k == 0) q.dinit[bd * N + gi * NP + j] = hc[j];
-      pPar[d * N + gi * NP + j] = dAacc[j] * A[j];   // d/dA_log = d/dA * A
+      if (q.dinit && k == 0) q.dinit[bd * N + gi * NP + (j ^ pm)] = hc[j];
+      pPar[d * N + gi * NP + (j ^ pm)] = dAacc[j] * A[j];   // d/dA_log = d/dA * A
     }
     if (gi == 0) { pPar[D * N + d] = dDacc; pPar[D * N + D + d] = ddbacc; }
   }
