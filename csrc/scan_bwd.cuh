@@ -364,7 +364,8 @@ __device__ __forceinline__ void scan_bwd_main_body(const ScanBwdParams& q, const
   float hc[NP], dAacc[NP];
 #pragma unroll
   for (int j = 0; j < NP; ++j) {
-    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + (j ^ pm)] : 0.f;  // d loss / d s from the future
+    // d loss / d s from the future
+    hc[j] = (k == nz - 1 && q.dfinal && act) ? q.dfinal[bd * N + gi * NP + (j ^ pm)] : 0.f;
     dAacc[j] = 0.f;
   }
   if (k < nz - 1) {  // the adjoint entering segment k from later ones: fixed-order combine (local pass)
