@@ -5,10 +5,11 @@
 #   writes each revision's source tree to .whl/trees/<i>_<rev> (git archive; gitignored, carried with
 #   run(carry=[".whl"])) and fetches the wheels the device lacks (scripts/fetch_wheels.sh) if .whl has none.
 # On the device: [BUDGET=540] [ROWS="128x16x64 ..."] [F32_ROWS="..."] [SUITE=1] [SCAN_SHAPES="16x64 ..."] \
-#   [AB_CONFIGS="..."] scripts/ab_call.sh run
+#   [TIMELINE="f32:128x16x64 ..."] [AB_CONFIGS="..."] scripts/ab_call.sh run
 #   builds every tree's CUDA kernels in parallel (each into its own TREE/.build), runs the cuda-marked tests on the
 #   last tree (SUITE=0 skips them), then, as BUDGET seconds allow: benchmarks/ab_trees.py over the trees (bf16 on
-#   ROWS, 2 rounds; f32 on F32_ROWS, 1 round), benchmarks/scan_kernels.py on every tree (SCAN_SHAPES, bf16) and,
+#   ROWS, 2 rounds; f32 on F32_ROWS, 1 round), benchmarks/scan_kernels.py on every tree (SCAN_SHAPES, bf16),
+#   benchmarks/timeline.py on the last tree for each DTYPE:DMxBxT in TIMELINE and,
 #   where AB_CONFIGS holds its arguments (e.g. "--rows 128x64x128 --dtypes bf16 --configs base bwd3 --rounds 2"),
 #   benchmarks/ab_configs.py on the last tree.
 #   Everything goes to $OUT/r and is packed into $OUT/r.tgz (the device returns at most 8 files).
@@ -87,6 +88,14 @@ for t in "${T[@]}"; do
     --label "$(basename "$t")" --dtype bfloat16 "${shapes[@]}" --out "$O/scan_$(basename "$t").json" \
     > "$O/scan_$(basename "$t").log" 2>&1
   log "scan $(basename "$t")"
+done
+for spec in ${TIMELINE-}; do  # DTYPE:DMxBxT, one replay's kernels on the last tree (benchmarks/timeline.py)
+  [ "$(left)" -gt 30 ] || break
+  dt=${spec%%:*}; sh=${spec#*:}
+  MAMBA_RL_BUILD_DIR=$LAST/.build PYTHONPATH=$LAST:/tmp/site timeout $(($(left) - 5)) python3 \
+    "$LAST/benchmarks/timeline.py" --dtype "$dt" --shape "$sh" --out "$O/timeline_${dt}_$sh.json" \
+    > "$O/timeline_${dt}_$sh.log" 2>&1
+  log "timeline $spec"
 done
 if [ -n "${AB_CONFIGS-}" ] && [ "$(left)" -gt 40 ]; then  # configurations of the last tree in one process
   MAMBA_RL_BUILD_DIR=$LAST/.build PYTHONPATH=$LAST:/tmp/site timeout $(($(left) - 5)) \
