@@ -334,7 +334,7 @@ class PPOConfig(_PPOFields):
             rms_norm_eps included, reaches the backbone): the one place its values live, read as
             ``config.backbone.d_model``. Its fields may also be given flat: ``PPOConfig(d_model=64)`` /
             ``replace(d_state=8)`` set them inside ``backbone`` (``--d-model 64`` on the command line).
-        prev_action: append the previous action (one-hot when discrete, clipped for Box; zero at an episode start) to the input: True, False or "auto" (on for Discrete / MultiDiscrete actions and where the env declares ``obs_requires_prev_action``, as POPGym's MultiarmedBandit, Battleship and Concentration do; off for other Box-action envs: mamba_rl.agents.policy.prev_action_input).
+        prev_action: append the previous action (one-hot when discrete, clipped for Box; zero at an episode start) to the input: True, False or "auto" (on the command line on, off or auto; on for Discrete / MultiDiscrete actions and where the env declares ``obs_requires_prev_action``, as POPGym's MultiarmedBandit, Battleship and Concentration do; off for other Box-action envs: mamba_rl.agents.policy.prev_action_input).
         prev_reward: append the previous reward (as training scales it; 0 at an episode start) to the input. On by
             default: at 200k steps it lifted AutoencodeEasy from -0.426 to -0.419 (12 seeds), the bandit from 0.432
             to 0.460 and PositionOnlyPendulum from 0.870 to 0.887, and left every other POPGym task and

@@ -45,18 +45,30 @@ def read_scalars(run_dir: str | Path) -> dict[str, tuple[list[int], list[float]]
     return out
 
 
-def _robust_ylim(ax, values) -> None:
-    """Y limits from the 1st..99th percentile (plus a margin) once the first points lie far outside it, so
-    that a loss's large opening values (the value loss before the critic has learned anything) do not
-    flatten the rest of the curve; those points are clipped at the panel's edge, noted in its corner."""
+def _robust_limits(values: np.ndarray) -> tuple[float, float] | None:
+    """(low, high) y limits that leave out outliers, or None where the finite values have none (or are fewer
+    than 20): Tukey's far-out fences, the quartiles -/+ 3 interquartile ranges, so that a loss's large opening
+    values (the value loss before the critic has learned anything) or a lone spike (an explained variance of -4e7
+    where the target barely varied) do not flatten the rest of the curve; percentiles of ~100 points do not drop
+    a lone spike."""
     finite = values[np.isfinite(values)] if len(values) else values
     if len(finite) < 20:
-        return
-    lo, hi = np.percentile(finite, [1, 99])
-    pad = 0.1 * (hi - lo) if hi > lo else abs(hi) * 0.1 + 1e-12
-    if finite.max() > hi + 3 * pad or finite.min() < lo - 3 * pad:
-        ax.set_ylim(lo - pad, hi + pad)
-        ax.text(0.99, 0.97, "y: 1st-99th percentile", transform=ax.transAxes, ha="right", va="top", fontsize=7,
+        return None
+    q1, q3 = np.percentile(finite, [25, 75])
+    iqr = q3 - q1 if q3 > q1 else abs(q3) * 0.1 + 1e-12
+    lo, hi = max(finite.min(), q1 - 3 * iqr), min(finite.max(), q3 + 3 * iqr)
+    if finite.min() >= lo and finite.max() <= hi:
+        return None
+    pad = 0.05 * (hi - lo) if hi > lo else abs(hi) * 0.1 + 1e-12
+    return lo - pad, hi + pad
+
+
+def _robust_ylim(ax, values) -> None:
+    """Clip the panel's y axis to :func:`_robust_limits` where it finds outliers, noted in its corner."""
+    lim = _robust_limits(values)
+    if lim is not None:
+        ax.set_ylim(*lim)
+        ax.text(0.99, 0.97, "y: outliers clipped (3 IQR)", transform=ax.transAxes, ha="right", va="top", fontsize=7,
                 alpha=0.6)
 
 

@@ -10,8 +10,6 @@ factories), :mod:`.wrappers` (picklable flattening and joint-action wrappers, ve
 reward normalisation), :mod:`.envpool_backend` (the optional EnvPool backend), :mod:`.parts` (stepping in parts), :mod:`.pomdp`.
 """
 
-from __future__ import annotations
-
 from .envpool_backend import ENV_BACKENDS, EnvPoolVecEnv, envpool_available, envpool_task
 from .guards import EnvFailure, EnvGuard, EnvStepError, EnvWorkerDied, NonFiniteEnvError, flatten_observation
 from .pomdp import POMDP_ENV_IDS, MaskObservation, make_masked_env, register_pomdp_envs

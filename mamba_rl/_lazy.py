@@ -2,6 +2,7 @@
 use, so importing the package (or the CLI's ``--help``) does not pay for torch or gymnasium."""
 from __future__ import annotations
 
+import __future__
 import importlib
 from typing import Callable
 
@@ -19,7 +20,8 @@ def lazy_exports(package: str, exports: dict[str, str], namespace: dict) -> tupl
             return value
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
-    def __dir__() -> list[str]:
-        return sorted(set(namespace) | set(exports))
+    def __dir__() -> list[str]:  # without this helper and a ``from __future__ import annotations`` of the package
+        names = set(namespace) | set(exports)
+        return sorted(n for n in names if namespace.get(n) not in (lazy_exports, __future__.annotations))
 
     return __getattr__, __dir__

@@ -279,7 +279,7 @@ def load_extension(kind: str = "cuda", verbose: bool = False, retry: bool = Fals
     cached = any(bdir.glob(f"{name}*.so"))
     t0 = time.time()
     if not cached:
-        print(f"mamba_rl: building the {kind.upper()} kernels in {bdir} (one time, ~30-60 s) ...",
+        print(f"mamba_rl: building the {kind.upper()} kernels in {bdir} (one time, ~30-90 s) ...",
               file=sys.stderr, flush=True)
     try:
         if kind == "cuda":

@@ -279,6 +279,28 @@ def test_plot_a_tiny_run(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("no run folder at " + str(tmp_path / "nothing"))
 
 
+def test_plot_limits_leave_out_a_lone_spike_and_large_opening_values():
+    """The panels' y limits (Tukey's far-out fences): a lone spike among ~100 points (the default run's
+    aux explained variance of -4e7) and a loss's large opening values are left out; a curve without outliers,
+    a short one and a constant one keep matplotlib's own limits."""
+    import numpy as np
+
+    from mamba_rl.agents.plot import _robust_limits
+
+    rng = np.random.default_rng(0)
+    ev = rng.uniform(-0.5, 0.9, 98)
+    ev[40] = -4e7
+    lo, hi = _robust_limits(ev)
+    assert -5 < lo < -0.5 and 0.9 < hi < 5
+    loss = np.concatenate([[900.0, 400.0, 150.0], rng.uniform(1.0, 3.0, 97)])
+    lo, hi = _robust_limits(loss)
+    assert 0 < hi < 20 and lo < 1.0
+    assert _robust_limits(np.linspace(1.0, 0.1, 100)) is None
+    assert _robust_limits(np.array([1.0, 5e6] * 5)) is None  # under 20 points
+    assert _robust_limits(np.full(50, 2.0)) is None
+    assert _robust_limits(np.array([np.nan] * 30 + [1.0] * 30)) is None
+
+
 def test_read_scalars_drops_the_steps_a_resume_purged(tmp_path):
     """A run resumed from an earlier checkpoint writes a second event file whose purge_step hides what the first
     file logged from that step on: the plot reads them as TensorBoard does (no step twice, no stale tail)."""
