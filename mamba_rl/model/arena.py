@@ -14,7 +14,29 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["ArenaModule", "UseCompute"]
+__all__ = ["ArenaModule", "UseCompute", "arena_key", "cache_hit"]
+
+
+def arena_key(*arenas: torch.Tensor | None) -> tuple:
+    """The key of views cached over flat arenas: per arena (the tensor, its data pointer), or None. Compare two
+    with :func:`cache_hit`, not ``==``."""
+    return tuple(None if a is None else (a, a.data_ptr()) for a in arenas)
+
+
+def cache_hit(cached: tuple, key: tuple) -> bool:
+    """Whether views built under ``cached`` (:func:`arena_key` then) serve the arenas of ``key``: each arena at
+    the address it had then, and the arena cached then still at that address. An in-place move of an arena's
+    storage (``share_memory_()``, the Hogwild / torch.multiprocessing idiom) frees its address, and another
+    arena allocated later may get it: views of the moved storage must not be handed out for that one."""
+    if len(cached) != len(key):
+        return False
+    for c, k in zip(cached, key):
+        if c is None or k is None:
+            if c is not k:
+                return False
+        elif c[1] != k[1] or c[0].data_ptr() != c[1]:
+            return False
+    return True
 
 
 class UseCompute(torch.autograd.Function):

@@ -18,7 +18,7 @@ from ..ops.capability import Support, autograd_support, kernel_support
 from ..ops.checks import check_tensor
 from ..ops.extension import extension, extension_error, fallback_message
 from ..ops.step import backbone_step_packed, pack_step_weights
-from .arena import ArenaModule
+from .arena import ArenaModule, arena_key, cache_hit
 from .block import MambaBlock
 from .fused import fused_backbone
 from .init import GEMM_PARAMS, init_values, is_no_decay, param_layout
@@ -208,9 +208,9 @@ class MambaBackbone(ArenaModule):
         Views into the arenas, cached while the arenas stay where they are (in-place updates are seen).
         While parameters are swapped in (``torch.func.functional_call``) it returns those tensors, uncached."""
         swapped = not self.params_are_arena()
-        key = (self.arena.data_ptr(), None if self.compute_arena is None else self.compute_arena.data_ptr())
+        key = arena_key(self.arena, self.compute_arena)
         cache = self.__dict__.get("_step_cache")
-        if not swapped and cache is not None and cache[0] == key:
+        if not swapped and cache is not None and cache_hit(cache[0], key):
             return cache[1]
         out = {}
         for name, _ in self._layout:

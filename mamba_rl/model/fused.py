@@ -19,6 +19,7 @@ import torch
 
 from ..ops.capability import kernel_support
 from ..ops.step import pack_step_weights
+from .arena import arena_key, cache_hit
 
 __all__ = ["fused_backbone", "final_state_into", "grad_known", "cpu_whole_applies", "cpu_whole_forward", "cpu_whole_backward"]
 
@@ -26,8 +27,10 @@ __all__ = ["fused_backbone", "final_state_into", "grad_known", "cpu_whole_applie
 # of each of the three arenas (weights, masters, grads) on every call was a measurable share of a CPU step
 # (slicing + view per parameter, ~1.4 ms of a 2 x 128 step); views of the same storage stay valid as long as
 # the arena is updated in place, which is how the trainer, AdamW and load_state_dict use it. A new arena (a
-# .to(), a deepcopy) has another address and gets its own entry; the cached views keep their storage alive,
-# so an address cannot be reused while its entry exists. Weak on the backbone: no reference cycle.
+# .to(), a deepcopy) has another address and gets its own entry. The cached views keep their storage alive, but
+# an in-place move of that storage (share_memory_(), the Hogwild / torch.multiprocessing idiom) frees the address
+# they were cached under, and a later arena (the next gradient arena) may get it: each entry holds the arena it
+# was built for, and a hit needs that arena still at the key's address. Weak on the backbone: no reference cycle.
 _VIEWS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Per backbone: {compute dtype: (norm fwd ok, norm bwd ok, f32 norm fwd ok)} (kernel_support is pure in the
 # config and dtype, both fixed for a backbone's life).
@@ -40,11 +43,13 @@ def _per_arena(store: "weakref.WeakKeyDictionary", net, flat: torch.Tensor, buil
     if per_net is None:
         per_net = store[net] = {}
     key = (flat.data_ptr(), flat.dtype, flat.numel(), flat.device)
-    v = per_net.get(key)
-    if v is None:
-        if len(per_net) >= 8:  # arenas of a net replaced several times: drop the stale entries
-            per_net.clear()
-        v = per_net[key] = build()
+    hit = per_net.get(key)
+    if hit is not None and cache_hit(hit[0], arena_key(flat)):
+        return hit[1]
+    if len(per_net) >= 8:  # arenas of a net replaced several times: drop the stale entries
+        per_net.clear()
+    v = build()
+    per_net[key] = (arena_key(flat), v)
     return v
 
 

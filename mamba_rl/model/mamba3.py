@@ -75,6 +75,7 @@ from ..ops.capability import Support, kernel_support
 from ..ops.extension import extension, fallback_message
 from ..ops.mamba3_ref import mamba3_scan_ref, mamba3_step_ref
 from ..ops.norm import rms_norm_ref
+from .arena import arena_key, cache_hit
 from .backbone import MambaBackbone, check_step_args
 from .fused_m3 import fused_m3_backbone, m3_core_kw, m3_core_params
 from .state import RecurrentState
@@ -394,9 +395,9 @@ class Mamba3Backbone(MambaBackbone):
 
     def _packed_step_weights(self) -> tuple:
         """The one-token kernel's argument layout (views of the float32 arena), cached per arena."""
-        key = self.arena.data_ptr()
+        key = arena_key(self.arena)
         cache = self.__dict__.get("_m3_packed")
-        if cache is not None and cache[0] == key:
+        if cache is not None and cache_hit(cache[0], key):
             return cache[1]
         v = {name: self.arena_view(self.arena, name) for name, _ in self._layout}
         layers = []
@@ -412,9 +413,9 @@ class Mamba3Backbone(MambaBackbone):
     def step_weights(self) -> dict:
         """name -> tensor for the one-token step: GEMM weights (input_proj, in_proj, out_proj) in the compute
         dtype, the rest master; views into the arenas (in-place updates are seen), cached per arena."""
-        key = (self.arena.data_ptr(), None if self.compute_arena is None else self.compute_arena.data_ptr())
+        key = arena_key(self.arena, self.compute_arena)
         cache = self.__dict__.get("_m3_step_cache")
-        if cache is not None and cache[0] == key:
+        if cache is not None and cache_hit(cache[0], key):
             return cache[1]
         out = {}
         for name, _ in self._layout:

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mamba_rl import (
+    MambaBackbone,
+    MambaConfig,
     MambaTrainer,
 )
 from tests.helpers import (
@@ -143,3 +145,33 @@ def test_torch_save_load_keeps_param_views(tmp_path):
     n2(torch.randn(2, 3, IN))[0].sum().backward()
     assert n2.input_proj.weight.grad.data_ptr() == n2.arena_view(n2.grad_arena, "input_proj.weight").data_ptr()
     assert torch.count_nonzero(n2.grad_arena) > 0
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["step", "forward+backward_step"])
+def test_share_memory_during_training_keeps_the_weights(split):
+    """net.share_memory() (the Hogwild / torch.multiprocessing idiom) after some training steps moves the
+    arena's storage in place and frees its old address; the gradient arena allocated next often gets that
+    address (a third to a half of the trials here). The views cached under the old address (model/fused.py,
+    the step caches) must not be handed out for it: every trial ends with the weights of the same run without
+    share_memory, bit for bit."""
+    cfg = MambaConfig(d_model=24, n_layers=2, d_state=5, d_conv=3)
+    B, T, D = 3, 7, 4
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(B, T, D, generator=gen), torch.randn(B, T, 24, generator=gen)) for _ in range(4)]
+
+    def run(share: bool) -> torch.Tensor:
+        net = MambaBackbone(cfg, input_dim=D, seed=1)
+        tr = MambaTrainer(net, B, T, lr=1e-2)
+        for i, (x, d) in enumerate(data):
+            if share and i == 2:
+                net.share_memory()
+            if split:
+                tr.forward(x)
+                tr.backward_step(d)
+            else:
+                tr.step(x, d)
+        return net.arena.clone()
+
+    ref = run(False)
+    for _ in range(12):
+        assert torch.equal(run(True), ref)
