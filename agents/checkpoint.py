@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from mamba_rl import MambaTrainer, Stepper, load_checkpoint, read_checkpoint, save_checkpoint
-from mamba_rl.train.checkpoint import CheckpointError, fsync_path, remove_stale_temporaries
+from mamba_rl.train.checkpoint import CheckpointError, fsync_path, is_save_temporary, remove_stale_temporaries
 from mamba_rl.envs import find_vector_wrapper
 
 from .config import PPOConfig
@@ -229,7 +229,7 @@ def _recover_swap(path: Path) -> None:
     are leftovers: what the user added to them moves into ``path``, the rest is removed."""
     parent, name = path.parent, path.name
     try:
-        olds = sorted((parent / e for e in os.listdir(parent) if e.startswith(f".old-{name}-")),
+        olds = sorted((parent / e for e in os.listdir(parent) if is_save_temporary(e, f".old-{name}-")),
                       key=lambda p: p.stat().st_mtime, reverse=True)
     except (FileNotFoundError, NotADirectoryError):
         return

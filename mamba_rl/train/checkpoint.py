@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint", "validate_trainer_state", "FORMAT_VERSION",
-           "CheckpointError", "fsync_path", "remove_stale_temporaries", "tensor_sha256"]
+           "CheckpointError", "fsync_path", "is_save_temporary", "remove_stale_temporaries", "tensor_sha256"]
 
 FORMAT_VERSION = 1
 _KEY = "mamba_rl"
@@ -149,7 +150,7 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
         raise NotADirectoryError(f"{where}: path {path!r} needs the folder {folder!r}, but a part of it exists and "
                                  f"is not a folder ({e})") from e
     prefix = f".tmp-{os.path.basename(path)}-"
-    remove_stale_temporaries(folder, prefix)  # what a killed save of this file left behind
+    remove_stale_temporaries(folder, prefix, ".safetensors")  # what a killed save of this file left behind
     tmp = _create_temp(folder, prefix, ".safetensors")
     try:
         mode = os.stat(tmp).st_mode & 0o777  # 0o666 minus the umask, from the exclusive create
@@ -204,10 +205,18 @@ def fsync_path(path) -> None:
         os.close(fd)
 
 
-def remove_stale_temporaries(folder, prefix: str) -> list[str]:
-    """Remove the files and folders named ``prefix*`` in ``folder`` (the temporaries of a save that was
-    killed before its rename) and return their paths. Call it only where no other save into ``folder``
-    with the same prefix can be running (the name of the target is part of the prefix)."""
+def is_save_temporary(entry: str, prefix: str, suffix: str = "") -> bool:
+    """Whether the folder entry ``entry`` is exactly ``prefix``, the 12 hex digits one save draws
+    (``_create_temp``), and ``suffix``: that save's temporary, and not one of a sibling whose name begins with
+    the same name and a dash (``ckpt`` and ``ckpt-best``: ``.tmp-ckpt-`` begins both of theirs)."""
+    return re.fullmatch(re.escape(prefix) + "[0-9a-f]{12}" + re.escape(suffix), entry) is not None
+
+
+def remove_stale_temporaries(folder, prefix: str, suffix: str = "") -> list[str]:
+    """Remove the files and folders of ``folder`` named ``prefix`` + 12 hex digits + ``suffix``
+    (:func:`is_save_temporary`: the temporaries of a save that was killed before its rename) and return their
+    paths. Call it only where no other save into ``folder`` with the same prefix can be running (the name of
+    the target is part of the prefix)."""
     import shutil
 
     removed = []
@@ -216,7 +225,7 @@ def remove_stale_temporaries(folder, prefix: str) -> list[str]:
     except FileNotFoundError:
         return removed
     for name in names:
-        if not name.startswith(prefix):
+        if not is_save_temporary(name, prefix, suffix):
             continue
         full = os.path.join(folder, name)
         try:

@@ -195,13 +195,37 @@ def test_a_save_killed_between_its_renames_is_recovered(tmp_path):
     agent.learn()
     root = tmp_path / "ckpt" / agent.run_name
     os.mkdir(root / "final" / "videos")  # something the user put there (eval --video writes here)
-    os.rename(root / "final", root / ".old-final-123456")  # the previous folder moved aside, the new one
-    shutil.copytree(root / ".old-final-123456", root / ".tmp-final-abcdef")  # not yet renamed in
+    os.rename(root / "final", root / ".old-final-0123456789ab")  # the previous folder moved aside, the new one
+    shutil.copytree(root / ".old-final-0123456789ab", root / ".tmp-final-abcdef012345")  # not yet renamed in
     back = RecurrentPPO.load(root / "final")  # the previous folder is put back
     assert back.update == 1
     back.close()
     agent.save(root / "final")
     assert sorted(os.listdir(root)) == ["final"] and (root / "final" / "videos").is_dir()
+    agent.close()
+
+
+def test_a_sibling_checkpoints_leftovers_are_not_taken_for_its_own(tmp_path):
+    """A save of ``agent-best`` killed between its renames leaves ``.old-agent-best-<12 hex>`` (its only copy) and
+    one killed before them ``.tmp-agent-best-<12 hex>``: ``.old-agent-`` / ``.tmp-agent-`` begin those names too,
+    yet loading or saving ``agent`` neither loads nor removes them (a missing ``agent`` is FileNotFoundError),
+    and loading ``agent-best`` puts its previous folder back."""
+    agent = RecurrentPPO("CartPole-v1", config=_cfg(tmp_path, total_timesteps=BATCH, track=False))
+    agent.learn()
+    root = tmp_path / "ckpt" / agent.run_name
+    agent.save(root / "agent-best")
+    os.rename(root / "agent-best", root / ".old-agent-best-0123456789ab")
+    os.mkdir(root / ".tmp-agent-best-abcdef012345")
+    with pytest.raises(FileNotFoundError):
+        RecurrentPPO.load(root / "agent")
+    agent.save(root / "agent")
+    RecurrentPPO.load(root / "agent").close()
+    assert sorted(os.listdir(root)) == [".old-agent-best-0123456789ab", ".tmp-agent-best-abcdef012345", "agent",
+                                        "final"]
+    back = RecurrentPPO.load(root / "agent-best")
+    assert back.update == 1
+    back.close()
+    assert not (root / ".old-agent-best-0123456789ab").exists() and (root / "agent-best").is_dir()
     agent.close()
 
 

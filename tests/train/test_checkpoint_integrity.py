@@ -119,6 +119,21 @@ def test_save_refuses_non_finite_and_keeps_the_previous_file(tmp_path, tensor):
     assert not (tmp_path / "new.safetensors").exists()
 
 
+def test_save_removes_its_own_stale_temporary_and_no_siblings(tmp_path):
+    """A save of ``ckpt`` removes what a killed save of ``ckpt`` left (``.tmp-ckpt-<12 hex>.safetensors``), not
+    the temporary of a save of ``ckpt-best`` in the same folder, which ``.tmp-ckpt-`` begins too (two saves
+    running at once made the other fail), nor anything else that merely begins with the prefix."""
+    t = stepped()
+    own = tmp_path / ".tmp-ckpt-0123456789ab.safetensors"
+    others = [tmp_path / ".tmp-ckpt-best-0123456789ab.safetensors", tmp_path / ".tmp-ckpt-notes.txt",
+              tmp_path / ".tmp-ckpt-0123456789ab.safetensors.bak"]
+    for f in [own, *others]:
+        f.write_bytes(b"x")
+    save_checkpoint(tmp_path / "ckpt", t)
+    assert not own.exists() and all(f.read_bytes() == b"x" for f in others)
+    load_checkpoint(tmp_path / "ckpt", trainer())
+
+
 @pytest.mark.parametrize("field,value,match", [
     ("scale", 0.0, "scaler scale must be a finite number > 0, got 0.0"),
     ("scale", -5.0, "scaler scale must be a finite number > 0, got -5.0"),
