@@ -510,8 +510,13 @@ class MambaTrainer:
                 it, so one with autograd history is fine), or None to continue from the carried state.
             episode_starts: [B, T] bool or None (see :meth:`MambaBackbone.forward`).
         Returns:
-            :class:`StepMetrics` (device tensors; no sync).
+            :class:`StepMetrics` (device tensors; no sync). Under ``torch.no_grad()`` or
+            ``torch.inference_mode()`` (an RL loop's rollout scope) it runs as outside them: the backward is
+            its own, not the caller's.
         """
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.enable_grad():
+                return self.step(x, d_temporal, initial_state, episode_starts)
         self._load(x, initial_state, episode_starts, "MambaTrainer.step")
         self._load_grad(d_temporal, None, "MambaTrainer.step")
         if self._cpu_direct():
@@ -529,8 +534,12 @@ class MambaTrainer:
         Returns:
             features [B, T, d_model] float32, a tensor without autograd history (call
             ``.requires_grad_()`` on it, compute the head loss, backprop, and pass its ``.grad`` to
-            :meth:`backward_step`). Under graphs it is a fresh copy of the static output.
+            :meth:`backward_step`). Under graphs it is a fresh copy of the static output. Under
+            ``torch.no_grad()`` or ``torch.inference_mode()`` it runs as outside them (as :meth:`step`).
         """
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.enable_grad():
+                return self.forward(x, initial_state, episode_starts)
         self._load(x, initial_state, episode_starts, "MambaTrainer.forward")
         if self._graphs.replay("forward"):
             return self._graph_feat.detach().clone()
@@ -553,6 +562,9 @@ class MambaTrainer:
         """
         if self._feat is None and "forward" not in self._graphs:
             raise RuntimeError("MambaTrainer.backward_step: call forward() first")
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():  # as step()
+            with torch.inference_mode(False), torch.enable_grad():
+                return self.backward_step(d_temporal, accumulate, extra_grad_sq)
         self._load_grad(d_temporal, extra_grad_sq, "MambaTrainer.backward_step")
         name = "accumulate" if accumulate else "backward_step"
         if self._graphs.replay(name):

@@ -125,3 +125,35 @@ def test_extra_grad_sq_bad_value_rejected(bad):
     with pytest.raises(ValueError, match="extra_grad_sq"):
         tr.backward_step(torch.randn(2, 4, 8), extra_grad_sq=bad)
     assert torch.equal(tr.net.arena, before)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("scope", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("split", [False, True], ids=["step", "forward+backward_step"])
+def test_trainer_under_no_grad_or_inference_mode_runs_as_outside(backend, scope, split):
+    """An RL loop may call the update inside its rollout's torch.no_grad() / inference_mode(): the trainer's
+    backward is its own, so step / forward / backward_step run as outside the scope (the same weights and
+    carried state bit for bit), with inputs made inside the scope (inference tensors) too; before, a raw
+    autograd error came after the carried state had already advanced."""
+    from mamba_rl import MambaBackbone, MambaConfig
+
+    cfg = MambaConfig(d_model=24, n_layers=2, d_state=5, d_conv=3)
+    B, T, D = 3, 7, 4
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(B, T, D, generator=gen), torch.randn(B, T, 24, generator=gen)) for _ in range(3)]
+
+    def run(inside):
+        tr = MambaTrainer(MambaBackbone(cfg, input_dim=D, seed=1, backend=backend), B, T)
+        for x, d in data:
+            with scope() if inside else torch.enable_grad():
+                x, d = x.clone(), d.clone()
+                if split:
+                    feat = tr.forward(x)
+                    assert not feat.is_inference()
+                    tr.backward_step(d)
+                else:
+                    tr.step(x, d)
+        return tr.net.arena, tr.state.ssm, tr.state.conv
+
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b)
