@@ -278,10 +278,15 @@ class MambaBackbone(ArenaModule):
             episode_starts: [B, T] bool or None. True at (b, t): x[b, t] is the first observation of a new
                 episode, so row b's conv window and SSM state are zero before step t.
         Returns:
-            (features [B, T, d_model] in the master dtype, final_state :class:`RecurrentState`).
+            (features [B, T, d_model] in the master dtype, final_state :class:`RecurrentState`). Inside a
+            ``torch.autocast`` region the backbone runs with autocast off: its precision is its compute dtype
+            (:meth:`set_compute_dtype`), which its kernels take.
         Raises:
             ValueError: on a wrong shape, dtype or device (message gives expected vs received).
         """
+        if torch.is_autocast_enabled(self.device.type):
+            with torch.autocast(self.device.type, enabled=False):
+                return self.forward(x, initial_state, episode_starts)
         self.check_inputs(x, initial_state, episode_starts)
         empty = x.shape[0] == 0  # no rows: nothing for a kernel to do, the reference returns empty tensors
         if not empty and self._use_fused(initial_state, x):

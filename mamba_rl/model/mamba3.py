@@ -448,10 +448,14 @@ class Mamba3Backbone(MambaBackbone):
             episode_starts: [B, T] bool or None. True at (b, t): x[b, t] starts a new episode, so row b's
                 SSM state, angle, previous k and v are all zero before step t.
         Returns:
-            (features [B, T, d_model] in the master dtype, final :class:`Mamba3State`).
+            (features [B, T, d_model] in the master dtype, final :class:`Mamba3State`); autocast off inside
+            (as :meth:`MambaBackbone.forward`).
         Raises:
             ValueError: on a wrong shape, dtype or device.
         """
+        if torch.is_autocast_enabled(self.device.type):
+            with torch.autocast(self.device.type, enabled=False):
+                return self.forward(x, initial_state, episode_starts)
         self.check_inputs(x, initial_state, episode_starts)
         if x.shape[0] != 0 and self._use_fused(initial_state, x):
             return self._forward_fused(x, initial_state, episode_starts)

@@ -497,6 +497,19 @@ class MambaTrainer:
         return (n.arena, n.grad_arena, self.exp_avg, self.exp_avg_sq, self.hyper, self.scalars, self.scaler.scale,
                 self.x_buf, self.d_buf, self.starts_buf, self.state.conv, self.state.ssm, n.compute_arena)
 
+    def _outside_scope(self) -> bool:
+        """Whether the caller's grad mode, inference mode or autocast differ from the scope the trainer runs in."""
+        return (not torch.is_grad_enabled() or torch.is_inference_mode_enabled()
+                or torch.is_autocast_enabled(self.net.device.type))
+
+    def _own_scope(self) -> contextlib.ExitStack:
+        """The scope the trainer's calls run in, whatever the caller's: grad on, inference mode and autocast off."""
+        scope = contextlib.ExitStack()
+        scope.enter_context(torch.inference_mode(False))
+        scope.enter_context(torch.enable_grad())
+        scope.enter_context(torch.autocast(self.net.device.type, enabled=False))
+        return scope
+
     # ---------------------------------------------------------------------------------------- API
     def step(self, x, d_temporal, initial_state: RecurrentState | None = None, episode_starts=None) -> StepMetrics:
         """Fused forward over [B, T], backward with ``d_temporal``, global clip and AdamW.
@@ -510,12 +523,12 @@ class MambaTrainer:
                 it, so one with autograd history is fine), or None to continue from the carried state.
             episode_starts: [B, T] bool or None (see :meth:`MambaBackbone.forward`).
         Returns:
-            :class:`StepMetrics` (device tensors; no sync). Under ``torch.no_grad()`` or
-            ``torch.inference_mode()`` (an RL loop's rollout scope) it runs as outside them: the backward is
-            its own, not the caller's.
+            :class:`StepMetrics` (device tensors; no sync). Under ``torch.no_grad()``,
+            ``torch.inference_mode()`` (an RL loop's rollout scope) or ``torch.autocast`` it runs as outside
+            them: the backward is its own, not the caller's, and the precision its dtype's.
         """
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            with torch.inference_mode(False), torch.enable_grad():
+        if self._outside_scope():
+            with self._own_scope():
                 return self.step(x, d_temporal, initial_state, episode_starts)
         self._load(x, initial_state, episode_starts, "MambaTrainer.step")
         self._load_grad(d_temporal, None, "MambaTrainer.step")
@@ -535,10 +548,11 @@ class MambaTrainer:
             features [B, T, d_model] float32, a tensor without autograd history (call
             ``.requires_grad_()`` on it, compute the head loss, backprop, and pass its ``.grad`` to
             :meth:`backward_step`). Under graphs it is a fresh copy of the static output. Under
-            ``torch.no_grad()`` or ``torch.inference_mode()`` it runs as outside them (as :meth:`step`).
+            ``torch.no_grad()``, ``torch.inference_mode()`` or ``torch.autocast`` it runs as outside them (as
+            :meth:`step`).
         """
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            with torch.inference_mode(False), torch.enable_grad():
+        if self._outside_scope():
+            with self._own_scope():
                 return self.forward(x, initial_state, episode_starts)
         self._load(x, initial_state, episode_starts, "MambaTrainer.forward")
         if self._graphs.replay("forward"):
@@ -562,8 +576,8 @@ class MambaTrainer:
         """
         if self._feat is None and "forward" not in self._graphs:
             raise RuntimeError("MambaTrainer.backward_step: call forward() first")
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():  # as step()
-            with torch.inference_mode(False), torch.enable_grad():
+        if self._outside_scope():  # as step()
+            with self._own_scope():
                 return self.backward_step(d_temporal, accumulate, extra_grad_sq)
         self._load_grad(d_temporal, extra_grad_sq, "MambaTrainer.backward_step")
         name = "accumulate" if accumulate else "backward_step"

@@ -127,14 +127,20 @@ def test_extra_grad_sq_bad_value_rejected(bad):
     assert torch.equal(tr.net.arena, before)
 
 
+def _bf16_autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("scope", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("scope", [torch.no_grad, torch.inference_mode, _bf16_autocast],
+                         ids=["no_grad", "inference_mode", "autocast"])
 @pytest.mark.parametrize("split", [False, True], ids=["step", "forward+backward_step"])
-def test_trainer_under_no_grad_or_inference_mode_runs_as_outside(backend, scope, split):
-    """An RL loop may call the update inside its rollout's torch.no_grad() / inference_mode(): the trainer's
-    backward is its own, so step / forward / backward_step run as outside the scope (the same weights and
-    carried state bit for bit), with inputs made inside the scope (inference tensors) too; before, a raw
-    autograd error came after the carried state had already advanced."""
+def test_trainer_under_no_grad_inference_mode_or_autocast_runs_as_outside(backend, scope, split):
+    """An RL loop may call the update inside its rollout's torch.no_grad() / inference_mode() or an autocast
+    region: the trainer's backward is its own and its precision its dtype's, so step / forward / backward_step
+    run as outside the scope (the same weights and carried state bit for bit), with inputs made inside the
+    scope (inference tensors) too; before, a raw autograd error came after the carried state had already
+    advanced, and autocast gave the CPU kernels bf16 tensors (a raw dtype error)."""
     from mamba_rl import MambaBackbone, MambaConfig
 
     cfg = MambaConfig(d_model=24, n_layers=2, d_state=5, d_conv=3)
@@ -157,3 +163,29 @@ def test_trainer_under_no_grad_or_inference_mode_runs_as_outside(backend, scope,
 
     for a, b in zip(run(True), run(False)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba3"])
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_backbone_under_autocast_runs_in_its_own_precision(layer, backend):
+    """Inside torch.autocast the backbone runs with autocast off (its precision is its compute dtype): the same
+    features and final state bit for bit as outside, a bf16 input (an encoder's output under autocast) taken,
+    and gradients through it; the CPU kernels got bf16 tensors before (a raw dtype error)."""
+    from mamba_rl import MambaBackbone, MambaConfig
+
+    cfg = (MambaConfig(d_model=24, n_layers=2, d_state=8, d_conv=3) if layer == "Mamba1" else
+           MambaConfig(d_model=32, n_layers=2, d_state=8, layer="Mamba3", headdim=8))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 7, 4, generator=gen)
+    net = MambaBackbone(cfg, input_dim=4, seed=1, backend=backend)
+    y0, s0 = net(x)
+    enc = torch.nn.Linear(4, 4)
+    with _bf16_autocast():
+        y, s = net(x)
+        xb = enc(x)
+        assert xb.dtype == torch.bfloat16
+        yb, _ = net(xb)
+    assert torch.equal(y, y0) and torch.equal(s.ssm, s0.ssm) and torch.equal(s.conv, s0.conv)
+    assert yb.dtype == torch.float32
+    yb.square().mean().backward()
+    assert enc.weight.grad is not None and torch.isfinite(enc.weight.grad).all() and enc.weight.grad.abs().sum() > 0
