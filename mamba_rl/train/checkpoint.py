@@ -97,9 +97,9 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
         path: file path (str, bytes or os.PathLike; ``.safetensors`` suggested); parent folders are created.
         trainer: a :class:`~mamba_rl.MambaTrainer`.
         extra: JSON-able dict stored in the metadata (e.g. the agent's counters and config).
-        extra_tensors: name -> tensor (any device, dtype and layout) stored beside the trainer's (e.g. head
-            weights, RNG states) as a contiguous CPU copy, so tensors that share memory (views of one
-            buffer) are stored as independent tensors.
+        extra_tensors: name -> dense (strided) tensor with data, of any device, dtype and strides, stored
+            beside the trainer's (e.g. head weights, RNG states) as a contiguous CPU copy, so tensors that
+            share memory (views of one buffer) are stored as independent tensors.
     Returns:
         the path written (a str). The write is atomic: a crash leaves the old file or none, never half a file
         (temp file ``.tmp-<name>-*`` in the same folder, fsync, rename, fsync of the folder); the
@@ -107,8 +107,10 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
         is created with mode 0o666 minus the umask, like any file the user writes. A save that fails for
         any reason leaves a file already at ``path`` as it was.
     Raises:
+        TypeError: ``trainer`` is not a :class:`~mamba_rl.MambaTrainer`.
         ValueError: ``path`` is not a non-empty str / bytes / os.PathLike; ``extra`` is not a
-            JSON-serialisable dict (NaN and inf are refused), or ``extra_tensors`` is not a str -> tensor dict.
+            JSON-serialisable dict (NaN and inf are refused), or ``extra_tensors`` is not a str -> tensor dict,
+            or holds a sparse or meta tensor.
         IsADirectoryError: ``path`` is an existing folder (checked before anything is written).
         NotADirectoryError: a part of ``path``'s folder exists and is not a folder.
         CheckpointError (a ValueError): the master weights, AdamW moments or carried state hold NaN/inf, or
@@ -126,6 +128,12 @@ def save_checkpoint(path, trainer, extra: dict | None = None, extra_tensors: dic
         if not isinstance(k, str) or not isinstance(v, torch.Tensor):
             raise ValueError(f"{where}: extra_tensors must map str -> torch.Tensor, got {k!r} -> "
                              f"{type(v).__name__}")
+        if v.layout != torch.strided or v.is_meta:
+            got = "a meta tensor" if v.is_meta else f"layout {v.layout} (store its .to_dense())"
+            raise ValueError(f"{where}: extra_tensors[{k!r}]: expected a dense (strided) tensor with data, got {got}")
+    from .trainer import MambaTrainer  # (trainer imports this module)
+    if not isinstance(trainer, MambaTrainer):
+        raise TypeError(f"{where}: trainer must be a MambaTrainer, got {type(trainer).__name__}")
     if os.path.isdir(path):
         raise IsADirectoryError(f"{where}: path must be a file path (the checkpoint file to write), got {path!r}, "
                                 f"an existing folder")

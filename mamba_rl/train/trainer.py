@@ -314,7 +314,14 @@ class MambaTrainer:
 
     def _forward_body(self, grad: torch.Tensor | None = None):
         """The forward into ``_feat``; ``grad``: the dL/dfeatures the backward will get (the fused step knows it
-        before the forward: ``fused.grad_known``, one launch fewer on CUDA), or None."""
+        before the forward: ``fused.grad_known``, one launch fewer on CUDA), or None.
+
+        Raises:
+            RuntimeError: no parameter of the backbone requires grad (``net.requires_grad_(False)``), before
+                anything changes."""
+        if not any(p.requires_grad for p in self.net.parameters()):
+            raise RuntimeError("MambaTrainer: no parameter of the backbone requires grad (net.requires_grad_(False)?);"
+                               " the trainer trains them: call net.requires_grad_(True) first")
         self._take_state()
         st = self.state
         cuda = self.device.type == "cuda"

@@ -279,3 +279,17 @@ def test_a_failed_save_leaves_the_previous_file(tmp_path):
         save_checkpoint(p, t, extra_tensors=[torch.ones(1)])
     assert Path(p).read_bytes() == raw
     assert [q.name for q in tmp_path.iterdir()] == ["c.safetensors"]
+
+
+def test_save_refuses_a_non_trainer_and_sparse_or_meta_extra_tensors(tmp_path):
+    """save_checkpoint names a wrong ``trainer`` (TypeError) and an extra tensor without dense data (ValueError)
+    instead of a raw AttributeError / torch error, and writes nothing."""
+    t = make_trainer()
+    with pytest.raises(TypeError, match="trainer must be a MambaTrainer, got NoneType"):
+        save_checkpoint(tmp_path / "a", None)
+    with pytest.raises(ValueError, match=r"extra_tensors\['m'\]: expected a dense \(strided\) tensor with data, got a "
+                                         r"meta tensor"):
+        save_checkpoint(tmp_path / "b", t, extra_tensors={"m": torch.empty(3, device="meta")})
+    with pytest.raises(ValueError, match=r"extra_tensors\['s'\]: .* got layout torch.sparse_coo"):
+        save_checkpoint(tmp_path / "c", t, extra_tensors={"s": torch.eye(3).to_sparse()})
+    assert list(tmp_path.iterdir()) == []

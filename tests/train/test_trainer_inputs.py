@@ -189,3 +189,20 @@ def test_backbone_under_autocast_runs_in_its_own_precision(layer, backend):
     assert yb.dtype == torch.float32
     yb.square().mean().backward()
     assert enc.weight.grad is not None and torch.isfinite(enc.weight.grad).all() and enc.weight.grad.abs().sum() > 0
+
+
+def test_trainer_on_a_frozen_backbone_says_so_before_anything_changes():
+    """A backbone after net.requires_grad_(False): the trainer names it (RuntimeError) before the carried state
+    or the weights change, instead of autograd's raw error; unfrozen again, it trains."""
+    tr = make_trainer(batch=2, seq_len=4)
+    tr.net.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    x, d = torch.randn(2, 4, IN, generator=gen), torch.randn(2, 4, tr.net.cfg.d_model, generator=gen)
+    w0, s0 = tr.net.arena.clone(), tr.state.ssm.clone()
+    for call in (lambda: tr.step(x, d), lambda: tr.forward(x)):
+        with pytest.raises(RuntimeError, match=r"no parameter of the backbone requires grad"):
+            call()
+        assert torch.equal(tr.net.arena, w0) and torch.equal(tr.state.ssm, s0)
+    tr.net.requires_grad_(True)
+    tr.step(x, d)
+    assert not torch.equal(tr.net.arena, w0)
