@@ -347,8 +347,9 @@ def save_agent(path: str | Path, *, config: PPOConfig, run: Run, progress: Progr
 
 def _check_layout(ckpt: Path, policy: Policy) -> None:
     """Refuse a checkpoint whose aux critic head (``PPOConfig.aux_gamma``) or action-set head
-    (``action_set_coef``) is present where ``policy`` has none, or absent where it has one, whose other heads
-    differ in shape (another action space), or whose ``time_encoding`` (input width) differs from the policy's,
+    (``action_set_coef``) is present where ``policy`` has none, or absent where it has one, whose backbone
+    config differs from the policy's (``d_model`` and the rest), whose other heads differ in shape (another
+    action space), or whose ``time_encoding`` (input width) differs from the policy's,
     before anything is loaded (read from the file's metadata: the saved config, and the tensors' shapes).
 
     Raises:
@@ -381,6 +382,14 @@ def _check_layout(ckpt: Path, policy: Policy) -> None:
             f"checkpoint {ckpt} was saved {'with' if saved_set else 'without'} the action-set head (action_set_coef "
             f"{coef!r}), but the config to load it into has action_set_coef "
             f"{'0' if saved_set else '> 0'}; resume with --action-set-coef {coef if saved_set else 0}, or start a new run")
+    saved_net, my_net = meta.get("config") or {}, policy.net.cfg.to_dict()
+    other = [k for k in saved_net if k in my_net and saved_net[k] != my_net[k]]
+    if other:  # before the heads: a d_model of another size also changes their input width
+        raise CheckpointError(
+            f"checkpoint {ckpt} holds a backbone with {', '.join(f'{k} {saved_net[k]!r}' for k in other)}, but the "
+            f"config to load it into has {', '.join(f'{k} {my_net[k]!r}' for k in other)}; resume without "
+            f"{', '.join('--' + k.replace('_', '-') for k in other)} (the checkpoint's backbone is kept), or start "
+            f"a new run")
     mine = {k: tuple(v.shape) for k, v in policy.heads.state_dict().items()}
     differ = sorted(k for k in mine if k in heads and heads[k] != mine[k])
     if differ:

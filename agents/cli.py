@@ -354,9 +354,13 @@ def _run_train(args: argparse.Namespace) -> int:
               f"{time.perf_counter() - start:.0f} s; a partial rollout is dropped)", file=sys.stderr)
         if ckpt is not None:
             print(f"checkpoint: {ckpt}\ncontinue with: mamba-rl train --resume {ckpt}", file=sys.stderr)
-        else:
+        elif agent.stop_save_error is not None:
             print("nothing was saved: the interrupted checkpoint could not be written (see above); the "
                   f"checkpoints saved earlier are under {agent.checkpoint_root}", file=sys.stderr)
+        else:  # the signal came before the training loop began (e.g. while TensorBoard loaded): nothing to save
+            print("nothing was saved: the run stopped before its training loop began; "
+                  + (f"the checkpoints saved earlier are under {agent.checkpoint_root}" if agent.update else
+                     "no update had run"), file=sys.stderr)
         agent.close()
         return exit_code(err)
     final = agent.checkpoint_root / "final"

@@ -165,6 +165,8 @@ class RecurrentPPO:
         self.history: list[dict[str, float]] = []
         self.interrupted_checkpoint: Path | None = None  # the `interrupted` folder saved by learn(), if any
         self.failed_checkpoint: Path | None = None  # the `env_failed` folder saved by learn(), if any
+        # why learn()'s `interrupted` / `env_failed` save failed ("TypeName: message"); None where it was not tried
+        self.stop_save_error: str | None = None
         self._warned_nonfinite = False
         self.last_episodes: list[tuple[int, float, int]] = []  # (global_step, return, length) of the last rollout
 
@@ -416,7 +418,7 @@ class RecurrentPPO:
         self._num_updates = None
         self._num_updates = self.num_updates  # the lr schedule's horizon, fixed for this call
         self._plan_lr()
-        self.interrupted_checkpoint = self.failed_checkpoint = None
+        self.interrupted_checkpoint = self.failed_checkpoint = self.stop_save_error = None
         lead = self.rank == 0  # rank 0 alone writes TensorBoard and checkpoints
         if lead:
             claim_run(self.run, c)  # this run's own folders, created exclusively (a resumed run keeps its own)
@@ -475,7 +477,8 @@ class RecurrentPPO:
                     try:
                         saved = self.save(target)
                     except Exception as err:  # noqa: BLE001 - say so, and still end as stopped
-                        notice(f"the {name} checkpoint was not saved: {type(err).__name__}: {err}")
+                        self.stop_save_error = f"{type(err).__name__}: {err}"
+                        notice(f"the {name} checkpoint was not saved: {self.stop_save_error}")
                     else:
                         if name == "interrupted":
                             self.interrupted_checkpoint = saved

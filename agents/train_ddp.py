@@ -71,8 +71,10 @@ def train_rank(resume: str | None, overrides: dict[str, Any], progress: bool,
         except KeyboardInterrupt:
             if lead:
                 ckpt = agent.interrupted_checkpoint
+                why = ("the interrupted checkpoint could not be written (see above)" if agent.stop_save_error
+                       else "the run stopped before its training loop began")
                 print(f"\ninterrupted after update {agent.update}; " + (
-                    f"checkpoint: {ckpt}" if ckpt is not None else "nothing was saved (see above)"), file=sys.stderr)
+                    f"checkpoint: {ckpt}" if ckpt is not None else f"nothing was saved: {why}"), file=sys.stderr)
             agent.close()
             return 130
         if lead:

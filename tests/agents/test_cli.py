@@ -66,6 +66,12 @@ def test_train_eval_resume(tmp_path, capsys):
     rc = main(["train", "--resume", str(tmp_path / "ckpt" / run / "update_000001"), "--no-progress"])
     assert rc == 0
     assert "resuming " + run + " after update 1 of 2 (32 of 64 env steps done)" in capsys.readouterr().err
+    # another backbone shape on resume is named as such (it was reported as another action space)
+    rc = main(["train", "--resume", final, "--d-model", "8", "--d-state", "2", "--total-timesteps", "96",
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds a backbone with d_model 16, d_state 4, but the config to load it into has d_model 8, " \
+                       "d_state 2; resume without --d-model, --d-state" in err, err
 
 
 def test_bad_input_is_a_clear_error(tmp_path, capsys):

@@ -263,6 +263,21 @@ def test_pickle_notice_appears_once(tmp_path, capsys):
     assert err.count("could not be pickled") == 1
 
 
+def test_an_interrupt_before_the_training_loop_does_not_claim_a_failed_save(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C that lands before learn()'s training loop (e.g. while TensorBoard loads) stops the run with exit
+    130 and says that nothing was saved because the run had not begun, not that a save failed (none was tried)."""
+    from mamba_rl.agents import ppo
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ppo, "claim_run", interrupted)
+    assert main(["train", "--env", "CartPole-v1", "--total-timesteps", "64", *TINY, *_dirs(tmp_path)]) == 130
+    err = capsys.readouterr().err
+    assert "nothing was saved: the run stopped before its training loop began; no update had run" in err, err
+    assert "could not be written" not in err
+
+
 def test_plot_a_tiny_run(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     assert main(["train", "--env", "CartPole-v1", "--total-timesteps", "64", *TINY, *_dirs(tmp_path)]) == 0
