@@ -282,6 +282,16 @@ __global__ void __launch_bounds__(NORM_BWD_THREADS, NORM_BWD_MINB) norm_bwd_kern
     for (int q = 0; q < NW; ++q) s += part[q][c];
     p.ws[(int64_t)blockIdx.x * p.C + c] = s;
   }
+  // The arena's dw before the counter's atomic, in every block: only the last block writes that slot, and no other
+  // kernel does while this one runs, so the read can leave the chain of round trips (stores, fence, atomic, the
+  // partials' loads) instead of adding one after it. C <= 512, so a thread holds at most 2 columns.
+  constexpr int NPC = 2;
+  float prev[NPC];
+#pragma unroll
+  for (int j = 0; j < NPC; ++j) {
+    const int c = threadIdx.x + j * NORM_BWD_THREADS;
+    prev[j] = (!p.dw_assign && c < p.C) ? p.dw_acc[c] : 0.f;
+  }
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
@@ -314,12 +324,14 @@ __global__ void __launch_bounds__(NORM_BWD_THREADS, NORM_BWD_MINB) norm_bwd_kern
 #pragma unroll
   for (int k = 0; k < CPL; ++k) part[warp][lane + 32 * k] = cs[k];
   __syncthreads();
-  for (int c = threadIdx.x; c < p.C; c += NORM_BWD_THREADS) {
+#pragma unroll
+  for (int j = 0; j < NPC; ++j) {
+    const int c = threadIdx.x + j * NORM_BWD_THREADS;
+    if (c >= p.C) break;
     float t = 0.f;
 #pragma unroll
     for (int q = 0; q < NW; ++q) t += part[q][c];
-    if (p.dw_assign) p.dw_acc[c] = t;
-    else p.dw_acc[c] += t;
+    p.dw_acc[c] = p.dw_assign ? t : prev[j] + t;
   }
   if (threadIdx.x == 0) *p.counter = 0u;
 }
@@ -395,6 +407,7 @@ const char* norm_fwd(const NormFwdParams& p, cudaStream_t s) {
   return "rms_norm: at most 1024 channels";
 }
 const char* norm_bwd(const NormBwdParams& p, cudaStream_t s) {
+  static_assert(512 <= 2 * NORM_BWD_THREADS, "norm_bwd_kernel's prefetch of dw holds 2 columns a thread");
   if (p.C <= 128) return norm_bwd_c<4>(p, s);
   if (p.C <= 256) return norm_bwd_c<8>(p, s);
   if (p.C <= 512) return norm_bwd_c<16>(p, s);
