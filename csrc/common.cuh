@@ -41,6 +41,24 @@ bool coop_fits(int which, const void* kernel, int threads, int smem, dim3 grid);
 // whatever set_coop() says; cached per kernel, block size, shared memory and device.
 int64_t coop_capacity(const void* kernel, int threads, int smem);
 
+// The last-block reduction's hand-off (CUDA samples' threadFenceReduction; the fences as CUTLASS's
+// GenericBarrier): called by every thread of a block after its stores of partials, true in the one block that
+// counts `last` + 1 arrivals at *counter, where every other block's stores are then visible to all its threads.
+// A barrier, then thread 0 alone orders the block's stores (fence.acq_rel.gpu, cumulative over what the barrier
+// made it observe), counts, and orders the loads after it; __threadfence() in every thread is fence.sc.gpu, a
+// heavier fence paid by every warp. `flag` is a __shared__ bool of the caller's.
+__device__ __forceinline__ bool last_block_arrive(unsigned int* counter, unsigned int last, bool& flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    const unsigned int n = atomicAdd(counter, 1u);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    flag = n == last;
+  }
+  __syncthreads();
+  return flag;
+}
+
 #define MRL_LAUNCH_CHECK()                                        \
   do {                                                            \
     cudaError_t e__ = cudaGetLastError();                         \

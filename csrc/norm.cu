@@ -292,12 +292,7 @@ __global__ void __launch_bounds__(NORM_BWD_THREADS, NORM_BWD_MINB) norm_bwd_kern
     const int c = threadIdx.x + j * NORM_BWD_THREADS;
     prev[j] = (!p.dw_assign && c < p.C) ? p.dw_acc[c] : 0.f;
   }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!last_block_arrive(p.counter, gridDim.x - 1, is_last)) return;
   // last block: column sums over the block partials; warp w sums partial rows w, w + NW, ... (U in flight: up to
   // 2 x 132 partial rows on an H100, so a lane's serial chain of loads is ~nb / (NW x U) long), then a
   // fixed-order sum over warps.

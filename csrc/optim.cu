@@ -105,13 +105,8 @@ __global__ void __launch_bounds__(GS_THREADS) grad_stats_kernel(GradStatsParams 
   if (threadIdx.x == 0) {
     p.ws[blockIdx.x] = acc;
     p.ws[gridDim.x + blockIdx.x] = bad;
-    __threadfence();
-    const unsigned int done = atomicAdd(p.counter, 1u);
-    is_last = (done == gridDim.x - 1);
   }
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!last_block_arrive(p.counter, gridDim.x - 1, is_last)) return;
   double sq, nbad;
   gs_total(p.ws, sh, sq, nbad);
   if (threadIdx.x == 0) {

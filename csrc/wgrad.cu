@@ -295,13 +295,8 @@ __device__ __forceinline__ void wg_finish(float (&acc)[64], const WGradParams& p
       pos(v, r, c);
       *reinterpret_cast<V*>(wsi + r * WG_BN + c) = *reinterpret_cast<const V*>(&acc[v * VW]);
     }
-    __threadfence();
-    __syncthreads();
     unsigned int* cnt = p.counters + jb.tile0 + tile;
-    if (t == 0) *is_last = atomicAdd(cnt, 1u) == (unsigned)(jb.splits - 1);
-    __syncthreads();
-    if (!*is_last) return;
-    __threadfence();
+    if (!last_block_arrive(cnt, (unsigned)(jb.splits - 1), *is_last)) return;
     const float* ws0 = p.ws + (int64_t)(jb.item0 + tile * jb.splits) * WG_TILE;
 #pragma unroll
     for (int i = 0; i < NV * VW; ++i) acc[i] = 0.f;

@@ -200,6 +200,29 @@ def test_rms_norm(ext, rows, C, odt):
     assert torch.equal(dh, dh2) and torch.equal(acc, acc0)
 
 
+@pytest.mark.parametrize("rows,C", [(1024, 128), (65536, 128), (9001, 512)])
+def test_rms_norm_bwd_last_block_sum_is_the_same_over_many_launches(ext, rows, C):
+    """The backward's dw is each block's partial summed by the block that arrives last at the counter
+    (last_block_arrive): a partial it read before another block's store was visible would change dw. 200
+    launches back to back, half adding into a random dw (read before the counter's atomic), half into zeros:
+    every dw of a half the same bits, and the random ones acc0 + the others."""
+    g = torch.Generator(device="cuda").manual_seed(rows + C)
+    x = torch.randn(rows, C, device="cuda", generator=g) * 2
+    w = 1 + 0.2 * torch.randn(C, device="cuda", generator=g)
+    dy = torch.randn(rows, C, device="cuda", generator=g)
+    _, rstd = ext.rmsnorm_fwd(x, w, 1e-5, torch.float32)
+    acc0 = torch.randn(C, device="cuda", generator=g)
+    added = torch.stack([acc0.clone() for _ in range(100)])
+    zero = torch.zeros(100, C, device="cuda")
+    for i in range(100):
+        ext.rmsnorm_bwd(dy, x, rstd, w, added[i], None)
+        ext.rmsnorm_bwd(dy, x, rstd, w, zero[i], None)
+    torch.cuda.synchronize()
+    assert torch.equal(added, added[:1].expand_as(added)), "dw (added) differs between launches"
+    assert torch.equal(zero, zero[:1].expand_as(zero)), "dw (from zero) differs between launches"
+    assert torch.equal(added[0], acc0 + zero[0])
+
+
 def test_bwd_out_and_accumulate_args(ext):
     """conv_bwd(dx_out=, dw_acc=, db_acc=) and scan_bwd(dz_out=, acc=) write strided views / add in place."""
     g = torch.Generator(device="cuda").manual_seed(42)

@@ -50,6 +50,24 @@ def test_kernels_vs_ref(oc, P, n_decay, cdtype):
         assert torch.equal(comp, p.to(cdtype))
 
 
+def test_grad_stats_last_block_sum_is_the_same_over_many_launches(oc):
+    """grad_stats' totals are the blocks' partials summed by the block that arrives last at the counter
+    (last_block_arrive): 200 launches back to back over 4M elements (a full grid of blocks), each into its own
+    zeroed scalars, give the same bits, and those of the float64 twin to 1e-12."""
+    from mamba_rl.ops import optim as O
+    hyper = O.make_hyper(1e-3, (0.9, 0.999), 1e-8, 0.05, 1.0, False, "cuda")
+    grad = torch.randn(4_000_001, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    ls = torch.ones(1, device="cuda")
+    scs = torch.zeros(200, 8, dtype=torch.float64, device="cuda")
+    for i in range(200):
+        oc.grad_stats(grad, None, ls, hyper, scs[i])
+    rsc = torch.zeros(8, dtype=torch.float64, device="cuda")
+    O.grad_stats_ref(grad, None, ls, hyper, rsc)
+    torch.cuda.synchronize()
+    assert torch.equal(scs, scs[:1].expand_as(scs))
+    assert torch.allclose(scs[0], rsc, rtol=1e-12, atol=0), (scs[0], rsc)
+
+
 @pytest.mark.parametrize("clip", [None, 0.5])
 def test_vs_torch_adamw_100_steps(oc, clip):
     from mamba_rl.ops import optim as O
