@@ -14,7 +14,8 @@ FFMA path), ``bwd3`` / ``bwd4`` (the scan backward's 3- / 4-block build forced: 
 scan backward / conv backward as one cooperative launch), ``fewer_off`` (the conv inside the x_proj kernel, the
 input projection inside the first norm, the float32 out_proj through cuBLASLt and the final state written into
 the carried state, the final norm's forward and backward as one kernel, all off: ``fused.CONV_XDT`` etc.),
-``no_conv_xdt`` / ``no_input_norm`` / ``no_lt`` / ``no_final_direct`` / ``no_norm_f_fused`` (one of them off).
+``no_conv_xdt`` / ``no_input_norm`` / ``no_lt`` / ``no_final_direct`` / ``no_norm_f_fused`` (one of them off),
+``conv_dw_conv`` (the conv's weight-gradient sums in the conv backward, not the grouped launch: ``fused.CONV_DW``).
 
 Usage (device): python3 benchmarks/ab_configs.py --rows 128x16x64 128x64x128 --dtypes f32 bf16
     --configs base optsplit --rounds 2 --out $OUT/ab.json
@@ -58,6 +59,8 @@ CONFIGS = {
     "no_lt": dict(fused_flags=dict(OUT_PROJ_LT=False), tag="_no_lt"),
     "no_final_direct": dict(fused_flags=dict(FINAL_DIRECT="off"), tag="_no_final_direct"),
     "no_norm_f_fused": dict(fused_flags=dict(NORM_F_FUSED="off"), tag="_no_norm_f_fused"),
+    # the conv's weight-gradient column sums in its own cooperative launch, not in the grouped launch
+    "conv_dw_conv": dict(fused_flags=dict(CONV_DW="conv"), tag="_conv_dw_conv"),
 }
 
 

@@ -98,7 +98,7 @@ std::vector<Tensor> conv_fwd(const Tensor& x, const Tensor& w, const Tensor& bia
 
 std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bias, const OptT& init,
                              const OptT& starts, const Tensor& dout, const OptT& dfinal, bool need_dinit,
-                             const OptT& dx_out, const OptT& dw_acc, const OptT& db_acc) {
+                             const OptT& dx_out, const OptT& dw_acc, const OptT& db_acc, bool partials) {
   const auto [B, T, D, K, dt] = conv_check(x, w, bias, init, starts);
   check_act(dout, "causal_conv1d: grad_out", x, B, T, D, x.scalar_type());
   if (dfinal) check_f32(*dfinal, "causal_conv1d: grad_final_state", x, {B, D, K - 1});
@@ -106,20 +106,23 @@ std::vector<Tensor> conv_bwd(const Tensor& x, const Tensor& w, const Tensor& bia
   auto f32 = x.options().dtype(at::kFloat);
   if (dx_out) check_act(*dx_out, "causal_conv1d: dx_out", x, B, T, D, x.scalar_type());
   MRL_CHECK(dw_acc.has_value() == db_acc.has_value(), "causal_conv1d: give both dw_acc and db_acc or neither");
+  MRL_CHECK(!(partials && dw_acc), "causal_conv1d: partials=True returns the weight gradient's partials, so it "
+            "takes no dw_acc / db_acc; got both");
   if (dw_acc) {
     check_f32(*dw_acc, "causal_conv1d: dw_acc", x, {D, K});
     check_f32(*db_acc, "causal_conv1d: db_acc", x, {D});
   }
   auto dx = dx_out ? *dx_out : new_empty({B, T, D}, x.options());
-  auto dw = dw_acc ? *dw_acc : new_empty({D, K}, f32);
-  auto db = db_acc ? *db_acc : new_empty({D}, f32);
+  // the partials: a row per (b, chunk of 16 steps), dweight's D * K columns ([D][K] order), then dbias's D
+  auto ws = new_empty({mrl::conv_bwd_workspace((int)B, (int)T, (int)D, (int)K) / ((K + 1) * D), (K + 1) * D}, f32);
+  auto dw = partials ? ws.narrow(1, 0, D * K) : dw_acc ? *dw_acc : new_empty({D, K}, f32);
+  auto db = partials ? ws.narrow(1, D * K, D) : db_acc ? *db_acc : new_empty({D}, f32);
   Tensor dinit = need_dinit ? new_empty({B, D, K - 1}, f32) : Tensor();
-  auto ws = new_empty({mrl::conv_bwd_workspace((int)B, (int)T, (int)D, (int)K)}, f32);
   mrl::ConvBwdParams p{x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr<float>(), bias.data_ptr<float>(),
                        ptr_or_null<float>(init), ptr_or_null<bool>(starts), dout.data_ptr(), dout.stride(0),
                        dout.stride(1), ptr_or_null<float>(dfinal), dx.data_ptr(), dx.stride(0), dx.stride(1),
                        need_dinit ? dinit.data_ptr<float>() : nullptr, dw.data_ptr<float>(), db.data_ptr<float>(),
-                       dw_acc.has_value(), ws.data_ptr<float>(), (int)B, (int)T, (int)D, (int)K};
+                       dw_acc.has_value(), ws.data_ptr<float>(), (int)B, (int)T, (int)D, (int)K, partials};
   raise_if(mrl::conv_bwd(dt, p, c10::cuda::getCurrentCUDAStream().stream()));
   return {dx, dw, db, dinit};
 }
@@ -995,9 +998,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 (e.g. a layer's slice of a stacked state) receives the final state", py::arg("x"), py::arg("weight"),
         py::arg("bias"), py::arg("init"), py::arg("starts"), py::arg("final_out") = py::none());
   m.def("conv_bwd", &conv_bwd, "causal conv1d + SiLU backward -> (dx, dweight, dbias, dinit); optional strided "
-        "dx_out and dw_acc/db_acc (added into)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
+        "dx_out and dw_acc/db_acc (added into); partials=True: dweight [B * ceil(T / 16), D * K] and dbias "
+        "[B * ceil(T / 16), D], float32 views of one workspace whose column sums are dweight flattened ([D][K] "
+        "order) and dbias (one launch, no sums)", py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("init"),
         py::arg("starts"), py::arg("dout"), py::arg("dfinal"), py::arg("need_dinit"), py::arg("dx_out") = py::none(),
-        py::arg("dw_acc") = py::none(), py::arg("db_acc") = py::none());
+        py::arg("dw_acc") = py::none(), py::arg("db_acc") = py::none(), py::arg("partials") = false);
   m.def("scan_fwd", &scan_fwd, "selective scan forward -> (y, final_state, checkpoints); optional final_out "
         "[B, D, N] float32 (e.g. a layer's slice of a stacked state) receives the final state", py::arg("x"),
         py::arg("dt"), py::arg("A_log"), py::arg("Bm"), py::arg("Cm"), py::arg("D"), py::arg("z"),

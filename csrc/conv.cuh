@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_fwd_kernel(ConvFwdParams p)
   else conv_fwd_body<T, K, false>(p);
 }
 
-// Partials layout: ws[(b * nC + c) * (K+1) + k][d], k = K is the bias.
+// Partials layout: row b * nC + c of ws holds (K + 1) * D floats, dweight's D * K first in its [D][K] order
+// (column d * K + k), then dbias's D: the column sums of the rows are dweight flattened and dbias.
 // IN: an interior chunk (conv_bwd_body's test): every time it touches lies in [0, T), no episode start among
 // them, neither the carried window nor dfinal / dinit. The bounds and reset tests then drop out at compile
 // time and the same FMAs run in the same order: the same bits as the general body.
@@ -215,9 +216,10 @@ __device__ __forceinline__ void conv_bwd_body_t(const ConvBwdParams& p) {
 #pragma unroll
     for (int j = 0; j < K - 1; ++j) dib[j] = dx_at(j - (K - 1));
   }
-  float* wsb = p.ws + ((int64_t)(b * nC + c) * (K + 1)) * D + d;
+  float* wsb = p.ws + (int64_t)(b * nC + c) * (K + 1) * D;
 #pragma unroll
-  for (int k = 0; k <= K; ++k) wsb[(int64_t)k * D] = dW[k];
+  for (int k = 0; k < K; ++k) wsb[(int64_t)d * K + k] = dW[k];
+  wsb[(int64_t)K * D + d] = dW[K];
 }
 
 // The backward of chunk blockIdx.y of row blockIdx.z: the interior body where the chunk is interior (c >= 1, its
@@ -254,8 +256,7 @@ const char* conv_fwd_t(const ConvFwdParams& p, cudaStream_t s) {
 struct ConvWGradOut {
   float* dw; float* dbias; int D, K; bool acc;
   __device__ void operator()(int j, float v) const {
-    int k = j / D, d = j - k * D;
-    float* dst = k < K ? dw + d * K + k : dbias + d;
+    float* dst = j < D * K ? dw + j : dbias + (j - D * K);
     *dst = acc ? *dst + v : v;
   }
 };
@@ -278,6 +279,11 @@ __global__ void __launch_bounds__(CONV_THREADS) conv_bwd_coop_kernel(ConvBwdPara
 template <typename T, int K>
 const char* conv_bwd_tk(const ConvBwdParams& p, cudaStream_t s) {
   const dim3 grid((p.D + CONV_THREADS - 1) / CONV_THREADS, (p.T + CONV_LC - 1) / CONV_LC, p.B);
+  if (p.partials_only) {  // the caller sums the partials (the grouped weight-gradient launch)
+    conv_bwd_kernel<T, K><<<grid, CONV_THREADS, 0, s>>>(p);
+    MRL_LAUNCH_CHECK();
+    return nullptr;
+  }
   const void* coop = (const void*)conv_bwd_coop_kernel<T, K>;
   if (coop_fits(COOP_CONV_BWD, coop, CONV_THREADS, 0, grid)) {
     ConvBwdParams a = p;
@@ -292,7 +298,8 @@ const char* conv_bwd_tk(const ConvBwdParams& p, cudaStream_t s) {
   return nullptr;
 }
 
-// The backward with its weight-gradient sums (one cooperative launch where it fits, else two launches).
+// The backward with its weight-gradient sums (one cooperative launch where it fits, else two launches), or
+// with its partials only (p.partials_only: one launch).
 template <typename T>
 const char* conv_bwd_main_t(const ConvBwdParams& p, cudaStream_t s) {
   switch (p.K) {

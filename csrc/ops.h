@@ -31,6 +31,7 @@ struct ConvBwdParams {
   bool accumulate;                        // add into dw / dbias instead of writing
   float* ws;                              // workspace: conv_bwd_workspace() floats
   int B, T, D, K;
+  bool partials_only;                     // leave the weight gradient as ws's partials (no column sums)
 };
 int64_t conv_bwd_workspace(int B, int T, int D, int K);
 const char* conv_fwd(int dtype, const ConvFwdParams& p, cudaStream_t s);

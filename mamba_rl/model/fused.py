@@ -155,6 +155,11 @@ WGRAD_TENSOR_CORES = True
 # which splits K until the items fill every SM). A longer slice gives fewer, longer items: on the side stream they
 # leave more SMs to the chain beside them. Benchmarks set it (benchmarks/ab_configs.py).
 WGRAD_SLICE = 0
+# CONV_DW: where the grouped launch runs (WGRAD), "grouped" leaves the conv's weight gradient to it as column-sum
+# jobs over the conv backward's per-chunk partials (conv_bwd(partials=True): one plain launch, with no grid barrier
+# and no sums on the input-gradient chain); "conv" sums them in the conv backward itself (its cooperative launch).
+# The two sum the same partials in other orders: float32 rounding apart.
+CONV_DW = "grouped"
 # CONV_XDT: where the x_proj + dt_proj kernel runs (XDT), it also computes the conv's rows first (conv_xdt_fwd:
 # one launch a layer fewer, xc written once and not read back); "off": conv_fwd, then xdt_fwd.
 CONV_XDT = "auto"
@@ -631,9 +636,15 @@ class _Backbone(torch.autograd.Function):
             xi = xz.view(B, T, 2 * di)[..., :di]
             cw = w(p + "mixer.conv1d.weight", M).view(di, -1)
             dcf = None if dconv_final is None else dconv_final[i].contiguous()
-            ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts, dxc.view(B, T, di), dcf,
-                         False, dxz3[..., :di], w(p + "mixer.conv1d.weight", G).view(di, -1),
-                         w(p + "mixer.conv1d.bias", G))
+            if wg.on and CONV_DW == "grouped":  # the weight gradient's column sums go with the grouped launch
+                _, dwp, dbp, _ = ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts,
+                                              dxc.view(B, T, di), dcf, False, dxz3[..., :di], partials=True)
+                wg.add(w(p + "mixer.conv1d.weight", G).view(-1), dwp, None)
+                wg.add(w(p + "mixer.conv1d.bias", G), dbp, None)
+            else:
+                ext.conv_bwd(xi, cw, w(p + "mixer.conv1d.bias", M), ctx.conv0[i], ctx.starts, dxc.view(B, T, di),
+                             dcf, False, dxz3[..., :di], w(p + "mixer.conv1d.weight", G).view(di, -1),
+                             w(p + "mixer.conv1d.bias", G))
             wg.add(w(p + "mixer.in_proj.weight", G), dxz, u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
             dh, dh_c = _norm_bwd(ext, nb_ok, du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh,

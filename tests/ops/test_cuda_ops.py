@@ -253,6 +253,31 @@ def test_bwd_out_and_accumulate_args(ext):
         assert torch.equal(out[k], ref[k])
 
 
+@pytest.mark.parametrize("B,T,D,K", [(3, 37, 80, 4), (16, 64, 256, 4), (2, 5, 300, 3), (1, 1, 40, 2),
+                                     (4, 48, 130, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_bwd_partials_sum_to_the_weight_gradient(ext, B, T, D, K, dtype):
+    """conv_bwd(partials=True) (the grouped weight-gradient launch sums them, fused.CONV_DW): dx and dinit the same
+    bits as the summing call, and the partials [B * ceil(T / 16), D * K] / [.., D] sum (float64) to its dweight
+    (flattened, [D][K] order) and dbias; with resets, an initial window and dfinal, chunks cut by T and channels
+    past a block. partials=True with dw_acc is a ValueError."""
+    g = torch.Generator(device="cuda").manual_seed(B * T + D + K)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g)
+    starts = starts_pattern(B, T, g, p=0.1)
+    x, w, cb, dout = mk(B, T, D).to(dtype), mk(D, K), mk(D), mk(B, T, D).to(dtype)
+    init, dfinal = mk(B, D, K - 1), mk(B, D, K - 1)
+    dx, dw, db, dinit = ext.conv_bwd(x, w, cb, init, starts, dout, dfinal, True)
+    dxp, dwp, dbp, dinitp = ext.conv_bwd(x, w, cb, init, starts, dout, dfinal, True, partials=True)
+    rows = B * -(-T // 16)
+    assert dwp.shape == (rows, D * K) and dbp.shape == (rows, D) and dwp.dtype == dbp.dtype == torch.float32
+    assert torch.equal(dxp, dx) and torch.equal(dinitp, dinit)
+    for part, full in ((dwp, dw.reshape(-1)), (dbp, db)):
+        s = part.double().sum(0)
+        assert ((s - full.double()).abs() <= 1e-6 * (part.double().abs().sum(0) + 1e-30)).all()
+    with pytest.raises(ValueError, match="partials"):
+        ext.conv_bwd(x, w, cb, init, starts, dout, dfinal, True, dw_acc=mk(D, K), db_acc=mk(D), partials=True)
+
+
 def test_fwd_final_out_args(ext):
     """conv_fwd(final_out=) and scan_fwd(final_out=) write the final state into the given slice of a stacked
     state (what the fused backbone does instead of a torch.stack), the same bits as without it; scan_fwd's

@@ -236,6 +236,18 @@ def test_fused_node_kernels_on_vs_off(dtype, tol):
         assert torch.isfinite(a).all() and rel(a, b) <= tol
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_fused_node_conv_weight_gradient_grouped_vs_in_the_conv(dtype):
+    """The conv's weight gradient summed in the grouped launch (fused.CONV_DW "grouped": conv_bwd's partials as
+    column-sum jobs) against the conv backward's own sums ("conv"): the same partials summed in another order, so
+    float32 rounding apart in the gradient arena, and every other output the same bits."""
+    grouped = _fused_node_outputs(dtype, {"WGRAD": "on", "CONV_DW": "grouped"})
+    conv = _fused_node_outputs(dtype, {"WGRAD": "on", "CONV_DW": "conv"})
+    for i, (a, b) in enumerate(zip(grouped, conv)):
+        assert torch.isfinite(a).all()
+        assert rel(a, b) <= 1e-6 if i == 3 else torch.equal(a, b)
+
+
 def _starts_every_kind(B, T, gen):
     """episode_starts with a start at t = 0, one in the middle, one at T - 1 and random ones (rows of 8 that cross
     a start, and the last step)."""
