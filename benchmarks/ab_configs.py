@@ -15,7 +15,8 @@ scan backward / conv backward as one cooperative launch), ``fewer_off`` (the con
 input projection inside the first norm, the float32 out_proj through cuBLASLt and the final state written into
 the carried state, the final norm's forward and backward as one kernel, all off: ``fused.CONV_XDT`` etc.),
 ``no_conv_xdt`` / ``no_input_norm`` / ``no_lt`` / ``no_final_direct`` / ``no_norm_f_fused`` (one of them off),
-``conv_dw_conv`` (the conv's weight-gradient sums in the conv backward, not the grouped launch: ``fused.CONV_DW``).
+``conv_dw_conv`` / ``norm_dw_norm`` / ``dw_own`` (the conv's / the norms' / both weight-gradient sums in their own
+kernels, not in the grouped launch: ``fused.CONV_DW``, ``fused.NORM_DW``).
 
 Usage (device): python3 benchmarks/ab_configs.py --rows 128x16x64 128x64x128 --dtypes f32 bf16
     --configs base optsplit --rounds 2 --out $OUT/ab.json
@@ -61,6 +62,9 @@ CONFIGS = {
     "no_norm_f_fused": dict(fused_flags=dict(NORM_F_FUSED="off"), tag="_no_norm_f_fused"),
     # the conv's weight-gradient column sums in its own cooperative launch, not in the grouped launch
     "conv_dw_conv": dict(fused_flags=dict(CONV_DW="conv"), tag="_conv_dw_conv"),
+    # the norms' dw sums in their own kernels (the last block), not in the grouped launch; and both
+    "norm_dw_norm": dict(fused_flags=dict(NORM_DW="norm"), tag="_norm_dw_norm"),
+    "dw_own": dict(fused_flags=dict(CONV_DW="conv", NORM_DW="norm"), tag="_dw_own"),
 }
 
 

@@ -129,7 +129,8 @@ MODEL = {"Mamba1": "mamba_rl", "Mamba3": "mamba3"}  # row name prefix per layer 
 
 
 # fused-node switches bench_train(fused_flags=...) may set (each restored to its previous value afterwards)
-FUSED_FLAGS = ("CONV_XDT", "INPUT_NORM", "OUT_PROJ_LT", "FINAL_DIRECT", "NORM_F_FUSED", "WGRAD_SLICE", "CONV_DW")
+FUSED_FLAGS = ("CONV_XDT", "INPUT_NORM", "OUT_PROJ_LT", "FINAL_DIRECT", "NORM_F_FUSED", "WGRAD_SLICE", "CONV_DW",
+               "NORM_DW")
 
 
 def bench_train(dm, B, T, dtype, iters, profile_it=False, variant="", layer="Mamba1", wgrad_stream="auto",

@@ -586,8 +586,9 @@ std::vector<Tensor> input_rmsnorm_fwd(const Tensor& x, const Tensor& in_w, const
 }
 
 // fwd: {out, rstd} of the forward computed in the same pass (rmsnorm_fwd_bwd; dw_acc then assigned), or nullptr.
-Tensor rmsnorm_bwd_impl(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                        const OptT& dx_acc, const OptT& dx_c, const Tensor* fwd_out, double eps) {
+Tensor rmsnorm_bwd_impl(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, const OptT& dw_acc,
+                        const OptT& dx_acc, const OptT& dx_c, const Tensor* fwd_out, double eps,
+                        const OptT& dw_partials) {
   const int64_t C = x.size(-1), rows = C ? x.numel() / C : 0;
   check_cuda(x, "rms_norm: x", x);
   MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
@@ -599,9 +600,20 @@ Tensor rmsnorm_bwd_impl(const Tensor& dy, const Tensor& x, const Tensor& rstd, c
   MRL_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == rows && rstd.is_contiguous(),
               "rms_norm: rstd must be contiguous float32 with ", rows, " elements, got ", shape_str(rstd));
   check_f32(w, "rms_norm: weight", x, {C});
-  check_cuda(dw_acc, "rms_norm: dw_acc", x);
-  MRL_CHECK(dw_acc.scalar_type() == at::kFloat && dw_acc.numel() == C && dw_acc.is_contiguous(),
-              "rms_norm: dw_acc must be a contiguous float32 [", C, "] tensor, got ", shape_str(dw_acc));
+  MRL_CHECK(dw_acc.has_value() != dw_partials.has_value(), "rms_norm: expected exactly one of dw_acc (dL/dw summed "
+            "into it) and dw_partials (its per-block partials), got ", dw_acc ? "both" : "neither");
+  const int64_t nb = mrl::norm_bwd_blocks(rows, (int)C);
+  if (dw_acc) {
+    check_cuda(*dw_acc, "rms_norm: dw_acc", x);
+    MRL_CHECK(dw_acc->scalar_type() == at::kFloat && dw_acc->numel() == C && dw_acc->is_contiguous(),
+              "rms_norm: dw_acc must be a contiguous float32 [", C, "] tensor, got ", shape_str(*dw_acc));
+  } else {
+    check_cuda(*dw_partials, "rms_norm: dw_partials", x);
+    MRL_CHECK(dw_partials->scalar_type() == at::kFloat && dw_partials->dim() == 2 && dw_partials->size(0) == nb &&
+              dw_partials->size(1) == C && dw_partials->is_contiguous(), "rms_norm: dw_partials must be a contiguous "
+              "float32 [norm_bwd_blocks(rows, C) = ", nb, ", ", C, "] tensor, got ", shape_str(*dw_partials), " (",
+              dw_partials->scalar_type(), ")");
+  }
   if (dx_acc) {
     check_cuda(*dx_acc, "rms_norm: dh_acc", x);
     MRL_CHECK(dx_acc->scalar_type() == at::kFloat && dx_acc->numel() == x.numel() && dx_acc->is_contiguous(),
@@ -620,10 +632,12 @@ Tensor rmsnorm_bwd_impl(const Tensor& dy, const Tensor& x, const Tensor& rstd, c
   const c10::cuda::CUDAGuard guard(x.device());
   auto dx = new_empty(x.sizes(), x.options());
   if (!rows) return dx;
-  auto ws = new_empty({(int64_t)mrl::norm_bwd_blocks(rows, (int)C) * C}, x.options());
+  auto ws = dw_partials ? *dw_partials : new_empty({nb * C}, x.options());
   mrl::NormBwdParams p{dy.data_ptr(), gdt, x.data_ptr<float>(), rstd.data_ptr<float>(), w.data_ptr<float>(), rows,
-                       (int)C, dx.data_ptr<float>(), ptr_or_null<float>(dx_acc), dw_acc.data_ptr<float>(),
+                       (int)C, dx.data_ptr<float>(), ptr_or_null<float>(dx_acc),
+                       dw_acc ? dw_acc->data_ptr<float>() : nullptr,
                        ws.data_ptr<float>(), counter_slot(x, 0)};
+  p.partials_only = dw_partials ? 1 : 0;
   if (dx_c) {
     p.dx_c = dx_c->data_ptr();
     p.dxc_dtype = dxc_code;
@@ -638,15 +652,16 @@ Tensor rmsnorm_bwd_impl(const Tensor& dy, const Tensor& x, const Tensor& rstd, c
   return dx;
 }
 
-Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, Tensor& dw_acc,
-                   const OptT& dx_acc, const OptT& dx_c) {
-  return rmsnorm_bwd_impl(dy, x, rstd, w, dw_acc, dx_acc, dx_c, nullptr, 0.0);
+Tensor rmsnorm_bwd(const Tensor& dy, const Tensor& x, const Tensor& rstd, const Tensor& w, const OptT& dw_acc,
+                   const OptT& dx_acc, const OptT& dx_c, const OptT& dw_partials) {
+  return rmsnorm_bwd_impl(dy, x, rstd, w, dw_acc, dx_acc, dx_c, nullptr, 0.0, dw_partials);
 }
 
 // RMSNorm forward and backward in one pass, for a caller that knows dL/dout before the forward: x [..., C]
-// contiguous float32 -> (out float32, rstd [..., 1], dx float32); dw_out [C] = sum_rows dy * xhat (assigned).
-std::vector<Tensor> rmsnorm_fwd_bwd(const Tensor& x, const Tensor& w, double eps, const Tensor& dy, Tensor& dw_out,
-                                    const OptT& dx_c) {
+// contiguous float32 -> (out float32, rstd [..., 1], dx float32); dw_out [C] = sum_rows dy * xhat (assigned), or
+// its per-block partials into dw_partials (rmsnorm_bwd's).
+std::vector<Tensor> rmsnorm_fwd_bwd(const Tensor& x, const Tensor& w, double eps, const Tensor& dy,
+                                    const OptT& dw_out, const OptT& dx_c, const OptT& dw_partials) {
   MRL_CHECK(x.dim() >= 1, "rms_norm: x must have a channel dim");
   check_cuda(x, "rms_norm: x", x);
   MRL_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "rms_norm: x must be contiguous float32");
@@ -655,7 +670,7 @@ std::vector<Tensor> rmsnorm_fwd_bwd(const Tensor& x, const Tensor& w, double eps
   const c10::cuda::CUDAGuard guard(x.device());
   auto out = new_empty(x.sizes(), x.options());
   auto rstd = new_empty(rshape, x.options());
-  auto dx = rmsnorm_bwd_impl(dy, x, rstd, w, dw_out, OptT(), dx_c, &out, eps);
+  auto dx = rmsnorm_bwd_impl(dy, x, rstd, w, dw_out, OptT(), dx_c, &out, eps, dw_partials);
   return {out, rstd, dx};
 }
 
@@ -1052,11 +1067,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("in_w"), py::arg("in_b"), py::arg("w"), py::arg("eps"), py::arg("out_dtype"),
         py::arg("x_copy") = py::none());
   m.def("rmsnorm_fwd_bwd", &rmsnorm_fwd_bwd, "RMSNorm forward and backward in one pass -> (out float32, rstd [..., 1], "
-        "dx); dw_out [C] = dL/dw (assigned); optional dx_c receives a bf16 / f16 copy of dx", py::arg("x"),
-        py::arg("w"), py::arg("eps"), py::arg("dy"), py::arg("dw_out"), py::arg("dx_c") = py::none());
-  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc; optional dx_c "
-        "(bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"), py::arg("w"),
-        py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none());
+        "dx); dw_out [C] = dL/dw (assigned), or dw_partials as rmsnorm_bwd's; optional dx_c receives a bf16 / f16 "
+        "copy of dx", py::arg("x"), py::arg("w"), py::arg("eps"), py::arg("dy"), py::arg("dw_out"),
+        py::arg("dx_c") = py::none(), py::arg("dw_partials") = py::none());
+  m.def("rmsnorm_bwd", &rmsnorm_bwd, "RMSNorm backward -> dx (+ dh_acc); adds dL/dw into dw_acc, or (dw_acc None) "
+        "writes its per-block partials into dw_partials, float32 [norm_bwd_blocks(rows, C), C], whose column sums "
+        "are dL/dw; optional dx_c (bf16/f16, written with dx cast)", py::arg("dy"), py::arg("x"), py::arg("rstd"),
+        py::arg("w"), py::arg("dw_acc"), py::arg("dx_acc"), py::arg("dx_c") = py::none(),
+        py::arg("dw_partials") = py::none());
+  m.def("norm_bwd_blocks", &mrl::norm_bwd_blocks, "the RMSNorm backward's grid for rows x C (its dw_partials' rows)",
+        py::arg("rows"), py::arg("C"));
   m.def("wgrad_grouped", &wgrad_grouped, "grouped weight gradients, one launch: for each (a [K, M], b [K, N] or "
         "None, c [M, N] float32) c += a^T b (None: column sums of a); slice > 0 forces the K-slice length "
         "(benchmarks; 0: the plan's choice); tensor_cores=False keeps bf16 / f16 jobs on the FFMA path "

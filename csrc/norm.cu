@@ -282,6 +282,7 @@ __global__ void __launch_bounds__(NORM_BWD_THREADS, NORM_BWD_MINB) norm_bwd_kern
     for (int q = 0; q < NW; ++q) s += part[q][c];
     p.ws[(int64_t)blockIdx.x * p.C + c] = s;
   }
+  if (p.partials_only) return;  // the caller sums the partial rows (the grouped weight-gradient launch)
   // The arena's dw before the counter's atomic, in every block: only the last block writes that slot, and no other
   // kernel does while this one runs, so the read can leave the chain of round trips (stores, fence, atomic, the
   // partials' loads) instead of adding one after it. C <= 512, so a thread holds at most 2 columns.

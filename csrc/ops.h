@@ -184,6 +184,9 @@ struct NormBwdParams {
   // The forward in the same pass (fwd_out != nullptr; rstd is then an output): rstd = rsqrt(mean(x^2) + eps) and
   // fwd_out = x * rstd * w (float32), the bits of norm_fwd; dw_assign: dw_acc = sum (not +=).
   float* fwd_out = nullptr; float* fwd_rstd = nullptr; float eps = 0.f; int dw_assign = 0;
+  // partials_only: ws receives the blocks' dw partials (a [norm_bwd_blocks(rows, C), C] buffer of the caller's,
+  // whose column sums are dL/dw) and nothing sums them (dw_acc and counter unused).
+  int partials_only = 0;
 };
 int norm_bwd_blocks(int64_t rows, int C);
 const char* norm_fwd(const NormFwdParams& p, cudaStream_t s);

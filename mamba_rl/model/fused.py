@@ -160,6 +160,10 @@ WGRAD_SLICE = 0
 # and no sums on the input-gradient chain); "conv" sums them in the conv backward itself (its cooperative launch).
 # The two sum the same partials in other orders: float32 rounding apart.
 CONV_DW = "grouped"
+# NORM_DW: likewise for the RMSNorm backwards' dw (the per-layer norms and the final one): "grouped" hands their
+# per-block partials to the grouped launch as column-sum jobs (no last-block sum on the chain: its fence, counter
+# and reads of the partials); "norm" sums them in the norm kernel. Float32 rounding apart.
+NORM_DW = "grouped"
 # CONV_XDT: where the x_proj + dt_proj kernel runs (XDT), it also computes the conv's rows first (conv_xdt_fwd:
 # one launch a layer fewer, xc written once and not read back); "off": conv_fwd, then xdt_fwd.
 CONV_XDT = "auto"
@@ -323,14 +327,29 @@ def _norm_fwd(ext, ok, h, w, eps, out_dtype):
     return (h * rstd * w).to(out_dtype), rstd
 
 
-def _norm_bwd(ext, ok, dy, x, rstd, w, dw_acc, dx_acc, cdt):
+def _norm_dw_partials(ext, grouped: bool, x: torch.Tensor):
+    """The float32 [blocks, C] buffer for the norm backward's dw partials of x [rows, C] where the grouped
+    weight-gradient launch runs (``grouped``) and sums them (NORM_DW "grouped"), else None."""
+    if not grouped or NORM_DW != "grouped" or not hasattr(ext, "norm_bwd_blocks"):
+        return None
+    rows, C = x.shape
+    return torch.empty(ext.norm_bwd_blocks(rows, C), C, device=x.device, dtype=torch.float32)
+
+
+def _norm_bwd(ext, ok, dy, x, rstd, w, dw_acc, dx_acc, cdt, wg=None):
     """(dx (+ dx_acc) float32, dx in the compute dtype ``cdt`` or None for float32) of RMSNorm, with
     sum_rows dy * xhat added into dw_acc: the kernel (which writes the low-precision copy in the same pass,
-    the next GEMM's input), or torch ops."""
+    the next GEMM's input; where ``wg`` takes them, its per-block dw partials go there as a column-sum job
+    instead of its own last-block sum), or torch ops."""
     low = cdt != torch.float32
     if ok:
         dx_c = torch.empty(x.shape, device=x.device, dtype=cdt) if low else None
-        return ext.rmsnorm_bwd(dy, x, rstd, w, dw_acc, dx_acc, dx_c), dx_c
+        part = _norm_dw_partials(ext, wg is not None and wg.on, x)
+        if part is None:
+            return ext.rmsnorm_bwd(dy, x, rstd, w, dw_acc, dx_acc, dx_c), dx_c
+        dx = ext.rmsnorm_bwd(dy, x, rstd, w, None, dx_acc, dx_c, dw_partials=part)
+        wg.add(dw_acc, part, None)
+        return dx, dx_c
     dyf = dy.float()
     xh = x * rstd
     g = dyf * w
@@ -553,9 +572,16 @@ class _Backbone(torch.autograd.Function):
         if gk is not None and nff_ok and nb_ok and hasattr(ext, "rmsnorm_fwd_bwd"):
             # the final norm's backward now (dL/dfeatures announced): one kernel instead of two; dw kept aside
             # and added to the arena by the backward, which uses all this only if it gets the same gradient
-            dw_f = torch.empty(c.d_model, device=x.device, dtype=torch.float32)
+            # (as [blocks, d_model] partials where the backward's grouped launch will sum them, else summed)
             dh_c0 = torch.empty(BT, c.d_model, device=x.device, dtype=cdt) if cdt != torch.float32 else None
-            feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1), dw_f, dh_c0)
+            part = _norm_dw_partials(ext, _use_wgrad(ext, net, BT, cdt), h)
+            if part is None:
+                dw_f = torch.empty(c.d_model, device=x.device, dtype=torch.float32)
+                feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1), dw_f, dh_c0)
+            else:
+                dw_f = part
+                feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1), None, dh_c0,
+                                                        dw_partials=part)
             ctx.pre = (gk, gk._version, dh0, dh_c0, dw_f)
         else:
             feat, rstd_f = _norm_fwd(ext, nff_ok, h, w("norm_f.weight", M), eps, torch.float32)
@@ -595,12 +621,12 @@ class _Backbone(torch.autograd.Function):
         pre, ctx.pre = ctx.pre, None
         if pre is not None and _same_grad(dfeat, pre):  # the forward's fused norm kernel did this already
             dh, dh_c = pre[2], pre[3]
-            wg.add(w("norm_f.weight", G), pre[4].view(1, -1), None)
+            wg.add(w("norm_f.weight", G), pre[4].view(-1, c.d_model), None)  # dw [C], or its partials [blocks, C]
         else:
             if dfeat is None:  # only the final states were differentiated
                 dfeat = torch.zeros(B, T, c.d_model, device=ctx.h_last.device, dtype=torch.float32)
             dh, dh_c = _norm_bwd(ext, nb_ok, dfeat.reshape(BT, -1).contiguous(), ctx.h_last, ctx.rstd_f,
-                                 w("norm_f.weight", M), w("norm_f.weight", G), None, cdt)
+                                 w("norm_f.weight", M), w("norm_f.weight", G), None, cdt, wg)
         for i in reversed(range(c.n_layers)):
             p = f"layers.{i}."
             h_in, u, rstd, xz, xc, dbc, dt, y, ckpt = ctx.saved[i]
@@ -648,7 +674,7 @@ class _Backbone(torch.autograd.Function):
             wg.add(w(p + "mixer.in_proj.weight", G), dxz, u)
             du = torch.mm(dxz, w(p + "mixer.in_proj.weight"))
             dh, dh_c = _norm_bwd(ext, nb_ok, du, h_in, rstd, w(p + "norm.weight", M), w(p + "norm.weight", G), dh,
-                                 cdt)
+                                 cdt, wg)
             # on a side stream, each layer's grouped launch runs beside the next layers' chain; in the chain, it
             # waits for the end unless its operands grow large (long B*T: peak memory)
             wg.flush(if_above=0 if side is not None else WGRAD_HOLD_BYTES)

@@ -223,6 +223,42 @@ def test_rms_norm_bwd_last_block_sum_is_the_same_over_many_launches(ext, rows, C
     assert torch.equal(added[0], acc0 + zero[0])
 
 
+@pytest.mark.parametrize("rows,C", [(1, 128), (1000, 128), (1024, 128), (20011, 128), (33, 256), (9001, 512),
+                                    (5, 40)])
+def test_rms_norm_bwd_dw_partials_sum_to_dw(ext, rows, C):
+    """rmsnorm_bwd / rmsnorm_fwd_bwd with dw_partials (the grouped weight-gradient launch sums them, fused.NORM_DW):
+    dx (and the forward's out / rstd) the same bits as with dw_acc / dw_out, and the [norm_bwd_blocks(rows, C), C]
+    partials sum (float64) to the kernel's dw; exactly one of dw_acc / dw_partials, of the right shape, else a
+    ValueError."""
+    g = torch.Generator(device="cuda").manual_seed(rows * 3 + C)
+    x = torch.randn(rows, C, device="cuda", generator=g) * 2
+    w = 1 + 0.2 * torch.randn(C, device="cuda", generator=g)
+    dy = torch.randn(rows, C, device="cuda", generator=g).to(torch.bfloat16)
+    dh_acc = torch.randn(rows, C, device="cuda", generator=g)
+    _, rstd = ext.rmsnorm_fwd(x, w, 1e-5, torch.float32)
+    nb = ext.norm_bwd_blocks(rows, C)
+    dw = torch.zeros(C, device="cuda")
+    dxc, dxc_p = (torch.empty(rows, C, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dx = ext.rmsnorm_bwd(dy, x, rstd, w, dw, dh_acc, dxc)
+    part = torch.full((nb, C), float("nan"), device="cuda")
+    dx_p = ext.rmsnorm_bwd(dy, x, rstd, w, None, dh_acc, dxc_p, dw_partials=part)
+    assert torch.equal(dx_p, dx) and torch.equal(dxc_p, dxc)
+    tol = 1e-6 * (part.double().abs().sum(0) + 1e-30)
+    assert ((part.double().sum(0) - dw.double()).abs() <= tol).all()
+    dwo = torch.empty(C, device="cuda")
+    out, rs, dx2 = ext.rmsnorm_fwd_bwd(x, w, 1e-5, dy, dwo)
+    part.fill_(float("nan"))
+    out_p, rs_p, dx2_p = ext.rmsnorm_fwd_bwd(x, w, 1e-5, dy, None, dw_partials=part)
+    assert torch.equal(out_p, out) and torch.equal(rs_p, rs) and torch.equal(dx2_p, dx2)
+    assert ((part.double().sum(0) - dwo.double()).abs() <= 1e-6 * (part.double().abs().sum(0) + 1e-30)).all()
+    with pytest.raises(ValueError, match="exactly one of dw_acc"):
+        ext.rmsnorm_bwd(dy, x, rstd, w, dw, dh_acc, dw_partials=part)
+    with pytest.raises(ValueError, match="exactly one of dw_acc"):
+        ext.rmsnorm_bwd(dy, x, rstd, w, None, dh_acc)
+    with pytest.raises(ValueError, match="norm_bwd_blocks"):
+        ext.rmsnorm_bwd(dy, x, rstd, w, None, dh_acc, dw_partials=torch.zeros(nb + 1, C, device="cuda"))
+
+
 def test_bwd_out_and_accumulate_args(ext):
     """conv_bwd(dx_out=, dw_acc=, db_acc=) and scan_bwd(dz_out=, acc=) write strided views / add in place."""
     g = torch.Generator(device="cuda").manual_seed(42)

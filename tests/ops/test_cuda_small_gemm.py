@@ -236,14 +236,15 @@ def test_fused_node_kernels_on_vs_off(dtype, tol):
         assert torch.isfinite(a).all() and rel(a, b) <= tol
 
 
+@pytest.mark.parametrize("flag,kernel", [("CONV_DW", "conv"), ("NORM_DW", "norm")])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
-def test_fused_node_conv_weight_gradient_grouped_vs_in_the_conv(dtype):
-    """The conv's weight gradient summed in the grouped launch (fused.CONV_DW "grouped": conv_bwd's partials as
-    column-sum jobs) against the conv backward's own sums ("conv"): the same partials summed in another order, so
-    float32 rounding apart in the gradient arena, and every other output the same bits."""
-    grouped = _fused_node_outputs(dtype, {"WGRAD": "on", "CONV_DW": "grouped"})
-    conv = _fused_node_outputs(dtype, {"WGRAD": "on", "CONV_DW": "conv"})
-    for i, (a, b) in enumerate(zip(grouped, conv)):
+def test_fused_node_weight_gradient_partials_grouped_vs_in_the_kernel(dtype, flag, kernel):
+    """The conv's and the norms' weight gradients summed in the grouped launch (fused.CONV_DW / NORM_DW "grouped":
+    the kernels' partials as column-sum jobs) against each kernel's own sums: the same partials summed in another
+    order, so float32 rounding apart in the gradient arena, and every other output the same bits."""
+    grouped = _fused_node_outputs(dtype, {"WGRAD": "on", flag: "grouped"})
+    own = _fused_node_outputs(dtype, {"WGRAD": "on", flag: kernel})
+    for i, (a, b) in enumerate(zip(grouped, own)):
         assert torch.isfinite(a).all()
         assert rel(a, b) <= 1e-6 if i == 3 else torch.equal(a, b)
 

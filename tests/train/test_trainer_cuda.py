@@ -146,6 +146,33 @@ def test_weight_gradients_on_a_side_stream(dtype, wgrad, B, T):
         assert torch.equal(side[0], chain[0]) and torch.equal(side[1], chain[1]) and side[2] == chain[2]
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_weight_gradient_partials_in_the_grouped_launch_vs_in_the_kernels(dtype):
+    """The trainer's step (the final norm's backward inside the forward, dL/dfeatures known) with the conv's and
+    the norms' weight gradients summed in the grouped launch (fused.CONV_DW / NORM_DW "grouped", the default)
+    against each kernel's own sums: float32 rounding apart over 4 steps, and eager = captured bit for bit."""
+    from mamba_rl.model import fused
+    data = _batches(4, B=16, T=64)
+
+    def run(mode, capture):
+        fused.CONV_DW, fused.NORM_DW = ("grouped", "grouped") if mode == "grouped" else ("conv", "norm")
+        try:
+            net, tr = _trainer(dtype, seed=3, B=16, T=64)
+            if capture:
+                tr.capture_graph()
+            for x, d, s in data:
+                tr.step(x, d, episode_starts=s)
+            torch.cuda.synchronize()
+            return net.arena.clone(), tr.exp_avg.clone()
+        finally:
+            fused.CONV_DW, fused.NORM_DW = "grouped", "grouped"
+
+    grouped, own, grouped_graph = run("grouped", False), run("own", False), run("grouped", True)
+    assert torch.isfinite(grouped[0]).all()
+    assert torch.equal(grouped[0], grouped_graph[0]) and torch.equal(grouped[1], grouped_graph[1])
+    assert rel(grouped[0], own[0]) < 1e-5 and rel(grouped[1], own[1]) < 1e-4
+
+
 def test_eager_vs_graph_split_step_bit_identical():
     data = _batches(10)
     net_e, eager = _trainer()
