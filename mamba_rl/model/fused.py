@@ -575,13 +575,9 @@ class _Backbone(torch.autograd.Function):
             # (as [blocks, d_model] partials where the backward's grouped launch will sum them, else summed)
             dh_c0 = torch.empty(BT, c.d_model, device=x.device, dtype=cdt) if cdt != torch.float32 else None
             part = _norm_dw_partials(ext, _use_wgrad(ext, net, BT, cdt), h)
-            if part is None:
-                dw_f = torch.empty(c.d_model, device=x.device, dtype=torch.float32)
-                feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1), dw_f, dh_c0)
-            else:
-                dw_f = part
-                feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1), None, dh_c0,
-                                                        dw_partials=part)
+            dw_f = torch.empty(c.d_model, device=x.device, dtype=torch.float32) if part is None else part
+            feat, rstd_f, dh0 = ext.rmsnorm_fwd_bwd(h, w("norm_f.weight", M), eps, gk.view(BT, -1),
+                                                    dw_f if part is None else None, dh_c0, dw_partials=part)
             ctx.pre = (gk, gk._version, dh0, dh_c0, dw_f)
         else:
             feat, rstd_f = _norm_fwd(ext, nff_ok, h, w("norm_f.weight", M), eps, torch.float32)
