@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 from dataclasses import dataclass
 from operator import attrgetter, is_
@@ -109,6 +110,20 @@ class StepMetrics:
         return {"step": int(self.step.item()), "grad_norm": float(self.grad_norm.item()),
                 "clip_coef": float(self.clip_coef.item()), "loss_scale": float(self.loss_scale.item()),
                 "overflow_skipped": bool(self.overflow_skipped.item()), "graph_replayed": self.graph_replayed}
+
+
+def _in_own_scope(method):
+    """``method`` of a :class:`MambaTrainer` run in the trainer's own scope (``_own_scope``: grad on, inference
+    mode and autocast off) when the caller's differs; as it is otherwise (no context entered on the usual path)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self._outside_scope():
+            with self._own_scope():
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+
+    return call
 
 
 class MambaTrainer:
@@ -518,6 +533,7 @@ class MambaTrainer:
         return scope
 
     # ---------------------------------------------------------------------------------------- API
+    @_in_own_scope
     def step(self, x, d_temporal, initial_state: RecurrentState | None = None, episode_starts=None) -> StepMetrics:
         """Fused forward over [B, T], backward with ``d_temporal``, global clip and AdamW.
 
@@ -534,9 +550,6 @@ class MambaTrainer:
             ``torch.inference_mode()`` (an RL loop's rollout scope) or ``torch.autocast`` it runs as outside
             them: the backward is its own, not the caller's, and the precision its dtype's.
         """
-        if self._outside_scope():
-            with self._own_scope():
-                return self.step(x, d_temporal, initial_state, episode_starts)
         self._load(x, initial_state, episode_starts, "MambaTrainer.step")
         self._load_grad(d_temporal, None, "MambaTrainer.step")
         if self._cpu_direct():
@@ -548,6 +561,7 @@ class MambaTrainer:
             return self._metrics(False)
         return self._metrics(True)
 
+    @_in_own_scope
     def forward(self, x, initial_state: RecurrentState | None = None, episode_starts=None) -> torch.Tensor:
         """First half of the split step: run the backbone and keep what backward needs.
 
@@ -558,14 +572,12 @@ class MambaTrainer:
             ``torch.no_grad()``, ``torch.inference_mode()`` or ``torch.autocast`` it runs as outside them (as
             :meth:`step`).
         """
-        if self._outside_scope():
-            with self._own_scope():
-                return self.forward(x, initial_state, episode_starts)
         self._load(x, initial_state, episode_starts, "MambaTrainer.forward")
         if self._graphs.replay("forward"):
             return self._graph_feat.detach().clone()
         return self._forward_body().detach()
 
+    @_in_own_scope
     def backward_step(self, d_temporal, accumulate: bool = False, extra_grad_sq=None) -> StepMetrics | None:
         """Second half: backprop ``d_temporal`` through the last :meth:`forward`; then, unless
         ``accumulate``, clip one global norm (backbone + ``extra_grad_sq``) and step AdamW.
@@ -583,9 +595,6 @@ class MambaTrainer:
         """
         if self._feat is None and "forward" not in self._graphs:
             raise RuntimeError("MambaTrainer.backward_step: call forward() first")
-        if self._outside_scope():  # as step()
-            with self._own_scope():
-                return self.backward_step(d_temporal, accumulate, extra_grad_sq)
         self._load_grad(d_temporal, extra_grad_sq, "MambaTrainer.backward_step")
         name = "accumulate" if accumulate else "backward_step"
         if self._graphs.replay(name):
