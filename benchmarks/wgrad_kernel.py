@@ -6,7 +6,8 @@ the same dW as torch GEMMs beside it. Fresh random operands; nothing is timed on
     python benchmarks/wgrad_kernel.py --rows 1024 4096 --dtypes f32 bf16 --slices 0 128 256 --out X.json
 
 --source step: the jobs of a real training step (B = 16, T = K / 16) recorded from the trainer's backward instead
-of the synthetic ones; --cold: every launch after a 256 MB write that evicts L2 (the write's own time, timed alone,
+of the synthetic ones; --each: also each job alone and the launch without it (the plan's slice, per path), which
+shows which jobs set the launch's time (its tail); --cold: every launch after a 256 MB write that evicts L2 (the write's own time, timed alone,
 subtracted), as in a step whose operands were written long before; --no-bias: without the bias column sums.
 """
 from __future__ import annotations
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--source", choices=["synthetic", "step"], default="synthetic")
     ap.add_argument("--cold", action="store_true", help="evict L2 before every launch (its time subtracted)")
     ap.add_argument("--no-bias", action="store_true", help="leave out the column-sum (bias) job")
+    ap.add_argument("--each", action="store_true", help="also time each job alone and the launch without it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from mamba_rl.ops.extension import extension
@@ -124,6 +126,18 @@ def main() -> None:
                                      flush=flush) - base
                     rows.append({"K": K, "dtype": name, "path": path, "slice": sl, "us": round(us, 2), **tag})
                     print(json.dumps(rows[-1]), flush=True)
+            if args.each:
+                for path in paths:
+                    for i, (a, b, c) in enumerate(jobs):
+                        one, rest = [jobs[i]], jobs[:i] + jobs[i + 1:]
+                        alone = _time_graph(lambda: ext.wgrad_grouped(one, tensor_cores=path == "tc"), flush=flush)
+                        without = _time_graph(lambda: ext.wgrad_grouped(rest, tensor_cores=path == "tc"),
+                                              flush=flush) if rest else 0.0
+                        rows.append({"K": K, "dtype": name, "path": path, "job": i, "a": list(a.shape),
+                                     "a_dtype": str(a.dtype), "b": None if b is None else list(b.shape),
+                                     "b_dtype": None if b is None else str(b.dtype),
+                                     "alone_us": round(alone - base, 2), "without_us": round(without - base, 2), **tag})
+                        print(json.dumps(rows[-1]), flush=True)
             if not args.no_torch:
                 def torch_dw():
                     for a, b, c in jobs:
