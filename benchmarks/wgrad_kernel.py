@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--source", choices=["synthetic", "step"], default="synthetic")
     ap.add_argument("--cold", action="store_true", help="evict L2 before every launch (its time subtracted)")
     ap.add_argument("--no-bias", action="store_true", help="leave out the column-sum (bias) job")
+    ap.add_argument("--jobs", type=int, nargs="+", default=None, help="only these jobs (indices of the job list)")
+    ap.add_argument("--once", action="store_true", help="launch each dtype's jobs 3 times eagerly, no timing (for a "
+                    "profiler: ncu -k wgrad_kernel --launch-skip 1 --launch-count 1)")
     ap.add_argument("--each", action="store_true", help="also time each job alone and the launch without it")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -115,16 +118,23 @@ def main() -> None:
             jobs = step_jobs(K, name) if args.source == "step" else default_jobs(K, dt)
             if args.no_bias:
                 jobs = [j for j in jobs if j[1] is not None]
+            if args.jobs is not None:
+                jobs = [jobs[i] for i in args.jobs]
             if args.source == "step" and K == args.rows[0]:
                 for a, b, c in jobs:
                     print("  job", tuple(a.shape), a.dtype, a.stride(0), a.data_ptr() % 16,
                           None if b is None else (tuple(b.shape), b.dtype, b.stride(0), b.data_ptr() % 16), flush=True)
             paths = ["ffma"] if dt == torch.float32 else args.paths
+            if args.once:
+                for _ in range(3):
+                    ext.wgrad_grouped(jobs, 0, paths[0] == "tc")
+                torch.cuda.synchronize()
+                continue
             for path in paths:
                 for sl in args.slices:
                     us = _time_graph(lambda: ext.wgrad_grouped(jobs, slice=sl, tensor_cores=path == "tc"),
                                      flush=flush) - base
-                    rows.append({"K": K, "dtype": name, "path": path, "slice": sl, "us": round(us, 2), **tag})
+                    rows.append({"K": K, "dtype": name, "path": path, "slice": sl, "us": round(us, 2), "jobs": args.jobs, **tag})
                     print(json.dumps(rows[-1]), flush=True)
             if args.each:
                 for path in paths:
