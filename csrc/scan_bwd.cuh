@@ -19,39 +19,6 @@ __device__ __forceinline__ void softplus_and_grad_(float dr, float& dl, float& s
   sig = dr > 20.f ? 1.f : __fdividef(e, 1.f + e);
 }
 
-// Sum NV values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
-// each lane ends with ONE sum; *idx says which of the NV it is. Lanes whose bits 1..G-1 in the "plain add"
-// levels duplicate a sum report dup = true. (The pair build takes pair_transpose_reduce: the same sums, in the
-// same order.)
-template <int G, int NV>
-__device__ __forceinline__ float transpose_reduce(const float (&v)[NV], int lane, int& idx, bool& dup) {
-  float w[NV];
-#pragma unroll
-  for (int k = 0; k < NV; ++k) w[k] = v[k];
-  int cnt = NV;
-  idx = 0;
-  dup = false;
-#pragma unroll
-  for (int o = 16; o >= G; o >>= 1) {
-    const int hb = (lane & o) ? 1 : 0;
-    if (cnt > 1) {
-      const int half = cnt / 2;
-#pragma unroll
-      for (int k = 0; k < half; ++k) {
-        const float send = hb ? w[k] : w[k + half];
-        const float keep = hb ? w[k + half] : w[k];
-        w[k] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-      }
-      idx = idx * 2 + hb;
-      cnt = half;
-    } else {
-      w[0] += __shfl_xor_sync(0xffffffffu, w[0], o);
-      dup = dup || hb;
-    }
-  }
-  return w[0];
-}
-
 // The pair build's transpose-reduce of its 16 values (v[2j] = dB, v[2j + 1] = dC of its slot j) over the 16 lanes
 // of a warp that share lane % 2, without selects in the first three levels: every lane keeps its lower half and
 // sends its upper half, which is right because each lane holds its states in its own order (slot j = state
