@@ -7,8 +7,9 @@ the same dW as torch GEMMs beside it. Fresh random operands; nothing is timed on
 
 --source step: the jobs of a real training step (B = 16, T = K / 16) recorded from the trainer's backward instead
 of the synthetic ones; --each: also each job alone and the launch without it (the plan's slice, per path), which
-shows which jobs set the launch's time (its tail); --cold: every launch after a 256 MB write that evicts L2 (the write's own time, timed alone,
-subtracted), as in a step whose operands were written long before; --no-bias: without the bias column sums.
+shows which jobs set the launch's time (its tail); --jobs: a subset of the jobs (indices); --once: eager launches,
+no timing, for a profiler; --cold: every launch after a 256 MB write that evicts L2 (the write's own time, timed
+alone, subtracted), as in a step whose operands were written long before; --no-bias: without the bias column sums.
 """
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ def main() -> None:
             if args.no_bias:
                 jobs = [j for j in jobs if j[1] is not None]
             if args.jobs is not None:
+                if any(not 0 <= i < len(jobs) for i in args.jobs):
+                    ap.error(f"--jobs: indices in [0, {len(jobs)}) expected, got {args.jobs}")
                 jobs = [jobs[i] for i in args.jobs]
             if args.source == "step" and K == args.rows[0]:
                 for a, b, c in jobs:
@@ -134,7 +137,8 @@ def main() -> None:
                 for sl in args.slices:
                     us = _time_graph(lambda: ext.wgrad_grouped(jobs, slice=sl, tensor_cores=path == "tc"),
                                      flush=flush) - base
-                    rows.append({"K": K, "dtype": name, "path": path, "slice": sl, "us": round(us, 2), "jobs": args.jobs, **tag})
+                    rows.append({"K": K, "dtype": name, "path": path, "slice": sl, "us": round(us, 2),
+                                 "jobs": args.jobs, **tag})
                     print(json.dumps(rows[-1]), flush=True)
             if args.each:
                 for path in paths:
@@ -142,11 +146,12 @@ def main() -> None:
                         one, rest = [jobs[i]], jobs[:i] + jobs[i + 1:]
                         alone = _time_graph(lambda: ext.wgrad_grouped(one, tensor_cores=path == "tc"), flush=flush)
                         without = _time_graph(lambda: ext.wgrad_grouped(rest, tensor_cores=path == "tc"),
-                                              flush=flush) if rest else 0.0
+                                              flush=flush) - base if rest else None
                         rows.append({"K": K, "dtype": name, "path": path, "job": i, "a": list(a.shape),
                                      "a_dtype": str(a.dtype), "b": None if b is None else list(b.shape),
                                      "b_dtype": None if b is None else str(b.dtype),
-                                     "alone_us": round(alone - base, 2), "without_us": round(without - base, 2), **tag})
+                                     "alone_us": round(alone - base, 2),
+                                     "without_us": None if without is None else round(without, 2), **tag})
                         print(json.dumps(rows[-1]), flush=True)
             if not args.no_torch:
                 def torch_dw():

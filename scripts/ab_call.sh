@@ -30,6 +30,7 @@ case "${1:-}" in
       mkdir -p "$TREES/$name"
       git archive "$rev" README.md pyproject.toml mamba_rl csrc agents envs tests scripts benchmarks/bench.py \
         benchmarks/ab_trees.py benchmarks/ab_configs.py benchmarks/scan_kernels.py benchmarks/timeline.py \
+        benchmarks/wgrad_kernel.py benchmarks/step_once.py \
         | tar x -C "$TREES/$name" || exit 1
       echo "$rev -> .whl/trees/$name"
       i=$((i + 1))
