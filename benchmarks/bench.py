@@ -20,8 +20,12 @@ rows add the bare graph replay (``raw_graph_us``), the host time to issue one ca
 20 steps in one graph, its replay divided by 20; the replay's ``us`` includes the host's issue time, as the peers'
 method has it). Every row carries ``d_model``.
 
+``--rounds N`` runs every row N times in turn in the same process (ours and the peers alike) and reports, for each
+row, the median of its N medians (the rounds' own values in ``us_rounds``): one noisy round, often a process's first
+rows, then moves no ratio. The per-kernel profiles and the one-token kernel sweep are taken in the first round only.
+
 Usage (device): python3 benchmarks/bench.py --out $OUT/bench.json [--quick] [--only train|infer] [--rows N]
-    [--variants] [--stream-ab] [--no-step-kernels]
+    [--variants] [--stream-ab] [--no-step-kernels] [--rounds N]
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import argparse
 import datetime
 import json
 import math
+import statistics
 import sys
 import traceback
 from pathlib import Path
@@ -397,6 +402,41 @@ def table(rows):
     return "\n".join(lines)
 
 
+TIMED = ("us", "api_us", "eager_us", "raw_graph_us", "gpu_us", "host_api_us", "host_replay_us")
+
+
+def merge_rounds(rounds: list) -> list:
+    """One row per (kind, model, d_model, B, T) from ``rounds`` (lists of rows): each timed field (``TIMED``) the
+    median of its finite values over the rounds (NaN where none is finite), every other field from the first round
+    that has the row, and (where there is more than one round) the rounds' ``us`` in ``us_rounds`` and the failed
+    rounds' errors in ``errs``."""
+    key = lambda r: (r["kind"], r["model"], r.get("d_model"), r["B"], r["T"])  # noqa: E731
+    order, seen = [], {}
+    for rows in rounds:
+        for r in rows:
+            k = key(r)
+            if k not in seen:
+                seen[k] = []
+                order.append(k)
+            seen[k].append(r)
+    out = []
+    for k in order:
+        rs = seen[k]
+        m = dict(rs[0])
+        for f in TIMED:
+            vals = [r[f] for r in rs if isinstance(r.get(f), (int, float)) and math.isfinite(r[f])]
+            if f in m:
+                m[f] = statistics.median(vals) if vals else float("nan")
+        if len(rounds) > 1:
+            m["us_rounds"] = [r.get("us", float("nan")) for r in rs]
+            errs = [r["err"] for r in rs if "err" in r]
+            m.pop("err", None)
+            if errs:  # a round that failed: kept beside the rounds that did not
+                m["errs"] = errs
+        out.append(m)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -415,15 +455,18 @@ def main(argv=None):
                     help="also time bf16 rows with the grouped weight-gradient kernel's tensor cores off")
     ap.add_argument("--dtypes", nargs="+", default=["f32", "tf32", "bf16"], choices=["f32", "tf32", "bf16"],
                     help="trainer dtypes of the Mamba-1 training rows (tf32: the opt-in TF32 GEMMs; Mamba-3: f32 / bf16)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every row this many times in turn and report the median (default 1)")
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error(f"--rounds: expected an integer >= 1, got {a.rounds}")
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs a GPU")
     out = Path(a.out) if a.out else ROOT / "benchmarks" / "results" / "bench.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     iters = 30 if a.quick else 100
-    rows = []
 
-    def record(fn, fallback):
+    def record(rows, fn, fallback):
         try:
             r = fn()
         except Exception as e:  # record and keep going; the traceback goes to stderr
@@ -447,42 +490,55 @@ def main(argv=None):
         if unknown:
             ap.error(f"--select: {sorted(unknown)} not among the training rows {ROWS}")
         train_rows = [r for r in train_rows if r in wanted]
-    for dm, B, T in train_rows:
-        it = iters if B * T <= 16384 else max(20, iters // 3)
-        for dt in a.dtypes:
-            record(lambda: bench_train(dm, B, T, dt, it, profile_it=dt != "tf32" and (dm, B, T) in PROFILED),
-                   dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
-            for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants and dt != "tf32" else ()):
-                record(lambda: bench_train(dm, B, T, dt, it, variant=v),
-                       dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
-            if a.stream_ab:
-                record(lambda: bench_train(dm, B, T, dt, it, wgrad_stream="off",
-                                           profile_it=dt != "tf32" and (dm, B, T) == (128, 64, 128)),
-                       dict(kind="train", model=f"mamba_rl_{dt}_chain", d_model=dm, B=B, T=T, graph=True))
-            if a.tc_ab and dt == "bf16":
-                record(lambda: bench_train(dm, B, T, dt, it, tensor_cores=False,
-                                           profile_it=(dm, B, T) in PROFILED),
-                       dict(kind="train", model=f"mamba_rl_{dt}_notc", d_model=dm, B=B, T=T, graph=True))
-            if not a.no_mamba3 and dt != "tf32":
-                record(lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
-                       dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))
-        if not a.no_peers:
-            for n in PEERS:
-                record(lambda: bench_peer_train(n, dm, B, T, it),
-                       dict(kind="train", model=n, d_model=dm, B=B, T=T, graph=True))
-    for B in (INFER_B if a.only != "train" else []):
-        record(lambda: bench_infer(B, 200 if not a.quick else 50, not a.no_step_kernels),
-               dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True))
-        if not a.no_mamba3:
-            record(lambda: bench_infer(B, 200 if not a.quick else 50, False, layer="Mamba3"),
-                   dict(kind="infer", model="mamba3", d_model=DM, B=B, T=1, graph=True))
-        if not a.no_peers:
-            for n in PEERS:
-                record(lambda: bench_peer_infer(n, B, 200 if not a.quick else 50),
-                       dict(kind="infer", model=n, d_model=DM, B=B, T=1, graph=True))
+
+    def run_round(first: bool) -> list:
+        """Every selected row once (ours and the peers); profiles and the kernel sweep where ``first``."""
+        rows = []
+        for dm, B, T in train_rows:
+            it = iters if B * T <= 16384 else max(20, iters // 3)
+            for dt in a.dtypes:
+                prof = first and dt != "tf32" and (dm, B, T) in PROFILED
+                record(rows, lambda: bench_train(dm, B, T, dt, it, profile_it=prof),
+                       dict(kind="train", model=f"mamba_rl_{dt}", d_model=dm, B=B, T=T, graph=True))
+                for v in (("_torchgemm", "_xdtonly", "_gemmon") if a.variants and dt != "tf32" else ()):
+                    record(rows, lambda: bench_train(dm, B, T, dt, it, variant=v),
+                           dict(kind="train", model=f"mamba_rl_{dt}{v}", d_model=dm, B=B, T=T, graph=True))
+                if a.stream_ab:
+                    chain_prof = first and dt != "tf32" and (dm, B, T) == (128, 64, 128)
+                    record(rows, lambda: bench_train(dm, B, T, dt, it, wgrad_stream="off", profile_it=chain_prof),
+                           dict(kind="train", model=f"mamba_rl_{dt}_chain", d_model=dm, B=B, T=T, graph=True))
+                if a.tc_ab and dt == "bf16":
+                    record(rows, lambda: bench_train(dm, B, T, dt, it, tensor_cores=False,
+                                                     profile_it=first and (dm, B, T) in PROFILED),
+                           dict(kind="train", model=f"mamba_rl_{dt}_notc", d_model=dm, B=B, T=T, graph=True))
+                if not a.no_mamba3 and dt != "tf32":
+                    record(rows, lambda: bench_train(dm, B, T, dt, it, layer="Mamba3"),
+                           dict(kind="train", model=f"mamba3_{dt}", d_model=dm, B=B, T=T, graph=True))
+            if not a.no_peers:
+                for n in PEERS:
+                    record(rows, lambda: bench_peer_train(n, dm, B, T, it),
+                           dict(kind="train", model=n, d_model=dm, B=B, T=T, graph=True))
+        for B in (INFER_B if a.only != "train" else []):
+            record(rows, lambda: bench_infer(B, 200 if not a.quick else 50, first and not a.no_step_kernels),
+                   dict(kind="infer", model="mamba_rl", d_model=DM, B=B, T=1, graph=True))
+            if not a.no_mamba3:
+                record(rows, lambda: bench_infer(B, 200 if not a.quick else 50, False, layer="Mamba3"),
+                       dict(kind="infer", model="mamba3", d_model=DM, B=B, T=1, graph=True))
+            if not a.no_peers:
+                for n in PEERS:
+                    record(rows, lambda: bench_peer_infer(n, B, 200 if not a.quick else 50),
+                           dict(kind="infer", model=n, d_model=DM, B=B, T=1, graph=True))
+        return rows
+
+    rounds = []
+    for n in range(a.rounds):
+        if a.rounds > 1:
+            print(f"== round {n + 1} of {a.rounds}", flush=True)
+        rounds.append(run_round(n == 0))
+    rows = merge_rounds(rounds)
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                tf32=False, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               rows=rows)
+               rounds=a.rounds, rows=rows)
     json.dump(res, open(out, "w"), indent=1)
     print("\n" + table(rows), flush=True)
 

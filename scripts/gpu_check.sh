@@ -33,7 +33,8 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   if [ -f benchmarks/bench.py ]; then
-    # BENCH_ARGS: e.g. "--no-mamba3 --no-step-kernels --dtypes f32 bf16" (issue 18's table of record)
+    # BENCH_ARGS: e.g. "--no-mamba3 --no-step-kernels --dtypes f32 bf16 --rounds 3" (issue 18's table of record;
+    # ~100 s a round on an H100: BENCH_TIMEOUT=480)
     timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench.py ${BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 \
       | tee "$OUT/bench.log"
   fi

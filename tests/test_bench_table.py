@@ -51,3 +51,31 @@ def test_all_failed_or_absent_rows_give_nan_not_an_error(bench):
     assert "Mamba-3" not in t and "| 128 | 16 x 64 | 400 | nan |" in t
     assert bench.table([]).count("\n") >= 3
     assert math.isnan(bench._best(NAN, NAN)) and bench._best(NAN, 2.0) == bench._best(2.0, NAN) == 2.0
+
+
+def test_merge_rounds_takes_each_rows_median_over_the_rounds(bench):
+    """--rounds: each row's timed fields are the median over the rounds, ours and the peers' alike; other fields
+    (kernels, profiles) come from the first round; a round that failed is left out of the median and kept in errs."""
+    rounds = [[_train("mamba_rl_bf16", 370.0, api_us=380.0, kernels=37, profile=[("k", 1, 2.0)]),
+               _train("gru1", 260.0)],
+              [_train("mamba_rl_bf16", 316.0, api_us=320.0, kernels=37), _failed("gru1")],
+              [_train("mamba_rl_bf16", 345.0, api_us=350.0, kernels=37), _train("gru1", 262.0)]]
+    ours, gru = bench.merge_rounds(rounds)
+    assert ours["us"] == 345.0 and ours["api_us"] == 350.0 and ours["us_rounds"] == [370.0, 316.0, 345.0]
+    assert ours["kernels"] == 37 and ours["profile"] == [("k", 1, 2.0)] and "errs" not in ours
+    assert gru["us"] == 261.0 and math.isnan(gru["us_rounds"][1]) and gru["errs"] == ["RuntimeError('boom')"]
+    assert "err" not in gru
+    line = _line(bench.table([ours, gru]), "| 128 | 16 x 64 |", "| d_model | B x T | mamba_rl f32")
+    assert line[-2] == "0.76x", line  # best / GRU-1L = 261 / 345
+
+
+def test_merge_rounds_of_one_round_is_that_round(bench):
+    rows = [_train("mamba_rl_f32", 406.0, kernels=40), _failed("gru1")]
+    merged = bench.merge_rounds([rows])
+    assert [dict(r, us=None) for r in merged] == [dict(r, us=None) for r in rows]
+    assert merged[0]["us"] == 406.0 and math.isnan(merged[1]["us"]) and merged[1]["err"] == "RuntimeError('boom')"
+
+
+def test_merge_rounds_of_a_row_that_failed_in_every_round_is_nan(bench):
+    merged = bench.merge_rounds([[_failed("lstm1")], [_failed("lstm1")]])
+    assert len(merged) == 1 and math.isnan(merged[0]["us"]) and merged[0]["errs"] == ["RuntimeError('boom')"] * 2
