@@ -30,9 +30,11 @@ __device__ __forceinline__ float group_sum(float v) {
 }
 
 // Sum NV values over the lanes of a warp that share lane % G (the other channels of the warp), transposed:
-// each lane ends with ONE sum; *idx says which of the NV it is. Lanes whose bits 1..G-1 in the "plain add"
-// levels duplicate a sum report dup = true. (The scan backward's pair build takes pair_transpose_reduce: the same
-// sums, in the same order.) G = 1: NV sums over the whole warp, sum idx in lanes 4 idx .. 4 idx + 3 (NV = 8).
+// each lane ends with ONE sum; *idx says which of the NV it is. Once the NV values are down to one, the remaining
+// levels add plainly, and a lane with its bit of such a level set holds a duplicate (dup = true). (The scan
+// backward's pair build takes pair_transpose_reduce: the same sums, in the same order.) G = 1, NV = 8: 8 sums over
+// the whole warp, sum idx in lanes 4 idx .. 4 idx + 3 (dup for all but 4 idx); every sum adds the lanes in the
+// tree of group_sum<32> (lane bit 4, then 3 .. 0), so it has group_sum's bits.
 template <int G, int NV>
 __device__ __forceinline__ float transpose_reduce(const float (&v)[NV], int lane, int& idx, bool& dup) {
   float w[NV];
