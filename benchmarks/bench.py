@@ -423,10 +423,9 @@ def merge_rounds(rounds: list) -> list:
     for k in order:
         rs = seen[k]
         m = dict(rs[0])
-        for f in TIMED:
+        for f in (f for f in TIMED if f in m):
             vals = [r[f] for r in rs if isinstance(r.get(f), (int, float)) and math.isfinite(r[f])]
-            if f in m:
-                m[f] = statistics.median(vals) if vals else float("nan")
+            m[f] = statistics.median(vals) if vals else float("nan")
         if len(rounds) > 1:
             m["us_rounds"] = [r.get("us", float("nan")) for r in rs]
             errs = [r["err"] for r in rs if "err" in r]
