@@ -4,11 +4,14 @@
 # Here (a machine with git): scripts/ab_call.sh prepare REV [REV ...]
 #   writes each revision's source tree to .whl/trees/<i>_<rev> (git archive; gitignored, carried with
 #   run(carry=[".whl"])) and fetches the wheels the device lacks (scripts/fetch_wheels.sh) if .whl has none.
-# On the device: [BUDGET=540] [ROWS="128x16x64 ..."] [F32_ROWS="..."] [SUITE=1] [SCAN_SHAPES="16x64 ..."] \
-#   [TIMELINE="f32:128x16x64 ..."] [AB_CONFIGS="..."] scripts/ab_call.sh run
+# On the device: [BUDGET=540] [RESERVE=150] [ROWS="128x16x64 ..."] [F32_ROWS="..."] [SUITE=1] [SCAN_SHAPES="16x64 ..."] \
+#   [SCAN_BWD_BLOCKS="3,5"] [WGRAD_ROWS="1024 ..."] [TIMELINE="f32:128x16x64 ..."] [AB_CONFIGS="..."] scripts/ab_call.sh run
 #   builds every tree's CUDA kernels in parallel (each into its own TREE/.build), runs the cuda-marked tests on the
-#   last tree (SUITE=0 skips them), then, as BUDGET seconds allow: benchmarks/ab_trees.py over the trees (bf16 on
-#   ROWS, 2 rounds; f32 on F32_ROWS, 1 round), benchmarks/scan_kernels.py on every tree (SCAN_SHAPES, bf16),
+#   last tree (SUITE=0 skips them; it may take all but RESERVE seconds of the budget), then, as BUDGET seconds allow:
+#   benchmarks/ab_trees.py over the trees (bf16 on ROWS, 2 rounds; f32 on F32_ROWS, 1 round),
+#   benchmarks/scan_kernels.py on every tree (SCAN_SHAPES, bf16; the backward's builds SCAN_BWD_BLOCKS side by side
+#   where given), benchmarks/wgrad_kernel.py on every tree (the step's grouped weight-gradient launch alone at each
+#   of WGRAD_ROWS rows, f32 and bf16),
 #   benchmarks/timeline.py on the last tree for each DTYPE:DMxBxT in TIMELINE and,
 #   where AB_CONFIGS holds its arguments (e.g. "--rows 128x64x128 --dtypes bf16 --configs base bwd3 --rounds 2"),
 #   benchmarks/ab_configs.py on the last tree.
@@ -86,9 +89,16 @@ shapes=(); for s in ${SCAN_SHAPES-}; do shapes+=(--shape "$s"); done
 for t in "${T[@]}"; do
   [ -n "${SCAN_SHAPES-}" ] && [ "$(left)" -gt 40 ] || break
   MAMBA_RL_BUILD_DIR=$t/.build timeout $(($(left) - 5)) python3 "$t/benchmarks/scan_kernels.py" --tree "$t" \
-    --label "$(basename "$t")" --dtype bfloat16 "${shapes[@]}" --out "$O/scan_$(basename "$t").json" \
-    > "$O/scan_$(basename "$t").log" 2>&1
+    --label "$(basename "$t")" --dtype bfloat16 "${shapes[@]}" ${SCAN_BWD_BLOCKS:+--bwd-blocks "$SCAN_BWD_BLOCKS"} \
+    --out "$O/scan_$(basename "$t").json" > "$O/scan_$(basename "$t").log" 2>&1
   log "scan $(basename "$t")"
+done
+for t in "${T[@]}"; do  # the grouped weight-gradient launch alone, the step's jobs (a tree without the script: skipped)
+  [ -n "${WGRAD_ROWS-}" ] && [ -f "$t/benchmarks/wgrad_kernel.py" ] && [ "$(left)" -gt 30 ] || continue
+  MAMBA_RL_BUILD_DIR=$t/.build PYTHONPATH=$t:/tmp/site timeout $(( $(left) < 60 ? $(left) - 5 : 40 )) python3 \
+    "$t/benchmarks/wgrad_kernel.py" --source step --rows $WGRAD_ROWS --dtypes f32 bf16 --no-torch \
+    > "$O/wgrad_$(basename "$t").log" 2>&1
+  log "wgrad $(basename "$t")"
 done
 for spec in ${TIMELINE-}; do  # DTYPE:DMxBxT, one replay's kernels on the last tree (benchmarks/timeline.py)
   [ "$(left)" -gt 30 ] || break
