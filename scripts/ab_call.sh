@@ -5,7 +5,7 @@
 #   writes each revision's source tree to .whl/trees/<i>_<rev> (git archive; gitignored, carried with
 #   run(carry=[".whl"])) and fetches the wheels the device lacks (scripts/fetch_wheels.sh) if .whl has none.
 # On the device: [BUDGET=540] [RESERVE=150] [ROWS="128x16x64 ..."] [F32_ROWS="..."] [SUITE=1] [SCAN_SHAPES="16x64 ..."] \
-#   [SCAN_BWD_BLOCKS="3,5"] [WGRAD_ROWS="1024 ..."] [TIMELINE="f32:128x16x64 ..."] [AB_CONFIGS="..."] scripts/ab_call.sh run
+#   [SCAN_BWD_BLOCKS="0,3"] [WGRAD_ROWS="1024 ..."] [TIMELINE="f32:128x16x64 ..."] [AB_CONFIGS="..."] scripts/ab_call.sh run
 #   builds every tree's CUDA kernels in parallel (each into its own TREE/.build), runs the cuda-marked tests on the
 #   last tree (SUITE=0 skips them; it may take all but RESERVE seconds of the budget), then, as BUDGET seconds allow:
 #   benchmarks/ab_trees.py over the trees (bf16 on ROWS, 2 rounds; f32 on F32_ROWS, 1 round),
