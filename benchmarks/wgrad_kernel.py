@@ -144,13 +144,14 @@ def main() -> None:
                 for path in paths:
                     for i, (a, b, c) in enumerate(jobs):
                         one, rest = [jobs[i]], jobs[:i] + jobs[i + 1:]
-                        alone = _time_graph(lambda: ext.wgrad_grouped(one, tensor_cores=path == "tc"), flush=flush)
+                        alone = _time_graph(lambda: ext.wgrad_grouped(one, tensor_cores=path == "tc"),
+                                            flush=flush) - base
                         without = _time_graph(lambda: ext.wgrad_grouped(rest, tensor_cores=path == "tc"),
                                               flush=flush) - base if rest else None
                         rows.append({"K": K, "dtype": name, "path": path, "job": i, "a": list(a.shape),
                                      "a_dtype": str(a.dtype), "b": None if b is None else list(b.shape),
                                      "b_dtype": None if b is None else str(b.dtype),
-                                     "alone_us": round(alone - base, 2),
+                                     "alone_us": round(alone, 2),
                                      "without_us": None if without is None else round(without, 2), **tag})
                         print(json.dumps(rows[-1]), flush=True)
             if not args.no_torch:
